@@ -1,0 +1,177 @@
+//! Compiles every kernel family under `csrc/sm90/<family>/<family>.cu` to an sm_90a cubin and embeds it.
+//!
+//! nvcc is looked up in `NVCC`, `$CUDA_HOME/bin/nvcc`, the repository's `.toolchain/` (see
+//! `scripts/toolchain.sh`), then `PATH`. Without nvcc the crate still builds, with no cubins; the library then
+//! reports `Error::KernelsNotBuilt` at run time. `FLASHMLA_REQUIRE_KERNELS=1` turns a missing nvcc or a failed
+//! compile into a build error (CI sets it).
+
+use std::env;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const GENCODE: &str = "-gencode=arch=compute_90a,code=sm_90a";
+
+fn find_nvcc(manifest: &Path) -> Option<PathBuf> {
+    if let Ok(p) = env::var("NVCC") {
+        return Some(PathBuf::from(p));
+    }
+    if let Ok(home) = env::var("CUDA_HOME") {
+        let p = Path::new(&home).join("bin/nvcc");
+        if p.exists() {
+            return Some(p);
+        }
+    }
+    let local = manifest.join("../../.toolchain/cuda/nvidia/cu13/bin/nvcc");
+    if local.exists() {
+        return Some(local);
+    }
+    env::var_os("PATH").and_then(|paths| {
+        env::split_paths(&paths)
+            .map(|d| d.join("nvcc"))
+            .find(|p| p.exists())
+    })
+}
+
+fn collect_sources(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    let mut entries: Vec<_> = entries.flatten().map(|e| e.path()).collect();
+    entries.sort();
+    for p in entries {
+        if p.is_dir() {
+            collect_sources(&p, out);
+        } else if matches!(
+            p.extension().and_then(|e| e.to_str()),
+            Some("cu" | "cuh" | "h")
+        ) {
+            out.push(p);
+        }
+    }
+}
+
+fn main() {
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
+    let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
+    let csrc = manifest.join("csrc");
+    let require = env::var("FLASHMLA_REQUIRE_KERNELS").is_ok_and(|v| v == "1");
+    for var in ["NVCC", "CUDA_HOME", "FLASHMLA_REQUIRE_KERNELS", "FLASHMLA_NVCC_FLAGS"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    println!("cargo:rerun-if-changed={}", csrc.display());
+    let mut sources = Vec::new();
+    collect_sources(&csrc, &mut sources);
+    for s in &sources {
+        println!("cargo:rerun-if-changed={}", s.display());
+    }
+
+    // Entry translation units: csrc/sm90/<family>/<family>.cu
+    let mut families: Vec<(String, PathBuf)> = Vec::new();
+    if let Ok(dirs) = fs::read_dir(csrc.join("sm90")) {
+        for d in dirs.flatten() {
+            let name = d.file_name().to_string_lossy().into_owned();
+            let tu = d.path().join(format!("{name}.cu"));
+            if tu.exists() {
+                families.push((name, tu));
+            }
+        }
+    }
+    families.sort();
+
+    let nvcc = find_nvcc(&manifest);
+    let mut entries = Vec::new();
+    let mut nvcc_version = String::new();
+    match &nvcc {
+        None => {
+            let msg = "nvcc not found (set NVCC or CUDA_HOME, or run scripts/toolchain.sh): \
+                       building without GPU kernels";
+            if require {
+                panic!("{msg}");
+            }
+            println!("cargo:warning={msg}");
+        }
+        Some(nvcc) => {
+            nvcc_version = Command::new(nvcc)
+                .arg("--version")
+                .output()
+                .ok()
+                .and_then(|o| String::from_utf8(o.stdout).ok())
+                .and_then(|s| s.lines().last().map(str::to_owned))
+                .unwrap_or_default();
+            let extra: Vec<String> = env::var("FLASHMLA_NVCC_FLAGS")
+                .map(|s| s.split_whitespace().map(str::to_owned).collect())
+                .unwrap_or_default();
+            // At most two nvcc processes at once: a heavy TU takes ~2 GB.
+            let results: Vec<(String, PathBuf, Result<(), String>)> = families
+                .chunks(2)
+                .flat_map(|pair| {
+                    let handles: Vec<_> = pair
+                        .iter()
+                        .map(|(name, tu)| {
+                            let cubin = out_dir.join(format!("{name}.cubin"));
+                            let child = Command::new(nvcc)
+                                .args(["-cubin", GENCODE, "-O3", "-std=c++17", "--use_fast_math"])
+                                .args(["-Xptxas=-warn-spills", "-lineinfo"])
+                                .arg(format!("-I{}", csrc.display()))
+                                .args(&extra)
+                                .arg("-o")
+                                .arg(&cubin)
+                                .arg(tu)
+                                .output();
+                            (name.clone(), cubin, child)
+                        })
+                        .collect();
+                    handles
+                        .into_iter()
+                        .map(|(name, cubin, out)| {
+                            let r = match out {
+                                Ok(o) if o.status.success() => {
+                                    for line in String::from_utf8_lossy(&o.stderr).lines() {
+                                        println!("cargo:warning={name}: {line}");
+                                    }
+                                    Ok(())
+                                }
+                                Ok(o) => Err(String::from_utf8_lossy(&o.stderr).into_owned()),
+                                Err(e) => Err(e.to_string()),
+                            };
+                            (name, cubin, r)
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            for (name, cubin, r) in results {
+                match r {
+                    Ok(()) => entries.push((name, cubin)),
+                    Err(e) => {
+                        if require {
+                            panic!("nvcc failed on kernel family `{name}`:\n{e}");
+                        }
+                        for line in e.lines().take(20) {
+                            println!("cargo:warning={name}: {line}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    let mut gen = String::new();
+    gen.push_str("/// Embedded cubins: (kernel family, sm_90a cubin bytes).\n");
+    gen.push_str("pub static CUBINS: &[(&str, &[u8])] = &[\n");
+    for (name, cubin) in &entries {
+        gen.push_str(&format!(
+            "    ({name:?}, include_bytes!({:?})),\n",
+            cubin.display().to_string()
+        ));
+    }
+    gen.push_str("];\n");
+    gen.push_str(&format!(
+        "/// The nvcc that built the cubins (empty when none was found).\npub const NVCC_VERSION: &str = {nvcc_version:?};\n"
+    ));
+    let all: Vec<&str> = families.iter().map(|(n, _)| n.as_str()).collect();
+    gen.push_str(&format!(
+        "/// Every kernel family in the sources, built or not.\npub const FAMILIES: &[&str] = &{all:?};\n"
+    ));
+    fs::write(out_dir.join("cubins.rs"), gen).unwrap();
+}

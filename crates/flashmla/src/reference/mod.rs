@@ -1,0 +1,1 @@
+//! CPU reference implementations: the truth every kernel is tested against.
