@@ -1,1 +1,7 @@
-//! Public operations.
+//! Public operations. Each family validates its arguments once (shared by both backends), then runs on the
+//! CPU reference (host tensors) or a CUDA kernel (device views).
+
+pub mod decode;
+pub mod kv_quant;
+pub mod sparse_bwd;
+pub mod sparse_fwd;

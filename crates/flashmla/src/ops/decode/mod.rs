@@ -1,0 +1,1 @@
+//! decode (work in progress).

@@ -1,0 +1,1 @@
+//! kv_quant (work in progress).

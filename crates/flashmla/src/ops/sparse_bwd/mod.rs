@@ -1,0 +1,1 @@
+//! sparse_bwd (work in progress).

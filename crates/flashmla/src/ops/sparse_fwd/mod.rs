@@ -1,0 +1,1 @@
+//! sparse_fwd (work in progress).

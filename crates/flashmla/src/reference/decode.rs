@@ -1,0 +1,1 @@
+//! decode reference (work in progress).

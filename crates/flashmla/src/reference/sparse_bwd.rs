@@ -1,0 +1,1 @@
+//! sparse_bwd reference (work in progress).

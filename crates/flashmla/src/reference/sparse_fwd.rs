@@ -1,0 +1,1 @@
+//! sparse_fwd reference (work in progress).
