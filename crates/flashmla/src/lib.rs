@@ -14,6 +14,7 @@ pub mod fp8;
 pub mod ops;
 pub mod reference;
 pub mod tensor;
+pub mod testing;
 pub mod validate;
 
 pub use error::{Error, Result};

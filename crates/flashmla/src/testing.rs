@@ -1,0 +1,335 @@
+//! Input generators shared by the tests, the CLI's `check`, `bench` and `demo`: the peer's adversarial data
+//! (SPEC section 6) in one place, seeded so every failure can be replayed.
+
+use crate::error::Result;
+use crate::tensor::HostTensor;
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, StandardNormal};
+
+/// Invalid index values the kernels must survive (SPEC section 6): never dereferenced, whatever they are.
+pub const INVALID_INDEX_VALUES: [i64; 8] = [
+    i32::MIN as i64,
+    -123456,
+    -1,
+    -2, // placeholder for `s_kv`, substituted by [`invalid_index`]
+    114514,
+    1919810,
+    2147480000,
+    i32::MAX as i64,
+];
+
+/// The `k`-th adversarial invalid index for a KV tensor of `s_kv` rows (`k` wraps around).
+pub fn invalid_index(k: usize, s_kv: usize) -> i32 {
+    let v = INVALID_INDEX_VALUES[k % INVALID_INDEX_VALUES.len()];
+    let v = if v == -2 { s_kv as i64 } else { v };
+    // Values that happen to be valid for a huge s_kv are moved out of range.
+    if v >= 0 && (v as u64) < s_kv as u64 {
+        i32::MAX
+    } else {
+        v.clamp(i32::MIN as i64, i32::MAX as i64) as i32
+    }
+}
+
+/// A seeded generator.
+pub fn rng(seed: u64) -> StdRng {
+    StdRng::seed_from_u64(seed)
+}
+
+/// `n` values `randn * std + offset`, rounded to bf16 (returned as f32 holding bf16 values).
+pub fn randn_bf16(rng: &mut StdRng, n: usize, std: f32, offset: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let z: f32 = StandardNormal.sample(rng);
+            bf16::from_f32(z * std + offset).to_f32()
+        })
+        .collect()
+}
+
+/// The peer's input distribution: `randn / 10` plus a random per-tensor offset in [-0.05, 0.05].
+pub fn peer_bf16(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    let offset = rng.random_range(-0.05f32..0.05);
+    randn_bf16(rng, n, 0.1, offset)
+}
+
+/// How the selected KV rows of each query token are drawn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IndexPattern {
+    /// Distinct random rows of `[0, s_kv)` (with repeats only when `topk > s_kv`).
+    Random,
+    /// 31 of 32 indices in the last 20000 rows (closer to real attention, kinder to L2).
+    Local,
+}
+
+/// Index rows `[s_q, topk]` following `pattern`; a fraction `invalid_frac` of entries is replaced by
+/// adversarial invalid values, and every `empty_every`-th token (if non-zero) gets only invalid entries.
+pub fn sparse_indices(
+    rng: &mut StdRng,
+    s_q: usize,
+    s_kv: usize,
+    topk: usize,
+    pattern: IndexPattern,
+    invalid_frac: f64,
+    empty_every: usize,
+) -> Vec<i32> {
+    let mut idx = vec![0i32; s_q * topk];
+    let local_lo = s_kv.saturating_sub(20000);
+    for t in 0..s_q {
+        let row = &mut idx[t * topk..(t + 1) * topk];
+        match pattern {
+            IndexPattern::Random => fill_distinct(rng, row, 0, s_kv),
+            IndexPattern::Local => {
+                fill_distinct(rng, row, local_lo, s_kv);
+                for (j, v) in row.iter_mut().enumerate() {
+                    if j % 32 == 31 && s_kv > 0 {
+                        *v = rng.random_range(0..s_kv) as i32;
+                    }
+                }
+            }
+        }
+        let empty = empty_every > 0 && t % empty_every == empty_every - 1;
+        for (j, v) in row.iter_mut().enumerate() {
+            if empty || s_kv == 0 || (invalid_frac > 0.0 && rng.random_bool(invalid_frac.min(1.0))) {
+                *v = invalid_index(t + j, s_kv);
+            }
+        }
+    }
+    idx
+}
+
+/// Fills `row` with distinct values of `[lo, hi)` when the range is large enough, random ones otherwise.
+fn fill_distinct(rng: &mut StdRng, row: &mut [i32], lo: usize, hi: usize) {
+    let n = hi.saturating_sub(lo);
+    if n == 0 {
+        return;
+    }
+    if row.len() * 2 <= n {
+        // Rejection sampling against a small open-addressing set: O(topk) per row.
+        let cap = (row.len() * 4).next_power_of_two();
+        let mut seen = vec![u32::MAX; cap];
+        let mut k = 0;
+        while k < row.len() {
+            let v = rng.random_range(lo..hi) as u32;
+            let mut h = (v.wrapping_mul(0x9E37_79B9) as usize) & (cap - 1);
+            loop {
+                if seen[h] == u32::MAX {
+                    seen[h] = v;
+                    row[k] = v as i32;
+                    k += 1;
+                    break;
+                }
+                if seen[h] == v {
+                    break;
+                }
+                h = (h + 1) & (cap - 1);
+            }
+        }
+    } else if row.len() <= n {
+        // Dense case: partial Fisher-Yates over the range.
+        let mut all: Vec<i32> = (lo..hi).map(|v| v as i32).collect();
+        for k in 0..row.len() {
+            let j = rng.random_range(k..n);
+            all.swap(k, j);
+            row[k] = all[k];
+        }
+    } else {
+        for v in row.iter_mut() {
+            *v = rng.random_range(lo..hi) as i32;
+        }
+    }
+}
+
+/// The attention-sink variants of the test grid.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SinkKind {
+    /// No sink tensor.
+    None,
+    /// Random finite sinks.
+    Random,
+    /// Mixed finite, `+inf` and `-inf` entries.
+    Infinite,
+}
+
+/// One sparse-prefill problem of the test grid (SPEC section 6).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SparseCase {
+    /// Query tokens.
+    pub s_q: usize,
+    /// KV rows.
+    pub s_kv: usize,
+    /// Query heads.
+    pub h_q: usize,
+    /// Query/key width (512 or 576).
+    pub d_qk: usize,
+    /// Selected rows per token.
+    pub topk: usize,
+    /// Sink variant.
+    pub sink: SinkKind,
+    /// Whether a `topk_length` tensor is passed (with some zeros).
+    pub topk_length: bool,
+    /// Fraction of invalid entries.
+    pub invalid_frac: f64,
+    /// Every `empty_every`-th token has no valid entry (0: none).
+    pub empty_every: usize,
+    /// Fill KV rows that no index references with NaN.
+    pub nan_unreferenced: bool,
+    /// Index pattern.
+    pub pattern: IndexPattern,
+}
+
+impl SparseCase {
+    /// A plain case: no sink, no `topk_length`, no invalid entries, random indices.
+    pub fn plain(s_q: usize, s_kv: usize, h_q: usize, d_qk: usize, topk: usize) -> Self {
+        SparseCase {
+            s_q,
+            s_kv,
+            h_q,
+            d_qk,
+            topk,
+            sink: SinkKind::None,
+            topk_length: false,
+            invalid_frac: 0.0,
+            empty_every: 0,
+            nan_unreferenced: false,
+            pattern: IndexPattern::Random,
+        }
+    }
+}
+
+/// Host inputs of a sparse-prefill problem, in SPEC shapes and dtypes.
+#[derive(Debug, Clone)]
+pub struct SparseInputs {
+    /// `[s_q, h_q, d_qk]` bf16.
+    pub q: HostTensor,
+    /// `[s_kv, 1, d_qk]` bf16.
+    pub kv: HostTensor,
+    /// `[s_q, 1, topk]` i32.
+    pub indices: HostTensor,
+    /// `[h_q]` f32.
+    pub attn_sink: Option<HostTensor>,
+    /// `[s_q]` i32.
+    pub topk_length: Option<HostTensor>,
+    /// Softmax scale (`d_qk^-0.5`).
+    pub sm_scale: f32,
+}
+
+impl SparseCase {
+    /// Generates the inputs of this case from `seed`.
+    pub fn generate(&self, seed: u64) -> Result<SparseInputs> {
+        let mut r = rng(seed);
+        let q = peer_bf16(&mut r, self.s_q * self.h_q * self.d_qk);
+        let mut kv = peer_bf16(&mut r, self.s_kv * self.d_qk);
+        let idx = sparse_indices(
+            &mut r,
+            self.s_q,
+            self.s_kv,
+            self.topk,
+            self.pattern,
+            self.invalid_frac,
+            self.empty_every,
+        );
+        let topk_length = self.topk_length.then(|| {
+            (0..self.s_q)
+                .map(|t| match t % 5 {
+                    0 => 0,
+                    1 => self.topk as i32,
+                    _ => r.random_range(0..=self.topk) as i32,
+                })
+                .collect::<Vec<i32>>()
+        });
+        if self.nan_unreferenced {
+            let mut used = vec![false; self.s_kv];
+            for t in 0..self.s_q {
+                let len = topk_length.as_ref().map_or(self.topk, |l| l[t].max(0) as usize);
+                for &i in &idx[t * self.topk..t * self.topk + len.min(self.topk)] {
+                    if i >= 0 && (i as usize) < self.s_kv {
+                        used[i as usize] = true;
+                    }
+                }
+            }
+            for (row, &u) in used.iter().enumerate() {
+                if !u {
+                    kv[row * self.d_qk..(row + 1) * self.d_qk].fill(f32::NAN);
+                }
+            }
+        }
+        let attn_sink = match self.sink {
+            SinkKind::None => None,
+            SinkKind::Random => Some((0..self.h_q).map(|_| r.random_range(-2.0f32..6.0)).collect()),
+            SinkKind::Infinite => Some(
+                (0..self.h_q)
+                    .map(|h| match h % 3 {
+                        0 => f32::INFINITY,
+                        1 => f32::NEG_INFINITY,
+                        _ => r.random_range(-2.0f32..6.0),
+                    })
+                    .collect::<Vec<f32>>(),
+            ),
+        };
+        Ok(SparseInputs {
+            q: HostTensor::bf16_from_f32(&q, &[self.s_q, self.h_q, self.d_qk])?,
+            kv: HostTensor::bf16_from_f32(&kv, &[self.s_kv, 1, self.d_qk])?,
+            indices: HostTensor::from_i32(idx, &[self.s_q, 1, self.topk])?,
+            attn_sink: attn_sink.map(|s| HostTensor::from_f32(s, &[self.h_q])).transpose()?,
+            topk_length: topk_length
+                .map(|l| HostTensor::from_i32(l, &[self.s_q]))
+                .transpose()?,
+            sm_scale: (self.d_qk as f32).powf(-0.5),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn invalid_indices_are_invalid_for_any_s_kv() {
+        for s_kv in [0usize, 1, 95, 114515, 1919811, 2147480001, i32::MAX as usize] {
+            for k in 0..8 {
+                let v = invalid_index(k, s_kv);
+                assert!(v < 0 || v as usize >= s_kv, "k={k} s_kv={s_kv} v={v}");
+            }
+        }
+    }
+
+    #[test]
+    fn random_indices_are_distinct_and_in_range() {
+        let mut r = rng(7);
+        for &(s_kv, topk) in &[(8192usize, 2048usize), (300, 100), (128, 128), (95, 128)] {
+            let idx = sparse_indices(&mut r, 3, s_kv, topk, IndexPattern::Random, 0.0, 0);
+            for row in idx.chunks(topk) {
+                assert!(row.iter().all(|&v| v >= 0 && (v as usize) < s_kv));
+                if topk <= s_kv {
+                    let mut s = row.to_vec();
+                    s.sort();
+                    s.dedup();
+                    assert_eq!(s.len(), topk, "s_kv={s_kv} topk={topk}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn local_pattern_concentrates_on_the_tail() {
+        let mut r = rng(3);
+        let idx = sparse_indices(&mut r, 4, 100_000, 2048, IndexPattern::Local, 0.0, 0);
+        let tail = idx.iter().filter(|&&v| v >= 80_000).count();
+        assert!(tail as f64 >= 0.96 * idx.len() as f64 - 1.0);
+    }
+
+    #[test]
+    fn empty_rows_and_invalid_fraction() {
+        let mut r = rng(11);
+        let idx = sparse_indices(&mut r, 8, 500, 64, IndexPattern::Random, 0.25, 4);
+        for (t, row) in idx.chunks(64).enumerate() {
+            let invalid = row.iter().filter(|&&v| v < 0 || v >= 500).count();
+            if t % 4 == 3 {
+                assert_eq!(invalid, 64);
+            } else {
+                assert!(invalid < 64);
+            }
+        }
+    }
+}
