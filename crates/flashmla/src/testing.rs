@@ -324,7 +324,7 @@ mod tests {
         let mut r = rng(11);
         let idx = sparse_indices(&mut r, 8, 500, 64, IndexPattern::Random, 0.25, 4);
         for (t, row) in idx.chunks(64).enumerate() {
-            let invalid = row.iter().filter(|&&v| v < 0 || v >= 500).count();
+            let invalid = row.iter().filter(|&&v| !(0..500).contains(&v)).count();
             if t % 4 == 3 {
                 assert_eq!(invalid, 64);
             } else {

@@ -1,1 +1,213 @@
-//! decode (work in progress).
+//! MLA decode over a paged KV cache (SPEC section 4).
+//!
+//! * **Dense**: `q [b, s_q, h_q, d_qk]` bf16/f16, `k_cache [num_blocks, page_size, h_kv, d_qk]` of the same
+//!   dtype, `block_table [b, max_blocks]` and `cache_seqlens [b]` i32, optional bottom-right causal mask and
+//!   `attn_sink [h_q]` f32. Request `b` attends to its first `cache_seqlens[b]` tokens, token `p` in block
+//!   `block_table[b][p / page_size]`.
+//! * **Sparse**: `q` bf16, an FP8 cache (`[num_blocks, page_size, 1, bytes_per_token]`, V3.2 or MODEL1 format
+//!   picked by `d_qk`), `indices [b, s_q, topk]` i32 selecting tokens `block * page_size + offset` (any value
+//!   outside `0..num_blocks * page_size` is ignored), optional `topk_length [b]`, and an optional extra cache
+//!   with its own indices attended in the same softmax.
+//!
+//! Outputs: `out [b, s_q, h_q, 512]` in q's dtype and `lse [b, h_q, s_q]` f32 (natural log; `+inf` and
+//! `out = 0` for a row without keys). `softmax_scale` defaults to `d_qk^-0.5`.
+//!
+//! The CPU path runs [`crate::reference::decode`] in f32 (without a split: the split-KV schedule and combine
+//! of [`crate::reference::decode::decode_schedule`] are what the GPU path will follow, and they equal the
+//! unsplit result up to rounding).
+
+pub mod validate;
+
+pub use validate::{
+    check_dense_values, validate_dense, validate_sparse, DenseDecodeDims, SparseDecodeDims,
+};
+
+use crate::error::{Error, Result};
+use crate::reference::decode::{
+    self as reference, DecodeResult, DenseDecodeInputs, SparseDecodeInputs, SparseKv,
+};
+use crate::tensor::{DType, HostData, HostTensor};
+use half::{bf16, f16};
+
+/// Value width of every decode: V is the first 512 columns of a key row.
+pub const D_V: usize = 512;
+
+/// Arguments of a dense decode (see the module documentation for shapes).
+#[derive(Debug)]
+pub struct DenseDecodeArgs<'a, T> {
+    /// `[b, s_q, h_q, d_qk]` bf16 or f16, last dimension contiguous.
+    pub q: &'a T,
+    /// `[num_blocks, page_size, h_kv, d_qk]`, q's dtype, last dimension contiguous.
+    pub k_cache: &'a T,
+    /// `[b, max_blocks]` i32 block ids.
+    pub block_table: &'a T,
+    /// `[b]` i32 tokens per request, `0..=max_blocks * page_size`.
+    pub cache_seqlens: &'a T,
+    /// Logit scale; `None` means `d_qk^-0.5`.
+    pub softmax_scale: Option<f32>,
+    /// Bottom-right causal mask: query `i` sees keys `< s_k - s_q + i + 1` (no effect when `s_q == 1`).
+    pub causal: bool,
+    /// `[h_q]` f32 sink logits, optional.
+    pub attn_sink: Option<&'a T>,
+}
+
+/// The extra cache of a sparse decode, attended in the same softmax as the main one.
+#[derive(Debug)]
+pub struct ExtraKvArgs<'a, T> {
+    /// `[num_blocks, page_size, 1, bytes_per_token]`, same format as the main cache.
+    pub k_cache: &'a T,
+    /// `[b, s_q, extra_topk]` i32.
+    pub indices: &'a T,
+    /// `[b]` i32, optional.
+    pub topk_length: Option<&'a T>,
+}
+
+/// Arguments of a sparse FP8 decode (see the module documentation for shapes).
+#[derive(Debug)]
+pub struct SparseDecodeArgs<'a, T> {
+    /// `[b, s_q, h_q, d_qk]` bf16; `d_qk` 576 selects the V3.2 format, 512 MODEL1.
+    pub q: &'a T,
+    /// `[num_blocks, page_size, 1, bytes_per_token]` u8 (or f8e4m3); only the block stride may be padded.
+    pub k_cache: &'a T,
+    /// `[b, s_q, topk]` i32 token indices.
+    pub indices: &'a T,
+    /// `[b]` i32: entries at positions `>= topk_length[b]` are ignored. Optional.
+    pub topk_length: Option<&'a T>,
+    /// Logit scale; `None` means `d_qk^-0.5`.
+    pub softmax_scale: Option<f32>,
+    /// `[h_q]` f32 sink logits, optional.
+    pub attn_sink: Option<&'a T>,
+    /// A second cache attended in the same softmax, optional.
+    pub extra: Option<ExtraKvArgs<'a, T>>,
+}
+
+// Argument structs hold only references and scalars: copyable whatever the tensor type (a derive would
+// demand `T: Copy`).
+macro_rules! copy_without_bounds {
+    ($($name:ident),*) => {$(
+        impl<T> Clone for $name<'_, T> {
+            fn clone(&self) -> Self {
+                *self
+            }
+        }
+        impl<T> Copy for $name<'_, T> {}
+    )*};
+}
+copy_without_bounds!(DenseDecodeArgs, ExtraKvArgs, SparseDecodeArgs);
+
+/// Outputs of a decode.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodeOutput<T> {
+    /// `[b, s_q, h_q, 512]`, q's dtype.
+    pub out: T,
+    /// `[b, h_q, s_q]` f32, natural log.
+    pub lse: T,
+}
+
+/// Packs an f32 reference result into output tensors of `dtype` (bf16 or f16) and f32.
+fn pack(
+    res: DecodeResult<f32>,
+    dtype: DType,
+    [b, s_q, h_q, d_v]: [usize; 4],
+) -> Result<DecodeOutput<HostTensor>> {
+    let out_shape = [b, s_q, h_q, d_v];
+    let out = match dtype {
+        DType::F16 => HostTensor::new(
+            HostData::F16(res.out.iter().map(|&v| f16::from_f32(v)).collect()),
+            &out_shape,
+        )?,
+        _ => HostTensor::new(
+            HostData::Bf16(res.out.iter().map(|&v| bf16::from_f32(v)).collect()),
+            &out_shape,
+        )?,
+    };
+    Ok(DecodeOutput {
+        out,
+        lse: HostTensor::from_f32(res.lse, &[b, h_q, s_q])?,
+    })
+}
+
+/// Dense decode on the CPU (f32 accumulation).
+///
+/// Validates ([`validate_dense`], then [`check_dense_values`] on the host values), then allocates f32 copies
+/// of `q` and of the whole `k_cache`, contiguous copies of `block_table`, `cache_seqlens` and `attn_sink`,
+/// the f32 results, and the returned `out` (q's dtype) and `lse` (f32) tensors.
+pub fn decode_dense_cpu(
+    args: &DenseDecodeArgs<'_, HostTensor>,
+) -> Result<DecodeOutput<HostTensor>> {
+    let dims = validate_dense(args)?;
+    let block_table = args.block_table.to_i32_vec()?;
+    let cache_seqlens = args.cache_seqlens.to_i32_vec()?;
+    check_dense_values(&dims, &block_table, &cache_seqlens)?;
+    let q = args.q.to_f32_vec()?;
+    let k_cache = args.k_cache.to_f32_vec()?;
+    let sink = args.attn_sink.map(HostTensor::to_f32_vec).transpose()?;
+    let inputs = DenseDecodeInputs {
+        q: &q,
+        k_cache: &k_cache,
+        block_table: &block_table,
+        cache_seqlens: &cache_seqlens,
+        attn_sink: sink.as_deref(),
+    };
+    let res = reference::decode_dense::<f32>(&dims.problem(), &inputs)?;
+    pack(res, dims.dtype, [dims.batch, dims.s_q, dims.h_q, dims.d_v])
+}
+
+/// The raw bytes behind a host FP8 cache (read in place, with its strides).
+fn cache_bytes<'a>(arg: &str, t: &'a HostTensor) -> Result<&'a [u8]> {
+    match t.data() {
+        HostData::U8(v) => Ok(v),
+        other => Err(Error::invalid(
+            format!("{arg}.dtype"),
+            "u8 storage on the host",
+            other.dtype(),
+        )),
+    }
+}
+
+/// Sparse FP8 decode on the CPU (f32 accumulation; tokens dequantised as they are attended).
+///
+/// Validates ([`validate_sparse`]; index and length values need no check), reads the caches in place
+/// (padded block strides included), and allocates f32 copies of `q` and `attn_sink`, contiguous copies of
+/// the indices and lengths, one row's dequantised tokens per worker thread, the f32 results, and the
+/// returned `out` (bf16) and `lse` (f32) tensors.
+pub fn decode_sparse_cpu(
+    args: &SparseDecodeArgs<'_, HostTensor>,
+) -> Result<DecodeOutput<HostTensor>> {
+    let dims = validate_sparse(args)?;
+    let q = args.q.to_f32_vec()?;
+    let sink = args.attn_sink.map(HostTensor::to_f32_vec).transpose()?;
+    let indices = args.indices.to_i32_vec()?;
+    let topk_length = args.topk_length.map(HostTensor::to_i32_vec).transpose()?;
+    let extra_vals = match (&args.extra, &dims.extra) {
+        (Some(e), Some(d)) => Some((
+            cache_bytes("extra_k_cache", e.k_cache)?,
+            e.indices.to_i32_vec()?,
+            e.topk_length.map(HostTensor::to_i32_vec).transpose()?,
+            *d,
+        )),
+        _ => None,
+    };
+    let inputs = SparseDecodeInputs {
+        q: &q,
+        kv: SparseKv {
+            layout: dims.kv.layout,
+            cache: cache_bytes("k_cache", args.k_cache)?,
+            indices: &indices,
+            topk: dims.kv.topk,
+            topk_length: topk_length.as_deref(),
+        },
+        extra: extra_vals
+            .as_ref()
+            .map(|(cache, indices, lengths, d)| SparseKv {
+                layout: d.layout,
+                cache,
+                indices,
+                topk: d.topk,
+                topk_length: lengths.as_deref(),
+            }),
+        attn_sink: sink.as_deref(),
+    };
+    let res = reference::decode_sparse::<f32>(&dims.problem(), &inputs)?;
+    pack(res, DType::Bf16, [dims.batch, dims.s_q, dims.h_q, dims.d_v])
+}

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU suite, on a machine with an sm_90 GPU: info, the full correctness check, then the standard benchmarks.
+# Uses a prebuilt binary when given (FLASHMLA_BIN), else builds one (needs Rust + scripts/toolchain.sh).
+# Results: $RESULTS_DIR (default bench/results)/<date>-<commit>.json and check-<date>-<commit>.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin="${FLASHMLA_BIN:-}"
+if [ -z "$bin" ]; then
+  source scripts/toolchain.sh
+  FLASHMLA_REQUIRE_KERNELS=1 cargo build --release --locked -p flashmla-cli
+  bin=target/release/flashmla
+fi
+dir="${RESULTS_DIR:-bench/results}"
+mkdir -p "$dir"
+stamp="$(date -u +%Y-%m-%d)-$("$bin" --version | awk '{print $2}')"
+commit="$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
+"$bin" info
+status=0
+"$bin" check --suite "${SUITE:-full}" --json "$dir/check-$stamp-$commit.json" || status=$?
+"$bin" bench --suite standard --json "$dir/bench-$stamp-$commit.json" ${BENCH_ARGS:-} || status=$?
+exit $status
