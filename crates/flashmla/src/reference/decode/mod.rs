@@ -30,7 +30,6 @@ use std::ops::Range;
 
 // The schedule lives in its own file (the future GPU launcher calls it too); declaring it here keeps
 // `reference/mod.rs` unchanged. Its items are re-exported below.
-#[path = "decode_schedule.rs"]
 mod schedule;
 pub use schedule::{
     decode_schedule, DecodeSchedule, KvChunk, ScheduleConfig, ScheduleShape, CHUNK_OVERHEAD_TILES,
