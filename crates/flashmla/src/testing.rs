@@ -2,6 +2,7 @@
 //! (SPEC section 6) in one place, seeded so every failure can be replayed.
 
 use crate::error::Result;
+use crate::fp8::KvFormat;
 use crate::tensor::HostTensor;
 use half::bf16;
 use rand::rngs::StdRng;
@@ -278,6 +279,134 @@ impl SparseCase {
             sm_scale: (self.d_qk as f32).powf(-0.5),
         })
     }
+}
+
+fn normal(rng: &mut StdRng) -> f32 {
+    rng.sample::<f32, _>(StandardNormal)
+}
+
+/// FP8 KV-cache token flavours (extremes the quantiser must survive); `token_values` picks one per token so every cache mixes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvFlavour {
+    /// `randn / 10 + offset` (SPEC section 6).
+    Plain,
+    /// Each scale tile at its own magnitude, `10^-8 .. 10^8`.
+    Magnitudes,
+    /// Zeros, including -0.0.
+    Zeros,
+    /// bf16 subnormals and other tiny values (below the 1e-4 scale floor).
+    Tiny,
+    /// Near the bf16 maximum, next to ordinary values.
+    Huge,
+    /// NaN (both signs) and +-inf sprinkled among ordinary values.
+    Specials,
+    /// Values exactly halfway between e4m3 neighbours once scaled (tests round-to-nearest-even).
+    Ties,
+    /// Every value NaN.
+    AllNan,
+}
+
+/// All flavours.
+pub const KV_FLAVOURS: [KvFlavour; 8] = [
+    KvFlavour::Plain,
+    KvFlavour::Magnitudes,
+    KvFlavour::Zeros,
+    KvFlavour::Tiny,
+    KvFlavour::Huge,
+    KvFlavour::Specials,
+    KvFlavour::Ties,
+    KvFlavour::AllNan,
+];
+
+/// One token of `d_qk` bf16-exact values of the given flavour.
+pub fn kv_token_values(format: KvFormat, flavour: KvFlavour, rng: &mut StdRng) -> Vec<f32> {
+    let d = format.d_qk();
+    let tile = format.tile();
+    let offset = normal(rng);
+    let mut x: Vec<f32> = match flavour {
+        KvFlavour::Plain => (0..d).map(|_| normal(rng) / 10.0 + offset).collect(),
+        KvFlavour::Magnitudes => {
+            let mags: Vec<f32> = (0..=format.num_scales())
+                .map(|_| 10f32.powf(rng.random_range(-8.0..8.0)))
+                .collect();
+            (0..d)
+                .map(|i| normal(rng) * mags[(i / tile).min(format.num_scales())])
+                .collect()
+        }
+        KvFlavour::Zeros => (0..d)
+            .map(|i| if i % 3 == 0 { -0.0 } else { 0.0 })
+            .collect(),
+        KvFlavour::Tiny => (0..d)
+            .map(|i| match i % 4 {
+                0 => f32::from_bits(rng.random_range(1u32..0x0080_0000)), // f32/bf16 subnormal
+                1 => -f32::from_bits(rng.random_range(1u32..0x0080_0000)),
+                2 => normal(rng) * 1e-30,
+                _ => normal(rng) * 1e-6,
+            })
+            .collect(),
+        KvFlavour::Huge => (0..d)
+            .map(|i| match i % 5 {
+                0 => 3.3e38 * if rng.random_bool(0.5) { 1.0 } else { -1.0 },
+                1 => normal(rng) * 1e37,
+                _ => normal(rng),
+            })
+            .collect(),
+        KvFlavour::Specials => (0..d)
+            .map(|_| match rng.random_range(0..16) {
+                0 => f32::NAN,
+                1 => -f32::NAN,
+                2 => f32::INFINITY,
+                3 => f32::NEG_INFINITY,
+                _ => normal(rng) * 4.0,
+            })
+            .collect(),
+        KvFlavour::Ties => {
+            // A tile whose maximum is 448 * 2^k has scale exactly 2^k; its other values are midpoints between
+            // neighbouring e4m3 values (normal and subnormal), times 2^k.
+            let k = rng.random_range(-10i32..10);
+            let s = 2f32.powi(k);
+            (0..d)
+                .map(|i| {
+                    if i % tile == 0 {
+                        return 448.0 * s;
+                    }
+                    let sign = if rng.random_bool(0.5) { 1.0 } else { -1.0 };
+                    let mid = if rng.random_bool(0.3) {
+                        // subnormal midpoints: (2n + 1) * 2^-10
+                        (2 * rng.random_range(0..8) + 1) as f32 / 1024.0
+                    } else {
+                        // normal midpoints: 2^e * (1 + (2m + 1) / 16)
+                        let e = rng.random_range(-6i32..8);
+                        2f32.powi(e) * (1.0 + (2 * rng.random_range(0..8) + 1) as f32 / 16.0)
+                    };
+                    sign * mid * s
+                })
+                .collect()
+        }
+        KvFlavour::AllNan => vec![f32::NAN; d],
+    };
+    for v in &mut x {
+        *v = bf16::from_f32(*v).to_f32();
+    }
+    x
+}
+
+/// `num_tokens` tokens, flavours cycling through [`FLAVOURS`] with a seeded shuffle; returns values and flavours.
+pub fn kv_cache_values(format: KvFormat, num_tokens: usize, seed: u64) -> (Vec<f32>, Vec<KvFlavour>) {
+    let mut r = rng(seed);
+    let mut values = Vec::with_capacity(num_tokens * format.d_qk());
+    let mut flavours = Vec::with_capacity(num_tokens);
+    for t in 0..num_tokens {
+        // Mostly plain tokens, every flavour present in any cache of 16+ tokens.
+        let f = if t % 2 == 0 {
+            KV_FLAVOURS[(t / 2) % KV_FLAVOURS.len()]
+        } else {
+            KV_FLAVOURS[r.random_range(0..KV_FLAVOURS.len())]
+        };
+        values.extend(kv_token_values(format, f, &mut r));
+        flavours.push(f);
+    }
+    (values, flavours)
 }
 
 #[cfg(test)]
