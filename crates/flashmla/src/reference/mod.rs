@@ -4,6 +4,7 @@
 //! Inputs are f32 slices holding the values of the op's (bf16/f16) inputs, contiguous, in the shapes the
 //! SPEC names; the accumulation type `R` is f32 (the reference) or f64 (the truth for tests).
 
+pub mod compare;
 pub mod kv_quant;
 
 /// The accumulation type of a reference computation: `f32` or `f64`.

@@ -1,1 +1,151 @@
-//! sparse_bwd (work in progress).
+//! Sparse MLA prefill backward (SPEC section 2): gradients of the sparse prefill forward
+//! ([`crate::ops::sparse_fwd`]) with respect to `q`, `kv` and `attn_sink`, given the forward's `out`
+//! and `lse` and the incoming gradient `d_out`.
+//!
+//! | argument | shape | dtype |
+//! | --- | --- | --- |
+//! | `q`, `kv`, `indices`, `attn_sink`, `topk_length` | as in the forward | |
+//! | `out`, `d_out` | `[s_q, h_q, d_v]` | bf16 |
+//! | `lse` | `[s_q, h_q]` | f32, exactly as the forward returned it (natural log, `+inf` for empty rows) |
+//! | `d_q` | `[s_q, h_q, d_qk]` | bf16 |
+//! | `d_kv` | `[s_kv, 1, d_qk]` | bf16, or f32 for callers that accumulate ([`SparseBwdArgs::d_kv_dtype`]) |
+//! | `delta` | `[s_q, h_q]` | f32, `sum_c d_out * out` |
+//! | `d_attn_sink` | `[h_q]` | f32, only when `attn_sink` is given |
+//!
+//! Rows of `d_kv` that no valid index references are exactly 0. [`validate()`] checks everything once for
+//! both backends. CPU path: [`sparse_bwd_cpu`] runs [`crate::reference::sparse_bwd`] in f32.
+
+pub mod validate;
+
+pub use validate::{validate, validate_output};
+
+use crate::error::Result;
+use crate::ops::sparse_fwd::{HostInputs, SparseFwdArgs, SparseFwdDims};
+use crate::reference::sparse_bwd::{sparse_bwd, SparseBwdProblem};
+use crate::tensor::{DType, HostTensor};
+
+/// The dtypes `d_kv` may have.
+pub const D_KV_DTYPES: [DType; 2] = [DType::Bf16, DType::F32];
+
+/// Arguments of the sparse prefill backward, generic over the tensor type. Shapes are in the
+/// [module docs](self).
+#[derive(Debug)]
+pub struct SparseBwdArgs<'a, T> {
+    /// Queries `[s_q, h_q, d_qk]` bf16.
+    pub q: &'a T,
+    /// Latent KV rows `[s_kv, 1, d_qk]` bf16.
+    pub kv: &'a T,
+    /// Forward output `[s_q, h_q, d_v]` bf16.
+    pub out: &'a T,
+    /// Gradient of the loss with respect to `out`, `[s_q, h_q, d_v]` bf16.
+    pub d_out: &'a T,
+    /// KV row per entry `[s_q, 1, topk]` i32.
+    pub indices: &'a T,
+    /// Forward log-sum-exp `[s_q, h_q]` f32.
+    pub lse: &'a T,
+    /// The forward's scale (finite, > 0).
+    pub sm_scale: f32,
+    /// The forward's per-head sink logit `[h_q]` f32.
+    pub attn_sink: Option<&'a T>,
+    /// The forward's per-token entry counts `[s_q]` i32.
+    pub topk_length: Option<&'a T>,
+    /// Dtype of `d_kv`: bf16 (default) or f32 (one of [`D_KV_DTYPES`]).
+    pub d_kv_dtype: DType,
+}
+
+impl<T> Clone for SparseBwdArgs<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for SparseBwdArgs<'_, T> {}
+
+impl<'a, T> SparseBwdArgs<'a, T> {
+    /// The forward's arguments contained in these.
+    pub fn fwd_args(&self) -> SparseFwdArgs<'a, T> {
+        SparseFwdArgs {
+            q: self.q,
+            kv: self.kv,
+            indices: self.indices,
+            sm_scale: self.sm_scale,
+            attn_sink: self.attn_sink,
+            topk_length: self.topk_length,
+        }
+    }
+}
+
+/// Dimensions of a validated backward call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SparseBwdDims {
+    /// The forward's dimensions.
+    pub fwd: SparseFwdDims,
+    /// Dtype of `d_kv`.
+    pub d_kv_dtype: DType,
+}
+
+impl SparseBwdDims {
+    /// Shape of `d_q`: `[s_q, h_q, d_qk]`.
+    pub fn d_q_shape(&self) -> [usize; 3] {
+        [self.fwd.s_q, self.fwd.h_q, self.fwd.d_qk]
+    }
+
+    /// Shape of `d_kv`: `[s_kv, 1, d_qk]`.
+    pub fn d_kv_shape(&self) -> [usize; 3] {
+        [self.fwd.s_kv, 1, self.fwd.d_qk]
+    }
+
+    /// Shape of `delta`: `[s_q, h_q]`.
+    pub fn delta_shape(&self) -> [usize; 2] {
+        self.fwd.stat_shape()
+    }
+
+    /// Shape of `d_attn_sink`: `[h_q]`.
+    pub fn d_attn_sink_shape(&self) -> [usize; 1] {
+        [self.fwd.h_q]
+    }
+}
+
+/// Outputs of the sparse prefill backward.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SparseBwdOutput<T> {
+    /// Gradient of `q`, `[s_q, h_q, d_qk]` bf16.
+    pub d_q: T,
+    /// Gradient of `kv`, `[s_kv, 1, d_qk]` bf16 or f32.
+    pub d_kv: T,
+    /// `sum_c d_out * out`, `[s_q, h_q]` f32.
+    pub delta: T,
+    /// Gradient of `attn_sink`, `[h_q]` f32, when a sink is given.
+    pub d_attn_sink: Option<T>,
+}
+
+/// Runs the backward on the CPU: validates, gathers the (possibly strided) inputs, runs the f32
+/// reference and returns contiguous outputs (`d_q` rounded to bf16, `d_kv` to `d_kv_dtype`).
+pub fn sparse_bwd_cpu(args: &SparseBwdArgs<'_, HostTensor>) -> Result<SparseBwdOutput<HostTensor>> {
+    let dims = validate(args)?;
+    let inputs = HostInputs::gather(&args.fwd_args())?;
+    let (out, d_out, lse) = (
+        args.out.to_f32_vec()?,
+        args.d_out.to_f32_vec()?,
+        args.lse.to_f32_vec()?,
+    );
+    let res = sparse_bwd::<f32>(&SparseBwdProblem {
+        fwd: inputs.problem(&dims.fwd, args.sm_scale),
+        out: &out,
+        d_out: &d_out,
+        lse: &lse,
+    })?;
+    let d_kv = match dims.d_kv_dtype {
+        DType::F32 => HostTensor::from_f32(res.d_kv, &dims.d_kv_shape())?,
+        _ => HostTensor::bf16_from_f32(&res.d_kv, &dims.d_kv_shape())?,
+    };
+    Ok(SparseBwdOutput {
+        d_q: HostTensor::bf16_from_f32(&res.d_q, &dims.d_q_shape())?,
+        d_kv,
+        delta: HostTensor::from_f32(res.delta, &dims.delta_shape())?,
+        d_attn_sink: res
+            .d_attn_sink
+            .map(|d| HostTensor::from_f32(d, &dims.d_attn_sink_shape()))
+            .transpose()?,
+    })
+}

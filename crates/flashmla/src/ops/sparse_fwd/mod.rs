@@ -1,1 +1,182 @@
-//! sparse_fwd (work in progress).
+//! Sparse MLA prefill forward (SPEC section 1): every query token attends to the `topk` latent KV rows
+//! its index row names, with all query heads sharing each row (`h_kv = 1`) and V = the first
+//! [`D_V`] columns of the row.
+//!
+//! | argument | shape | dtype |
+//! | --- | --- | --- |
+//! | `q` | `[s_q, h_q, d_qk]` | bf16 |
+//! | `kv` | `[s_kv, 1, d_qk]` | bf16 |
+//! | `indices` | `[s_q, 1, topk]` | i32 (values outside `0..s_kv` are ignored) |
+//! | `attn_sink` (optional) | `[h_q]` | f32 |
+//! | `topk_length` (optional) | `[s_q]` | i32 (entries at positions `>= topk_length[t]` are ignored) |
+//! | `out` | `[s_q, h_q, d_v]` | bf16 |
+//! | `max_logits`, `lse` | `[s_q, h_q]` | f32 (natural log; `-inf` / `+inf` for tokens without entries) |
+//!
+//! `d_qk` is 512 or 576, `d_v` is 512, `h_q >= 1`, `topk >= 1`; `s_q` and `s_kv` may be 0. Every
+//! tensor's last dimension must be contiguous; other strides are free. [`validate()`] checks all of
+//! this once for both backends; limits of a particular GPU kernel (head counts, stride widths) are
+//! checked by its launch code.
+//!
+//! CPU path: [`sparse_fwd_cpu`] runs [`crate::reference::sparse_fwd`] in f32 and rounds `out` to bf16.
+//! GPU path: [`sparse_fwd_cuda`] launches the sm_90a kernel ([`launch`]) into caller-provided outputs.
+
+pub mod launch;
+pub mod validate;
+
+pub use validate::{validate, validate_output};
+
+use crate::cuda::Gpu;
+use crate::error::Result;
+use crate::fp8::KvFormat;
+use crate::reference::sparse_fwd::{sparse_fwd, SparseFwdProblem};
+use crate::tensor::{DType, DeviceView, HostTensor, TensorMeta};
+
+/// Value width: V is the first `D_V` columns of each latent KV row.
+pub const D_V: usize = 512;
+/// The query/key widths the op accepts: DeepSeek V4 "MODEL1" (448 NoPE + 64 RoPE) and DeepSeek V3.2
+/// (512 NoPE + 64 RoPE), the same widths as the two FP8 cache formats.
+pub const SUPPORTED_D_QK: [usize; 2] = [KvFormat::Model1.d_qk(), KvFormat::V32.d_qk()];
+
+/// Dtype of `q`, `kv` and `out`.
+pub const DATA_DTYPE: DType = DType::Bf16;
+/// Dtype of `indices` and `topk_length`.
+pub const INDEX_DTYPE: DType = DType::I32;
+/// Dtype of `attn_sink`, `max_logits` and `lse`.
+pub const STAT_DTYPE: DType = DType::F32;
+
+/// Arguments of the sparse prefill forward, generic over the tensor type ([`HostTensor`] for the CPU
+/// path, [`crate::DeviceView`] for the GPU path). Shapes are in the [module docs](self).
+#[derive(Debug)]
+pub struct SparseFwdArgs<'a, T> {
+    /// Queries `[s_q, h_q, d_qk]` bf16.
+    pub q: &'a T,
+    /// Latent KV rows `[s_kv, 1, d_qk]` bf16.
+    pub kv: &'a T,
+    /// KV row per entry `[s_q, 1, topk]` i32.
+    pub indices: &'a T,
+    /// Scale applied to every `q . k` (finite, > 0; typically `d_qk^-0.5`).
+    pub sm_scale: f32,
+    /// Per-head sink logit `[h_q]` f32.
+    pub attn_sink: Option<&'a T>,
+    /// Per-token number of leading index entries to use `[s_q]` i32.
+    pub topk_length: Option<&'a T>,
+}
+
+impl<T> Clone for SparseFwdArgs<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for SparseFwdArgs<'_, T> {}
+
+/// Dimensions of a validated forward call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SparseFwdDims {
+    /// Query tokens.
+    pub s_q: usize,
+    /// Latent KV rows.
+    pub s_kv: usize,
+    /// Query heads.
+    pub h_q: usize,
+    /// Query/key width (512 or 576).
+    pub d_qk: usize,
+    /// Value width ([`D_V`]).
+    pub d_v: usize,
+    /// Index entries per token.
+    pub topk: usize,
+    /// Whether `attn_sink` is given.
+    pub has_attn_sink: bool,
+    /// Whether `topk_length` is given.
+    pub has_topk_length: bool,
+}
+
+impl SparseFwdDims {
+    /// Shape of `out`: `[s_q, h_q, d_v]`.
+    pub fn out_shape(&self) -> [usize; 3] {
+        [self.s_q, self.h_q, self.d_v]
+    }
+
+    /// Shape of `max_logits` and `lse`: `[s_q, h_q]`.
+    pub fn stat_shape(&self) -> [usize; 2] {
+        [self.s_q, self.h_q]
+    }
+}
+
+/// Outputs of the sparse prefill forward.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SparseFwdOutput<T> {
+    /// Attention output `[s_q, h_q, d_v]` bf16.
+    pub out: T,
+    /// Largest valid logit `[s_q, h_q]` f32.
+    pub max_logits: T,
+    /// Natural-log sum of exponentials of the valid logits (sink excluded) `[s_q, h_q]` f32.
+    pub lse: T,
+}
+
+/// Runs the forward on the CPU: validates, gathers the (possibly strided) inputs, runs the f32
+/// reference and returns contiguous outputs (`out` rounded to bf16).
+pub fn sparse_fwd_cpu(args: &SparseFwdArgs<'_, HostTensor>) -> Result<SparseFwdOutput<HostTensor>> {
+    let dims = validate(args)?;
+    let inputs = HostInputs::gather(args)?;
+    let res = sparse_fwd::<f32>(&inputs.problem(&dims, args.sm_scale))?;
+    Ok(SparseFwdOutput {
+        out: HostTensor::bf16_from_f32(&res.out, &dims.out_shape())?,
+        max_logits: HostTensor::from_f32(res.max_logits, &dims.stat_shape())?,
+        lse: HostTensor::from_f32(res.lse, &dims.stat_shape())?,
+    })
+}
+
+/// Runs the forward on the GPU: validates the arguments and the caller-provided outputs (shapes and
+/// dtypes per the [module docs](self), everything on `gpu`'s device), checks the kernel's own limits
+/// (see [`launch`]) and enqueues the kernel on `gpu`'s stream. Asynchronous: the outputs are ready
+/// once the stream is synchronised.
+pub fn sparse_fwd_cuda(
+    gpu: &Gpu,
+    args: &SparseFwdArgs<'_, DeviceView>,
+    out: &SparseFwdOutput<DeviceView>,
+) -> Result<()> {
+    let dims = validate(args)?;
+    validate_output(&dims, args.q.location(), out)?;
+    launch::launch(gpu, &dims, args, out)
+}
+
+/// The forward's inputs gathered into contiguous host vectors (shared with the backward's CPU path).
+pub(crate) struct HostInputs {
+    q: Vec<f32>,
+    kv: Vec<f32>,
+    indices: Vec<i32>,
+    attn_sink: Option<Vec<f32>>,
+    topk_length: Option<Vec<i32>>,
+}
+
+impl HostInputs {
+    /// Gathers validated arguments.
+    pub(crate) fn gather(args: &SparseFwdArgs<'_, HostTensor>) -> Result<Self> {
+        Ok(HostInputs {
+            q: args.q.to_f32_vec()?,
+            kv: args.kv.to_f32_vec()?,
+            indices: args.indices.to_i32_vec()?,
+            attn_sink: args.attn_sink.map(HostTensor::to_f32_vec).transpose()?,
+            topk_length: args.topk_length.map(HostTensor::to_i32_vec).transpose()?,
+        })
+    }
+
+    /// The reference problem over these vectors.
+    pub(crate) fn problem(&self, dims: &SparseFwdDims, sm_scale: f32) -> SparseFwdProblem<'_> {
+        SparseFwdProblem {
+            s_q: dims.s_q,
+            s_kv: dims.s_kv,
+            h_q: dims.h_q,
+            d_qk: dims.d_qk,
+            d_v: dims.d_v,
+            topk: dims.topk,
+            q: &self.q,
+            kv: &self.kv,
+            indices: &self.indices,
+            sm_scale,
+            attn_sink: self.attn_sink.as_deref(),
+            topk_length: self.topk_length.as_deref(),
+        }
+    }
+}
