@@ -1,0 +1,17 @@
+// cp.async (sm_80+): 16-byte global -> shared copies that complete asynchronously.
+#pragma once
+
+#include <cstdint>
+
+namespace flashmla {
+
+// Copies 16 bytes from `src` (global, 16-byte aligned) to shared address `dst` (16-byte aligned), bypassing L1
+// (.cg: gathered rows are used once per CTA). When `valid` is false the source size is 0: nothing is read from
+// `src` (callers still pass an in-bounds address) and the 16 destination bytes are zero-filled. This is how
+// invalid KV indices, padded heads and the topk tail become zero rows without a single out-of-bounds read.
+__device__ __forceinline__ void cp_async_16_zfill(uint32_t dst, const void* src, bool valid) {
+    const uint32_t src_bytes = valid ? 16u : 0u;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+}  // namespace flashmla

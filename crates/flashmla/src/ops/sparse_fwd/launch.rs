@@ -1,0 +1,521 @@
+//! GPU path of the sparse prefill forward: checks the limits of the sm_90a kernel
+//! (`csrc/sm90/sparse_fwd/`, design in `docs/sparse-fwd.md`), lowers validated arguments to its
+//! [`SparseFwdParams`] and launches one CTA of 384 threads per (query token, group of 64 heads).
+//!
+//! Kernel limits checked here (beyond [`super::validate`]): `h_q <= 128`; `q` and `kv` rows 16-byte
+//! aligned (the gather copies 16-byte chunks); `indices`, `topk_length`, `attn_sink`, `max_logits`
+//! and `lse` aligned to their element size; every reachable offset fits `i64`; `topk` and the grid
+//! fit the kernel's 32-bit counters. `out` takes 16-byte stores when its rows are 16-byte aligned
+//! and 2-byte stores otherwise.
+
+use super::{SparseFwdArgs, SparseFwdDims, SparseFwdOutput};
+use crate::cuda::{Gpu, LaunchConfig};
+use crate::error::{Error, Result};
+use crate::tensor::{DType, DeviceView, Location, TensorMeta};
+use crate::validate::{expect_location, expect_offsets_fit, to_i32, to_i64};
+use std::mem::{offset_of, size_of};
+
+/// Kernel family (`csrc/sm90/sparse_fwd/`).
+pub const FAMILY: &str = "sparse_fwd";
+/// Heads per CTA (`kHeadsPerCta`, the wgmma M).
+pub const HEADS_PER_CTA: usize = 64;
+/// Largest `h_q` the kernel serves (`kMaxHeads`): two head groups per token.
+pub const MAX_HEADS: usize = 128;
+/// KV rows per pipeline tile (`kTileRows`).
+pub const TILE_ROWS: usize = 64;
+/// Threads per CTA (`kThreads`): one producer and two consumer warpgroups.
+pub const THREADS_PER_CTA: u32 = 384;
+/// Dynamic shared memory of the d_qk = 576 kernel (`kSmemBytes<576>`, static_asserted in
+/// config.cuh).
+pub const SMEM_BYTES_D576: u32 = 231_424;
+/// Dynamic shared memory of the d_qk = 512 kernel (`kSmemBytes<512>`).
+pub const SMEM_BYTES_D512: u32 = 206_848;
+/// The gather and the vector output path move 16-byte chunks (8 bf16).
+pub const CHUNK_ALIGN_BYTES: u64 = 16;
+/// `flags` bit: `out` rows are 16-byte aligned (`kFlagOutVec16` in params.h).
+pub const FLAG_OUT_VEC16: u32 = 1;
+/// Largest `blockIdx.x` + 1 the driver accepts.
+const MAX_GRID_X: usize = i32::MAX as usize;
+/// log2(e): the kernel keeps logits in base 2, so the host folds it into the scale.
+const LOG2_E: f32 = std::f32::consts::LOG2_E;
+
+/// Mirror of `flashmla::sparse_fwd::SparseFwdParams` (params.h): same field order, types and size,
+/// asserted below and by `static_assert`s on the C++ side. Pointers are device addresses; strides
+/// are in elements; last dimensions are contiguous and have no stride field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SparseFwdParams {
+    /// `[s_q, h_q, d_qk]` bf16, strides `(q_stride_t, q_stride_h, 1)`.
+    pub q: u64,
+    /// `[s_kv, 1, d_qk]` bf16, row stride `kv_stride_t`.
+    pub kv: u64,
+    /// `[s_q, 1, topk]` i32, token stride `indices_stride_t`.
+    pub indices: u64,
+    /// `[s_q]` i32, stride `topk_length_stride`; 0 when absent.
+    pub topk_length: u64,
+    /// `[h_q]` f32, stride `attn_sink_stride`; 0 when absent.
+    pub attn_sink: u64,
+    /// `[s_q, h_q, d_v]` bf16, strides `(out_stride_t, out_stride_h, 1)`.
+    pub out: u64,
+    /// `[s_q, h_q]` f32, strides `(max_logits_stride_t, max_logits_stride_h)`.
+    pub max_logits: u64,
+    /// `[s_q, h_q]` f32, strides `(lse_stride_t, lse_stride_h)`.
+    pub lse: u64,
+    /// Elements between `q` tokens.
+    pub q_stride_t: i64,
+    /// Elements between `q` heads.
+    pub q_stride_h: i64,
+    /// Elements between `kv` rows.
+    pub kv_stride_t: i64,
+    /// Elements between `indices` tokens.
+    pub indices_stride_t: i64,
+    /// Elements between `topk_length` entries.
+    pub topk_length_stride: i64,
+    /// Elements between `attn_sink` entries.
+    pub attn_sink_stride: i64,
+    /// Elements between `out` tokens.
+    pub out_stride_t: i64,
+    /// Elements between `out` heads.
+    pub out_stride_h: i64,
+    /// Elements between `max_logits` tokens.
+    pub max_logits_stride_t: i64,
+    /// Elements between `max_logits` heads.
+    pub max_logits_stride_h: i64,
+    /// Elements between `lse` tokens.
+    pub lse_stride_t: i64,
+    /// Elements between `lse` heads.
+    pub lse_stride_h: i64,
+    /// Query tokens.
+    pub s_q: i32,
+    /// KV rows, clamped to `i32::MAX` (every i32 index >= 0 is then below it, as it is below the
+    /// true `s_kv`).
+    pub s_kv: i32,
+    /// Query heads, 1..=128.
+    pub h_q: i32,
+    /// Index entries per token.
+    pub topk: i32,
+    /// `ceil(h_q / 64)`.
+    pub num_head_groups: i32,
+    /// `FLAG_*` bits.
+    pub flags: u32,
+    /// `sm_scale * log2(e)`.
+    pub sm_scale_log2: f32,
+    /// Always 0.
+    pub reserved: i32,
+}
+
+const _: () = {
+    assert!(size_of::<SparseFwdParams>() == 192);
+    assert!(offset_of!(SparseFwdParams, q) == 0);
+    assert!(offset_of!(SparseFwdParams, lse) == 56);
+    assert!(offset_of!(SparseFwdParams, q_stride_t) == 64);
+    assert!(offset_of!(SparseFwdParams, lse_stride_h) == 152);
+    assert!(offset_of!(SparseFwdParams, s_q) == 160);
+    assert!(offset_of!(SparseFwdParams, flags) == 180);
+    assert!(offset_of!(SparseFwdParams, sm_scale_log2) == 184);
+    assert!(offset_of!(SparseFwdParams, reserved) == 188);
+};
+
+/// Kernel symbol and dynamic shared memory for a `d_qk`.
+pub fn kernel_for(d_qk: usize) -> Result<(&'static str, u32)> {
+    match d_qk {
+        576 => Ok(("sparse_fwd_d576", SMEM_BYTES_D576)),
+        512 => Ok(("sparse_fwd_d512", SMEM_BYTES_D512)),
+        _ => Err(Error::unsupported(
+            format!("sparse_fwd kernel for d_qk = {d_qk}"),
+            "the sm_90a kernel is built for d_qk 512 and 576",
+        )),
+    }
+}
+
+/// Stride of dimension `dim`, or 0 when the dimension has one entry (its stride never moves a
+/// pointer, and may be anything, e.g. from a sliced framework tensor).
+fn stride_of(t: &DeviceView, dim: usize) -> usize {
+    if t.shape()[dim] <= 1 {
+        0
+    } else {
+        t.strides()[dim]
+    }
+}
+
+/// `t`'s base address and every used stride are multiples of `align` bytes.
+fn rows_aligned(t: &DeviceView, align: u64) -> bool {
+    let elem = t.dtype().size_bytes() as u64;
+    let rank = t.shape().len();
+    t.ptr() % align == 0
+        && (0..rank.saturating_sub(1)).all(|d| (stride_of(t, d) as u64 * elem) % align == 0)
+}
+
+/// `i64` stride parameter for dimension `dim` of `t`.
+fn stride_param(arg: &str, t: &DeviceView, dim: usize) -> Result<i64> {
+    to_i64(&format!("{arg}.strides[{dim}]"), stride_of(t, dim))
+}
+
+/// Checks the kernel's limits and builds its parameters and launch geometry (pure: no GPU needed).
+/// Returns `None` when there is nothing to launch (`s_q = 0`).
+pub fn lower(
+    dims: &SparseFwdDims,
+    args: &SparseFwdArgs<'_, DeviceView>,
+    out: &SparseFwdOutput<DeviceView>,
+) -> Result<Option<(&'static str, LaunchConfig, SparseFwdParams)>> {
+    let (kernel, smem) = kernel_for(dims.d_qk)?;
+    if dims.h_q > MAX_HEADS {
+        return Err(Error::unsupported(
+            format!("sparse_fwd on the GPU with h_q = {}", dims.h_q),
+            format!("the sm_90a kernel serves h_q 1..={MAX_HEADS}"),
+        ));
+    }
+    if dims.topk > i32::MAX as usize - TILE_ROWS {
+        return Err(Error::invalid(
+            "indices.shape[2]",
+            format!(
+                "topk <= {} (the kernel counts entries in i32)",
+                i32::MAX as usize - TILE_ROWS
+            ),
+            dims.topk,
+        ));
+    }
+    for (arg, t) in [("q", args.q), ("kv", args.kv)] {
+        if !rows_aligned(t, CHUNK_ALIGN_BYTES) {
+            let (ptr, strides) = (t.ptr(), t.strides());
+            return Err(Error::unsupported(
+                format!("sparse_fwd on the GPU with `{arg}` at {ptr:#x}, strides {strides:?}"),
+                "the kernel gathers rows in 16-byte chunks: the base address and strides must be \
+                 multiples of 8 elements (pass a contiguous copy otherwise)",
+            ));
+        }
+    }
+    let element_aligned = [
+        ("indices", Some(args.indices)),
+        ("topk_length", args.topk_length),
+        ("attn_sink", args.attn_sink),
+        ("out", Some(&out.out)),
+        ("max_logits", Some(&out.max_logits)),
+        ("lse", Some(&out.lse)),
+    ];
+    for (arg, t) in element_aligned {
+        if let Some(t) = t {
+            let elem = t.dtype().size_bytes() as u64;
+            if t.ptr() % elem != 0 {
+                return Err(Error::invalid(
+                    format!("{arg}.data_ptr"),
+                    format!("an address aligned to the element size ({elem} bytes)"),
+                    format!("{:#x}", t.ptr()),
+                ));
+            }
+        }
+    }
+    let all = [
+        ("q", Some(args.q)),
+        ("kv", Some(args.kv)),
+        ("indices", Some(args.indices)),
+        ("topk_length", args.topk_length),
+        ("attn_sink", args.attn_sink),
+        ("out", Some(&out.out)),
+        ("max_logits", Some(&out.max_logits)),
+        ("lse", Some(&out.lse)),
+    ];
+    for (arg, t) in all.into_iter().filter_map(|(a, t)| t.map(|t| (a, t))) {
+        expect_offsets_fit(arg, t, i64::MAX as usize, "i64")?;
+    }
+    let sm_scale_log2 = args.sm_scale * LOG2_E;
+    if !sm_scale_log2.is_finite() {
+        return Err(Error::invalid(
+            "sm_scale",
+            "a value whose product with log2(e) is finite",
+            args.sm_scale,
+        ));
+    }
+    if dims.s_q == 0 {
+        return Ok(None);
+    }
+    let num_head_groups = dims.h_q.div_ceil(HEADS_PER_CTA);
+    let ctas = dims
+        .s_q
+        .checked_mul(num_head_groups)
+        .filter(|&n| n <= MAX_GRID_X)
+        .ok_or_else(|| {
+            Error::invalid(
+                "q.shape[0]",
+                format!("s_q * ceil(h_q / 64) <= {MAX_GRID_X} (one CTA per token and head group)"),
+                dims.s_q,
+            )
+        })?;
+
+    let opt_ptr = |t: Option<&DeviceView>| t.map_or(0, DeviceView::ptr);
+    let opt_stride =
+        |arg: &str, t: Option<&DeviceView>| t.map_or(Ok(0), |t| stride_param(arg, t, 0));
+    let params = SparseFwdParams {
+        q: args.q.ptr(),
+        kv: args.kv.ptr(),
+        indices: args.indices.ptr(),
+        topk_length: opt_ptr(args.topk_length),
+        attn_sink: opt_ptr(args.attn_sink),
+        out: out.out.ptr(),
+        max_logits: out.max_logits.ptr(),
+        lse: out.lse.ptr(),
+        q_stride_t: stride_param("q", args.q, 0)?,
+        q_stride_h: stride_param("q", args.q, 1)?,
+        kv_stride_t: stride_param("kv", args.kv, 0)?,
+        indices_stride_t: stride_param("indices", args.indices, 0)?,
+        topk_length_stride: opt_stride("topk_length", args.topk_length)?,
+        attn_sink_stride: opt_stride("attn_sink", args.attn_sink)?,
+        out_stride_t: stride_param("out", &out.out, 0)?,
+        out_stride_h: stride_param("out", &out.out, 1)?,
+        max_logits_stride_t: stride_param("max_logits", &out.max_logits, 0)?,
+        max_logits_stride_h: stride_param("max_logits", &out.max_logits, 1)?,
+        lse_stride_t: stride_param("lse", &out.lse, 0)?,
+        lse_stride_h: stride_param("lse", &out.lse, 1)?,
+        s_q: to_i32("q.shape[0]", dims.s_q)?,
+        s_kv: i32::try_from(dims.s_kv).unwrap_or(i32::MAX),
+        h_q: to_i32("q.shape[1]", dims.h_q)?,
+        topk: to_i32("indices.shape[2]", dims.topk)?,
+        num_head_groups: to_i32("ceil(h_q / 64)", num_head_groups)?,
+        flags: if rows_aligned(&out.out, CHUNK_ALIGN_BYTES) {
+            FLAG_OUT_VEC16
+        } else {
+            0
+        },
+        sm_scale_log2,
+        reserved: 0,
+    };
+    let cfg = LaunchConfig {
+        grid: (ctas as u32, 1, 1),
+        block: (THREADS_PER_CTA, 1, 1),
+        shared_mem_bytes: smem,
+        cluster: None,
+    };
+    Ok(Some((kernel, cfg, params)))
+}
+
+/// Launches the forward on `gpu`'s stream for arguments that passed [`super::validate`] and outputs
+/// that passed [`super::validate_output`] (`dims` is what `validate` returned). Asynchronous:
+/// synchronise or download to wait. Errors: [`Error::Unsupported`] / [`Error::InvalidArgument`] for
+/// the kernel limits in the [module docs](self), a tensor on another device, and [`Error::Cuda`]
+/// from the launch.
+pub(crate) fn launch(
+    gpu: &Gpu,
+    dims: &SparseFwdDims,
+    args: &SparseFwdArgs<'_, DeviceView>,
+    out: &SparseFwdOutput<DeviceView>,
+) -> Result<()> {
+    let device = Location::Cuda(gpu.ordinal());
+    expect_location("q", args.q, device)?;
+    let Some((name, cfg, params)) = lower(dims, args, out)? else {
+        return Ok(());
+    };
+    debug_assert_eq!(args.q.dtype(), DType::Bf16);
+    let kernel = gpu.kernel(FAMILY, name)?;
+    // SAFETY: `SparseFwdParams` mirrors the kernel's parameter struct (asserted on both sides).
+    // `validate`/`validate_output` established the shapes and dtypes the params describe and that
+    // every tensor lives on this device; `lower` checked alignment and that every offset fits i64.
+    // The kernel reads q rows of its token and head group, kv rows only at indices in 0..s_kv,
+    // index entries below topk (or topk_length), and writes out/max_logits/lse rows of its token
+    // and heads < h_q: all inside the views, which by the DeviceView contract are valid, live and
+    // do not alias outputs with inputs.
+    unsafe { gpu.launch(&kernel, &cfg, &params) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::Layout;
+
+    const BASE: u64 = 0x7f00_0000_0000;
+
+    fn view(ptr: u64, dtype: DType, shape: &[usize], strides: Option<&[usize]>) -> DeviceView {
+        let layout = match strides {
+            Some(s) => Layout::strided(shape, s).unwrap(),
+            None => Layout::contiguous(shape),
+        };
+        // SAFETY: never dereferenced; these tests only lower parameters.
+        unsafe { DeviceView::from_raw(ptr, dtype, layout, 0) }
+    }
+
+    struct Case {
+        q: DeviceView,
+        kv: DeviceView,
+        indices: DeviceView,
+        out: SparseFwdOutput<DeviceView>,
+        dims: SparseFwdDims,
+    }
+
+    fn case(s_q: usize, h_q: usize, d_qk: usize, s_kv: usize, topk: usize) -> Case {
+        let dims = SparseFwdDims {
+            s_q,
+            s_kv,
+            h_q,
+            d_qk,
+            d_v: 512,
+            topk,
+            has_attn_sink: false,
+            has_topk_length: false,
+        };
+        Case {
+            q: view(BASE, DType::Bf16, &[s_q, h_q, d_qk], None),
+            kv: view(BASE + (1 << 32), DType::Bf16, &[s_kv, 1, d_qk], None),
+            indices: view(BASE + (2 << 32), DType::I32, &[s_q, 1, topk], None),
+            out: SparseFwdOutput {
+                out: view(BASE + (3 << 32), DType::Bf16, &[s_q, h_q, 512], None),
+                max_logits: view(BASE + (4 << 32), DType::F32, &[s_q, h_q], None),
+                lse: view(BASE + (5 << 32), DType::F32, &[s_q, h_q], None),
+            },
+            dims,
+        }
+    }
+
+    fn args(c: &Case) -> SparseFwdArgs<'_, DeviceView> {
+        SparseFwdArgs {
+            q: &c.q,
+            kv: &c.kv,
+            indices: &c.indices,
+            sm_scale: 0.1,
+            attn_sink: None,
+            topk_length: None,
+        }
+    }
+
+    #[test]
+    fn lowers_the_v32_shape() {
+        let c = case(4096, 128, 576, 32768, 2048);
+        let (name, cfg, p) = lower(&c.dims, &args(&c), &c.out).unwrap().unwrap();
+        assert_eq!(name, "sparse_fwd_d576");
+        assert_eq!(cfg.grid, (8192, 1, 1));
+        assert_eq!(cfg.block, (384, 1, 1));
+        assert_eq!(cfg.shared_mem_bytes, SMEM_BYTES_D576);
+        assert_eq!(
+            (p.q_stride_t, p.q_stride_h, p.kv_stride_t),
+            (128 * 576, 576, 576)
+        );
+        assert_eq!((p.out_stride_t, p.out_stride_h), (128 * 512, 512));
+        assert_eq!(
+            (p.num_head_groups, p.flags, p.topk_length, p.attn_sink),
+            (2, FLAG_OUT_VEC16, 0, 0)
+        );
+        assert!((p.sm_scale_log2 - 0.1 * LOG2_E).abs() < 1e-7);
+    }
+
+    #[test]
+    fn odd_head_counts_round_up_to_groups_of_64() {
+        for (h_q, groups) in [(1, 1), (64, 1), (65, 2), (100, 2), (128, 2)] {
+            let c = case(3, h_q, 512, 10, 7);
+            let (name, cfg, p) = lower(&c.dims, &args(&c), &c.out).unwrap().unwrap();
+            assert_eq!(name, "sparse_fwd_d512");
+            assert_eq!(
+                (cfg.grid.0, p.num_head_groups),
+                (3 * groups, groups as i32),
+                "h_q {h_q}"
+            );
+        }
+        let c = case(3, 129, 576, 10, 7);
+        assert!(matches!(
+            lower(&c.dims, &args(&c), &c.out),
+            Err(Error::Unsupported { .. })
+        ));
+    }
+
+    #[test]
+    fn empty_query_launches_nothing_and_long_sequences_stay_on_grid_x() {
+        let c = case(0, 128, 576, 10, 7);
+        assert!(lower(&c.dims, &args(&c), &c.out).unwrap().is_none());
+        let c = case(200_000, 128, 576, 10, 7);
+        let (_, cfg, _) = lower(&c.dims, &args(&c), &c.out).unwrap().unwrap();
+        assert_eq!(cfg.grid, (400_000, 1, 1));
+    }
+
+    #[test]
+    fn gather_needs_16_byte_rows_and_output_falls_back_to_scalar_stores() {
+        let mut c = case(5, 64, 576, 100, 64);
+        // Padded strides that stay multiples of 8 elements (the SPEC's adversarial layout) are
+        // fine.
+        c.q = view(BASE, DType::Bf16, &[5, 64, 576], Some(&[65 * 704, 704, 1]));
+        c.kv = view(
+            BASE + (1 << 32),
+            DType::Bf16,
+            &[100, 1, 576],
+            Some(&[1408, 704, 1]),
+        );
+        c.out.out = view(
+            BASE + (3 << 32),
+            DType::Bf16,
+            &[5, 64, 512],
+            Some(&[65 * 640, 640, 1]),
+        );
+        let (_, _, p) = lower(&c.dims, &args(&c), &c.out).unwrap().unwrap();
+        assert_eq!(
+            (p.q_stride_t, p.q_stride_h, p.kv_stride_t),
+            (65 * 704, 704, 1408)
+        );
+        assert_eq!(p.flags, FLAG_OUT_VEC16);
+        // A row stride that is not a multiple of 8 elements cannot be gathered in 16-byte chunks.
+        let mut bad = case(5, 64, 576, 100, 64);
+        bad.kv = view(
+            BASE + (1 << 32),
+            DType::Bf16,
+            &[100, 1, 576],
+            Some(&[577, 577, 1]),
+        );
+        let err = lower(&bad.dims, &args(&bad), &bad.out).unwrap_err();
+        assert!(
+            matches!(err, Error::Unsupported { ref what, .. } if what.contains("`kv`")),
+            "{err:?}"
+        );
+        let mut bad = case(5, 64, 576, 100, 64);
+        bad.q = view(BASE + 2, DType::Bf16, &[5, 64, 576], None);
+        assert!(matches!(
+            lower(&bad.dims, &args(&bad), &bad.out),
+            Err(Error::Unsupported { .. })
+        ));
+        // An odd output stride only disables the vector stores.
+        let mut odd = case(5, 64, 576, 100, 64);
+        odd.out.out = view(
+            BASE + (3 << 32),
+            DType::Bf16,
+            &[5, 64, 512],
+            Some(&[64 * 513, 513, 1]),
+        );
+        let (_, _, p) = lower(&odd.dims, &args(&odd), &odd.out).unwrap().unwrap();
+        assert_eq!(p.flags, 0);
+        // Size-1 dimensions may carry any stride.
+        let mut one = case(1, 64, 576, 1, 64);
+        one.kv = view(
+            BASE + (1 << 32),
+            DType::Bf16,
+            &[1, 1, 576],
+            Some(&[3, 5, 1]),
+        );
+        assert!(lower(&one.dims, &args(&one), &one.out).is_ok());
+    }
+
+    #[test]
+    fn optional_tensors_are_passed_with_their_strides() {
+        let c = case(6, 128, 576, 100, 64);
+        let sink = view(BASE + (6 << 32), DType::F32, &[128], Some(&[2]));
+        let len = view(BASE + (7 << 32), DType::I32, &[6], Some(&[3]));
+        let mut a = args(&c);
+        a.attn_sink = Some(&sink);
+        a.topk_length = Some(&len);
+        let (_, _, p) = lower(&c.dims, &a, &c.out).unwrap().unwrap();
+        assert_eq!((p.attn_sink, p.attn_sink_stride), (BASE + (6 << 32), 2));
+        assert_eq!((p.topk_length, p.topk_length_stride), (BASE + (7 << 32), 3));
+        let misaligned = view(BASE + (6 << 32) + 2, DType::F32, &[128], None);
+        a.attn_sink = Some(&misaligned);
+        assert_eq!(
+            lower(&c.dims, &a, &c.out).unwrap_err().arg(),
+            Some("attn_sink.data_ptr")
+        );
+    }
+
+    #[test]
+    fn huge_s_kv_is_clamped_and_huge_topk_rejected() {
+        let c = case(2, 64, 512, 3_000_000_000, 64);
+        let (_, _, p) = lower(&c.dims, &args(&c), &c.out).unwrap().unwrap();
+        assert_eq!(p.s_kv, i32::MAX);
+        let mut big = case(2, 64, 512, 10, 64);
+        big.dims.topk = i32::MAX as usize;
+        assert_eq!(
+            lower(&big.dims, &args(&big), &big.out).unwrap_err().arg(),
+            Some("indices.shape[2]")
+        );
+    }
+}
