@@ -1,1 +1,71 @@
-fn main(){}
+//! `flashmla`: run, check and measure the flashmla kernels.
+//!
+//! * `demo`  — sparse MLA forward + backward on a built-in problem (GPU when there is one, else CPU), verified.
+//! * `info`  — the GPU, the driver, and which kernels this binary carries.
+//! * `check` — the GPU correctness suite against the CPU reference; exits non-zero on any failure.
+//! * `bench` — times ops on the PERF.md shapes and writes JSON records.
+
+mod bench;
+mod check;
+mod demo;
+mod info;
+mod meta;
+mod report;
+
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "flashmla", version, about = "Multi-head Latent Attention kernels for Hopper GPUs")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Sparse MLA forward + backward on a built-in problem, verified against the f64 reference.
+    Demo(demo::DemoArgs),
+    /// Show the GPU, the driver and the kernels built into this binary.
+    Info {
+        /// CUDA device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+    },
+    /// Run the GPU correctness suite against the CPU reference.
+    Check(check::CheckArgs),
+    /// Time ops and write JSON benchmark records.
+    Bench(bench::BenchArgs),
+}
+
+/// Exit codes: 0 success, 1 a check failed, 2 the command could not run (bad arguments, no GPU...).
+pub const EXIT_FAILED: u8 = 1;
+/// See [`EXIT_FAILED`].
+pub const EXIT_ERROR: u8 = 2;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Demo(a) => demo::run(&a),
+        Command::Info { device } => info::run(device),
+        Command::Check(a) => check::run(&a),
+        Command::Bench(a) => bench::run(&a),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("flashmla: error: {e}");
+            ExitCode::from(EXIT_ERROR)
+        }
+    }
+}
+
+/// Writes `value` as pretty JSON to `path`.
+pub fn write_json(path: &PathBuf, value: &impl serde::Serialize) -> Result<(), String> {
+    let text = serde_json::to_string_pretty(value).map_err(|e| e.to_string())?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    std::fs::write(path, text + "\n").map_err(|e| format!("{}: {e}", path.display()))
+}

@@ -1,0 +1,219 @@
+//! `flashmla bench`: times ops with CUDA events (warm-up, many repetitions, median) on the PERF.md shapes and
+//! writes JSON records carrying the GPU, driver, commit and date.
+
+mod kv_quant;
+
+use crate::report::{progress, table};
+use crate::{meta, write_json};
+use flashmla::cuda::Gpu;
+use serde::Serialize;
+use std::path::PathBuf;
+
+/// Which shapes to time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchSuite {
+    /// The PERF.md standard shapes.
+    Standard,
+    /// One small shape per op (smoke test).
+    Small,
+}
+
+/// Which index pattern the sparse ops use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum IndexChoice {
+    /// Distinct random rows.
+    Random,
+    /// 31 of 32 indices in the last 20000 rows.
+    Local,
+    /// Both.
+    Both,
+}
+
+/// Arguments of `flashmla bench`.
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// Which shapes to time.
+    #[arg(long, value_enum, default_value_t = BenchSuite::Standard)]
+    suite: BenchSuite,
+    /// Only these ops (comma-separated, e.g. `sparse_fwd,kv_quantize`); all when absent.
+    #[arg(long, value_delimiter = ',')]
+    op: Vec<String>,
+    /// Index pattern for sparse ops.
+    #[arg(long, value_enum, default_value_t = IndexChoice::Both)]
+    indices: IndexChoice,
+    /// Write the records as a JSON array here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Untimed runs before timing.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Timed runs (the median is reported).
+    #[arg(long, default_value_t = 30)]
+    reps: usize,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+}
+
+/// One benchmark record (PERF.md "Benchmark records").
+#[derive(Serialize, Clone, Debug, Default)]
+pub struct Record {
+    /// Op name (`sparse_fwd`, `kv_quantize`, ...).
+    pub op: String,
+    /// Shape fields that apply.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub b: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub s_q: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub s_kv: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub topk: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub h_q: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub d_qk: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub d_v: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub causal: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub indices: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub format: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<usize>,
+    /// Median time per call, microseconds.
+    pub time_us: f64,
+    /// Fastest and slowest repetition, microseconds.
+    pub min_us: f64,
+    pub max_us: f64,
+    /// Tera-FLOP per second (ops with arithmetic).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tflops: Option<f64>,
+    /// Gigabytes per second of compulsory traffic.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gb_per_s: Option<f64>,
+    pub reps: usize,
+    pub gpu: String,
+    pub driver: String,
+    pub sm_clock_mhz: Option<u32>,
+    pub commit: String,
+    pub date: String,
+}
+
+/// A benchmark: its record template (shape fields), its work counts, and a closure that runs the op once.
+pub struct Bench {
+    /// Record with the shape fields filled in.
+    pub record: Record,
+    /// Floating-point operations per call (0 when not meaningful).
+    pub flop: f64,
+    /// Compulsory bytes per call.
+    pub bytes: f64,
+    /// Prepares inputs and returns the closure to time.
+    pub setup: Box<dyn Fn(&Gpu) -> flashmla::Result<Box<dyn FnMut() -> flashmla::Result<()>>>>,
+}
+
+fn all_benches(args: &BenchArgs) -> Vec<Bench> {
+    let mut v = Vec::new();
+    v.extend(kv_quant::benches(args.suite));
+    v.into_iter()
+        .filter(|b| args.op.is_empty() || args.op.iter().any(|o| *o == b.record.op))
+        .collect()
+}
+
+fn median(v: &mut [f32]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        v[n / 2] as f64
+    } else {
+        (v[n / 2 - 1] as f64 + v[n / 2] as f64) / 2.0
+    }
+}
+
+/// Runs the benchmarks; returns the process exit code.
+pub fn run(args: &BenchArgs) -> Result<u8, String> {
+    let benches = all_benches(args);
+    if benches.is_empty() {
+        return Err(format!("no benchmark matches --op {:?}", args.op));
+    }
+    let gpu = Gpu::new(args.device).map_err(|e| e.to_string())?;
+    let info = gpu.info().clone();
+    println!(
+        "flashmla bench: {} on {} ({} SMs, driver {}), commit {}",
+        benches.len(),
+        info.name,
+        info.sm_count,
+        info.driver_version,
+        meta::COMMIT
+    );
+    let bar = progress(benches.len() as u64, "bench");
+    let mut records = Vec::new();
+    for b in &benches {
+        bar.set_message(b.record.op.clone());
+        let mut f = (b.setup)(&gpu).map_err(|e| format!("{}: {e}", b.record.op))?;
+        let mut ms = gpu
+            .time_ms(args.warmup, args.reps.max(1), &mut f)
+            .map_err(|e| format!("{}: {e}", b.record.op))?;
+        let (lo, hi) = ms.iter().fold((f32::MAX, 0f32), |(l, h), &x| (l.min(x), h.max(x)));
+        let med = median(&mut ms);
+        let secs = med * 1e-3;
+        let mut r = b.record.clone();
+        r.time_us = med * 1e3;
+        r.min_us = lo as f64 * 1e3;
+        r.max_us = hi as f64 * 1e3;
+        r.tflops = (b.flop > 0.0).then(|| b.flop / secs / 1e12);
+        r.gb_per_s = (b.bytes > 0.0).then(|| b.bytes / secs / 1e9);
+        r.reps = ms.len();
+        r.gpu = info.name.clone();
+        r.driver = info.driver_version.clone();
+        r.sm_clock_mhz = info.sm_clock_mhz;
+        r.commit = meta::COMMIT.to_string();
+        r.date = meta::today();
+        records.push(r);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let rows: Vec<Vec<String>> = records
+        .iter()
+        .map(|r| {
+            vec![
+                r.op.clone(),
+                shape_label(r),
+                format!("{:.1}", r.time_us),
+                r.tflops.map_or("-".into(), |t| format!("{t:.1}")),
+                r.gb_per_s.map_or("-".into(), |g| format!("{g:.0}")),
+            ]
+        })
+        .collect();
+    print!("{}", table(&["op", "shape", "time_us", "TFLOPS", "GB/s"], &rows));
+    if let Some(path) = &args.json {
+        write_json(path, &records)?;
+        println!("wrote {} records to {}", records.len(), path.display());
+    }
+    Ok(0)
+}
+
+fn shape_label(r: &Record) -> String {
+    let mut parts = Vec::new();
+    let mut add = |k: &str, v: Option<String>| {
+        if let Some(v) = v {
+            parts.push(format!("{k}={v}"));
+        }
+    };
+    add("b", r.b.map(|x| x.to_string()));
+    add("s_q", r.s_q.map(|x| x.to_string()));
+    add("s_kv", r.s_kv.map(|x| x.to_string()));
+    add("topk", r.topk.map(|x| x.to_string()));
+    add("h_q", r.h_q.map(|x| x.to_string()));
+    add("d_qk", r.d_qk.map(|x| x.to_string()));
+    add("causal", r.causal.map(|x| x.to_string()));
+    add("idx", r.indices.clone());
+    add("fmt", r.format.clone());
+    add("tokens", r.tokens.map(|x| x.to_string()));
+    parts.join(" ")
+}

@@ -1,0 +1,184 @@
+//! `flashmla check`: the GPU correctness suite. Every case runs a kernel on fresh seeded inputs, with outputs
+//! poisoned beforehand, and compares against the CPU reference (bit-exact or SPEC-6 tolerances).
+
+mod kv_quant;
+
+use crate::report::{progress, table};
+use crate::{meta, write_json, EXIT_FAILED};
+use flashmla::cuda::Gpu;
+use serde::Serialize;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Which cases to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Suite {
+    /// A fast subset (a minute or less).
+    Quick,
+    /// Every case.
+    Full,
+}
+
+/// Arguments of `flashmla check`.
+#[derive(clap::Args)]
+pub struct CheckArgs {
+    /// Which cases to run.
+    #[arg(long, value_enum, default_value_t = Suite::Full)]
+    suite: Suite,
+    /// Only cases whose name contains this text.
+    #[arg(long)]
+    filter: Option<String>,
+    /// Write per-case results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Base seed; each case derives its own from it and prints it on failure.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// List the cases and exit.
+    #[arg(long)]
+    list: bool,
+}
+
+/// The verdict of one case.
+pub struct Outcome {
+    /// Whether every comparison passed.
+    pub passed: bool,
+    /// What was compared and the worst error seen.
+    pub detail: String,
+}
+
+impl Outcome {
+    /// Passes with `detail`, or fails with the first error.
+    pub fn from_checks(checks: Vec<(String, Result<String, String>)>) -> Outcome {
+        let mut passed = true;
+        let mut parts = Vec::new();
+        for (what, r) in checks {
+            match r {
+                Ok(d) => parts.push(format!("{what}: {d}")),
+                Err(e) => {
+                    passed = false;
+                    parts.push(format!("{what}: FAIL {e}"));
+                }
+            }
+        }
+        Outcome {
+            passed,
+            detail: parts.join("; "),
+        }
+    }
+}
+
+type CaseFn = Box<dyn Fn(&Gpu, u64) -> flashmla::Result<Outcome>>;
+
+/// One correctness case.
+pub struct Case {
+    /// Unique name: `<family>/<parameters>`.
+    pub name: String,
+    /// Part of the quick suite.
+    pub quick: bool,
+    /// Runs the case with a seed.
+    pub run: CaseFn,
+}
+
+#[derive(Serialize)]
+struct CaseRecord<'a> {
+    name: &'a str,
+    passed: bool,
+    seed: u64,
+    seconds: f64,
+    detail: String,
+}
+
+fn all_cases() -> Vec<Case> {
+    let mut cases = Vec::new();
+    cases.extend(kv_quant::cases());
+    cases
+}
+
+/// Stable per-case seed: the base seed mixed with the case name.
+fn case_seed(base: u64, name: &str) -> u64 {
+    name.bytes().fold(base ^ 0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Runs the suite; returns the process exit code.
+pub fn run(args: &CheckArgs) -> Result<u8, String> {
+    let cases: Vec<Case> = all_cases()
+        .into_iter()
+        .filter(|c| args.suite == Suite::Full || c.quick)
+        .filter(|c| args.filter.as_ref().is_none_or(|f| c.name.contains(f.as_str())))
+        .collect();
+    if args.list {
+        for c in &cases {
+            println!("{}", c.name);
+        }
+        return Ok(0);
+    }
+    let gpu = Gpu::new(args.device).map_err(|e| e.to_string())?;
+    let info = gpu.info();
+    println!(
+        "flashmla check: {} cases on {} (sm_{}{}, driver {}), commit {}",
+        cases.len(),
+        info.name,
+        info.cc.0,
+        info.cc.1,
+        info.driver_version,
+        meta::COMMIT
+    );
+    let bar = progress(cases.len() as u64, "check");
+    let mut records = Vec::new();
+    for case in &cases {
+        bar.set_message(case.name.clone());
+        let seed = case_seed(args.seed, &case.name);
+        let t0 = Instant::now();
+        let outcome = (case.run)(&gpu, seed).unwrap_or_else(|e| Outcome {
+            passed: false,
+            detail: format!("error: {e}"),
+        });
+        let seconds = t0.elapsed().as_secs_f64();
+        if !outcome.passed {
+            bar.println(format!("FAIL {} (seed {seed}): {}", case.name, outcome.detail));
+        }
+        records.push(CaseRecord {
+            name: &case.name,
+            passed: outcome.passed,
+            seed,
+            seconds,
+            detail: outcome.detail,
+        });
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+
+    // Summary per family.
+    let mut families: Vec<(String, usize, usize)> = Vec::new();
+    for r in &records {
+        let fam = r.name.split('/').next().unwrap_or("").to_string();
+        match families.iter_mut().find(|f| f.0 == fam) {
+            Some(f) => {
+                f.1 += r.passed as usize;
+                f.2 += (!r.passed) as usize;
+            }
+            None => families.push((fam, r.passed as usize, (!r.passed) as usize)),
+        }
+    }
+    let rows: Vec<Vec<String>> = families
+        .iter()
+        .map(|(f, p, x)| vec![f.clone(), p.to_string(), x.to_string()])
+        .collect();
+    print!("{}", table(&["family", "passed", "failed"], &rows));
+    let failed = records.iter().filter(|r| !r.passed).count();
+    if let Some(path) = &args.json {
+        write_json(path, &records)?;
+    }
+    if failed > 0 {
+        println!("{failed} of {} cases FAILED", records.len());
+        return Ok(EXIT_FAILED);
+    }
+    println!("all {} cases passed", records.len());
+    Ok(0)
+}
