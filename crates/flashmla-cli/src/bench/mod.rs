@@ -2,6 +2,7 @@
 //! writes JSON records carrying the GPU, driver, commit and date.
 
 mod kv_quant;
+mod sparse_fwd;
 
 use crate::report::{progress, table};
 use crate::{meta, write_json};
@@ -116,6 +117,7 @@ pub struct Bench {
 
 fn all_benches(args: &BenchArgs) -> Vec<Bench> {
     let mut v = Vec::new();
+    v.extend(sparse_fwd::benches(args.suite, args.indices));
     v.extend(kv_quant::benches(args.suite));
     v.into_iter()
         .filter(|b| args.op.is_empty() || args.op.iter().any(|o| *o == b.record.op))

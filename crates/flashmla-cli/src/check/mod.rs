@@ -2,6 +2,7 @@
 //! poisoned beforehand, and compares against the CPU reference (bit-exact or SPEC-6 tolerances).
 
 mod kv_quant;
+mod sparse_fwd;
 
 use crate::report::{progress, table};
 use crate::{meta, write_json, EXIT_FAILED};
@@ -95,6 +96,7 @@ struct CaseRecord<'a> {
 fn all_cases() -> Vec<Case> {
     let mut cases = Vec::new();
     cases.extend(kv_quant::cases());
+    cases.extend(sparse_fwd::cases());
     cases
 }
 
