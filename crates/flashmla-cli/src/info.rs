@@ -5,7 +5,11 @@ use flashmla::cuda::{self, Gpu};
 
 /// Prints what this binary carries and what the machine has; never fails for lack of a GPU.
 pub fn run(device: usize) -> Result<u8, String> {
-    println!("flashmla {} (commit {})", env!("CARGO_PKG_VERSION"), meta::COMMIT);
+    println!(
+        "flashmla {} (commit {})",
+        env!("CARGO_PKG_VERSION"),
+        meta::COMMIT
+    );
     let built = cuda::kernel_families();
     if built.iter().all(|(_, b)| !b) {
         println!("kernels: none built into this binary (nvcc was not found at build time)");
@@ -13,7 +17,11 @@ pub fn run(device: usize) -> Result<u8, String> {
         println!(
             "kernels: {} built with {}",
             cuda::KERNEL_ARCH,
-            if cuda::NVCC_VERSION.is_empty() { "nvcc" } else { cuda::NVCC_VERSION }
+            if cuda::NVCC_VERSION.is_empty() {
+                "nvcc"
+            } else {
+                cuda::NVCC_VERSION
+            }
         );
     }
     for (family, ok) in &built {
@@ -38,8 +46,14 @@ pub fn run(device: usize) -> Result<u8, String> {
             println!("  compute capability  sm_{}{}", i.cc.0, i.cc.1);
             println!("  multiprocessors     {}", i.sm_count);
             println!("  L2 cache            {} MB", i.l2_bytes / 1_000_000);
-            println!("  smem per block      {} KB (opt-in)", i.max_smem_per_block_optin / 1024);
-            println!("  memory              {:.1} GB", i.total_mem_bytes as f64 / 1e9);
+            println!(
+                "  smem per block      {} KB (opt-in)",
+                i.max_smem_per_block_optin / 1024
+            );
+            println!(
+                "  memory              {:.1} GB",
+                i.total_mem_bytes as f64 / 1e9
+            );
             println!("  driver              {}", i.driver_version);
             if let Some(mhz) = i.sm_clock_mhz {
                 println!("  SM clock (max)      {mhz} MHz");
@@ -47,7 +61,11 @@ pub fn run(device: usize) -> Result<u8, String> {
             let ok = i.cc == (9, 0);
             println!(
                 "  flashmla kernels    {}",
-                if ok { "supported (sm_90a)" } else { "not supported on this architecture (need sm_90)" }
+                if ok {
+                    "supported (sm_90a)"
+                } else {
+                    "not supported on this architecture (need sm_90)"
+                }
             );
         }
     }

@@ -8,6 +8,7 @@
 mod bench;
 mod check;
 mod demo;
+mod device_ops;
 mod info;
 mod meta;
 mod report;
@@ -17,7 +18,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "flashmla", version, about = "Multi-head Latent Attention kernels for Hopper GPUs")]
+#[command(
+    name = "flashmla",
+    version,
+    about = "Multi-head Latent Attention kernels for Hopper GPUs"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

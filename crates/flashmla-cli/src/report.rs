@@ -41,7 +41,11 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
             .to_string()
     };
     let rule: Vec<String> = width.iter().map(|w| "-".repeat(*w)).collect();
-    let mut out = format!("{}\n{}\n", line(header.to_vec()), line(rule.iter().map(String::as_str).collect()));
+    let mut out = format!(
+        "{}\n{}\n",
+        line(header.to_vec()),
+        line(rule.iter().map(String::as_str).collect())
+    );
     for r in rows {
         out.push_str(&line(r.iter().map(String::as_str).collect()));
         out.push('\n');

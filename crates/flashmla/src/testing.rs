@@ -3,7 +3,7 @@
 
 use crate::error::Result;
 use crate::fp8::KvFormat;
-use crate::tensor::HostTensor;
+use crate::tensor::{HostTensor, TensorMeta};
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -278,6 +278,91 @@ impl SparseCase {
                 .transpose()?,
             sm_scale: (self.d_qk as f32).powf(-0.5),
         })
+    }
+}
+
+/// The values of [`SparseInputs`] as contiguous vectors, ready for the CPU reference.
+#[derive(Debug, Clone)]
+pub struct SparseValues {
+    /// Query tokens.
+    pub s_q: usize,
+    /// KV rows.
+    pub s_kv: usize,
+    /// Query heads.
+    pub h_q: usize,
+    /// Query/key width.
+    pub d_qk: usize,
+    /// Index entries per token.
+    pub topk: usize,
+    /// `[s_q, h_q, d_qk]`.
+    pub q: Vec<f32>,
+    /// `[s_kv, d_qk]`.
+    pub kv: Vec<f32>,
+    /// `[s_q, topk]`.
+    pub indices: Vec<i32>,
+    /// `[h_q]`.
+    pub attn_sink: Option<Vec<f32>>,
+    /// `[s_q]`.
+    pub topk_length: Option<Vec<i32>>,
+    /// Softmax scale.
+    pub sm_scale: f32,
+}
+
+impl SparseInputs {
+    /// Gathers the tensors into contiguous vectors (works for strided inputs too).
+    pub fn values(&self) -> Result<SparseValues> {
+        let (qs, ks, is) = (self.q.shape(), self.kv.shape(), self.indices.shape());
+        Ok(SparseValues {
+            s_q: qs[0],
+            s_kv: ks[0],
+            h_q: qs[1],
+            d_qk: qs[2],
+            topk: is[2],
+            q: self.q.to_f32_vec()?,
+            kv: self.kv.to_f32_vec()?,
+            indices: self.indices.to_i32_vec()?,
+            attn_sink: self.attn_sink.as_ref().map(|t| t.to_f32_vec()).transpose()?,
+            topk_length: self.topk_length.as_ref().map(|t| t.to_i32_vec()).transpose()?,
+            sm_scale: self.sm_scale,
+        })
+    }
+
+    /// The same inputs, every tensor made non-contiguous as SPEC section 6 asks: the last dimension padded by
+    /// 128 elements and every other dimension by 1, then sliced back.
+    pub fn padded(&self) -> Result<SparseInputs> {
+        fn pad(t: &HostTensor) -> Result<HostTensor> {
+            let rank = t.shape().len();
+            let p: Vec<usize> = (0..rank).map(|d| if d + 1 == rank { 128 } else { 1 }).collect();
+            t.to_padded(&p)
+        }
+        Ok(SparseInputs {
+            q: pad(&self.q)?,
+            kv: pad(&self.kv)?,
+            indices: pad(&self.indices)?,
+            attn_sink: self.attn_sink.as_ref().map(pad).transpose()?,
+            topk_length: self.topk_length.as_ref().map(pad).transpose()?,
+            sm_scale: self.sm_scale,
+        })
+    }
+}
+
+impl SparseValues {
+    /// The reference problem over these values (`d_v` = 512).
+    pub fn problem(&self) -> crate::reference::sparse_fwd::SparseFwdProblem<'_> {
+        crate::reference::sparse_fwd::SparseFwdProblem {
+            s_q: self.s_q,
+            s_kv: self.s_kv,
+            h_q: self.h_q,
+            d_qk: self.d_qk,
+            d_v: crate::ops::sparse_fwd::D_V,
+            topk: self.topk,
+            q: &self.q,
+            kv: &self.kv,
+            indices: &self.indices,
+            sm_scale: self.sm_scale,
+            attn_sink: self.attn_sink.as_deref(),
+            topk_length: self.topk_length.as_deref(),
+        }
     }
 }
 

@@ -38,14 +38,32 @@ pub fn benches(suite: BenchSuite) -> Vec<Bench> {
                     let values = peer_bf16(&mut rng(7), tokens * format.d_qk());
                     let kv = gpu.upload(&HostTensor::bf16_from_f32(&values, &shape)?)?;
                     let cache = gpu.alloc(DType::U8, &cache_shape)?;
-                    quantize_cuda(gpu, &QuantizeArgs { kv: &kv.view() }, &QuantizeOutput { cache: cache.view() })?;
+                    quantize_cuda(
+                        gpu,
+                        &QuantizeArgs { kv: &kv.view() },
+                        &QuantizeOutput {
+                            cache: cache.view(),
+                        },
+                    )?;
                     let gpu = gpu.clone();
                     let quantize = op == "kv_quantize";
                     Ok(Box::new(move || {
                         if quantize {
-                            quantize_cuda(&gpu, &QuantizeArgs { kv: &kv.view() }, &QuantizeOutput { cache: cache.view() })
+                            quantize_cuda(
+                                &gpu,
+                                &QuantizeArgs { kv: &kv.view() },
+                                &QuantizeOutput {
+                                    cache: cache.view(),
+                                },
+                            )
                         } else {
-                            dequantize_cuda(&gpu, &DequantizeArgs { cache: &cache.view() }, &DequantizeOutput { kv: kv.view() })
+                            dequantize_cuda(
+                                &gpu,
+                                &DequantizeArgs {
+                                    cache: &cache.view(),
+                                },
+                                &DequantizeOutput { kv: kv.view() },
+                            )
                         }
                     }))
                 }),

@@ -103,6 +103,9 @@ pub struct Record {
     pub date: String,
 }
 
+/// The closure a benchmark times: one call of the op.
+pub type Timed = Box<dyn FnMut() -> flashmla::Result<()>>;
+
 /// A benchmark: its record template (shape fields), its work counts, and a closure that runs the op once.
 pub struct Bench {
     /// Record with the shape fields filled in.
@@ -112,7 +115,7 @@ pub struct Bench {
     /// Compulsory bytes per call.
     pub bytes: f64,
     /// Prepares inputs and returns the closure to time.
-    pub setup: Box<dyn Fn(&Gpu) -> flashmla::Result<Box<dyn FnMut() -> flashmla::Result<()>>>>,
+    pub setup: Box<dyn Fn(&Gpu) -> flashmla::Result<Timed>>,
 }
 
 fn all_benches(args: &BenchArgs) -> Vec<Bench> {
@@ -120,7 +123,7 @@ fn all_benches(args: &BenchArgs) -> Vec<Bench> {
     v.extend(sparse_fwd::benches(args.suite, args.indices));
     v.extend(kv_quant::benches(args.suite));
     v.into_iter()
-        .filter(|b| args.op.is_empty() || args.op.iter().any(|o| *o == b.record.op))
+        .filter(|b| args.op.is_empty() || args.op.contains(&b.record.op))
         .collect()
 }
 
@@ -161,7 +164,9 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
         let mut ms = gpu
             .time_ms(args.warmup, args.reps.max(1), &mut f)
             .map_err(|e| format!("{}: {e}", b.record.op))?;
-        let (lo, hi) = ms.iter().fold((f32::MAX, 0f32), |(l, h), &x| (l.min(x), h.max(x)));
+        let (lo, hi) = ms
+            .iter()
+            .fold((f32::MAX, 0f32), |(l, h), &x| (l.min(x), h.max(x)));
         let med = median(&mut ms);
         let secs = med * 1e-3;
         let mut r = b.record.clone();
@@ -192,7 +197,10 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
             ]
         })
         .collect();
-    print!("{}", table(&["op", "shape", "time_us", "TFLOPS", "GB/s"], &rows));
+    print!(
+        "{}",
+        table(&["op", "shape", "time_us", "TFLOPS", "GB/s"], &rows)
+    );
     if let Some(path) = &args.json {
         write_json(path, &records)?;
         println!("wrote {} records to {}", records.len(), path.display());

@@ -1,9 +1,9 @@
 //! Sparse prefill forward on the PERF.md shapes. FLOP = 2 * s_q * topk * h_q * (d_qk + d_v).
 
 use super::{Bench, BenchSuite, IndexChoice, Record};
-use flashmla::ops::sparse_fwd::{sparse_fwd_cuda, SparseFwdArgs, SparseFwdOutput, D_V};
+use crate::device_ops::SparseFwdOnGpu;
+use flashmla::ops::sparse_fwd::D_V;
 use flashmla::testing::{IndexPattern, SparseCase};
-use flashmla::DType;
 
 /// (s_q, s_kv, h_q, d_qk, topk) of a suite.
 pub fn shapes(suite: BenchSuite) -> Vec<(usize, usize, usize, usize, usize)> {
@@ -40,7 +40,11 @@ pub fn benches(suite: BenchSuite, choice: IndexChoice) -> Vec<Bench> {
     let mut v = Vec::new();
     for (s_q, s_kv, h_q, d_qk, topk) in shapes(suite) {
         for pattern in patterns(choice) {
-            let name = if pattern == IndexPattern::Random { "random" } else { "local" };
+            let name = if pattern == IndexPattern::Random {
+                "random"
+            } else {
+                "local"
+            };
             let record = Record {
                 op: "sparse_fwd".into(),
                 s_q: Some(s_q),
@@ -61,31 +65,9 @@ pub fn benches(suite: BenchSuite, choice: IndexChoice) -> Vec<Bench> {
                     let mut case = SparseCase::plain(s_q, s_kv, h_q, d_qk, topk);
                     case.pattern = pattern;
                     let inp = case.generate(0x5eed)?;
-                    let q = gpu.upload(&inp.q)?;
-                    let kv = gpu.upload(&inp.kv)?;
-                    let idx = gpu.upload(&inp.indices)?;
-                    let out = gpu.alloc(DType::Bf16, &[s_q, h_q, D_V])?;
-                    let max_logits = gpu.alloc(DType::F32, &[s_q, h_q])?;
-                    let lse = gpu.alloc(DType::F32, &[s_q, h_q])?;
+                    let dev = SparseFwdOnGpu::new(gpu, &inp, false)?;
                     let gpu = gpu.clone();
-                    let sm_scale = inp.sm_scale;
-                    Ok(Box::new(move || {
-                        let (vq, vkv, vidx) = (q.view(), kv.view(), idx.view());
-                        let args = SparseFwdArgs {
-                            q: &vq,
-                            kv: &vkv,
-                            indices: &vidx,
-                            sm_scale,
-                            attn_sink: None,
-                            topk_length: None,
-                        };
-                        let outs = SparseFwdOutput {
-                            out: out.view(),
-                            max_logits: max_logits.view(),
-                            lse: lse.view(),
-                        };
-                        sparse_fwd_cuda(&gpu, &args, &outs)
-                    }))
+                    Ok(Box::new(move || dev.run(&gpu)))
                 }),
             });
         }

@@ -53,7 +53,11 @@ fn run_case(gpu: &Gpu, s: &Shape, seed: u64) -> flashmla::Result<Outcome> {
     let tokens = s.num_blocks * s.page_size;
     let (values, _) = kv_cache_values(s.format, tokens, seed);
     let kv = HostTensor::bf16_from_f32(&values, &[s.num_blocks, s.page_size, 1, d])?;
-    let kv = if s.row_pad > 0 { kv.to_padded(&[0, 0, 0, s.row_pad])? } else { kv };
+    let kv = if s.row_pad > 0 {
+        kv.to_padded(&[0, 0, 0, s.row_pad])?
+    } else {
+        kv
+    };
     let layout = cache_layout(s)?;
     let span = layout.span().unwrap_or(0);
 
@@ -62,7 +66,13 @@ fn run_case(gpu: &Gpu, s: &Shape, seed: u64) -> flashmla::Result<Outcome> {
     let want = quantize_cpu_into(&QuantizeArgs { kv: &kv }, host_cache.clone())?;
     let d_kv = gpu.upload(&kv)?;
     let d_cache = gpu.upload(&host_cache)?;
-    quantize_cuda(gpu, &QuantizeArgs { kv: &d_kv.view() }, &QuantizeOutput { cache: d_cache.view() })?;
+    quantize_cuda(
+        gpu,
+        &QuantizeArgs { kv: &d_kv.view() },
+        &QuantizeOutput {
+            cache: d_cache.view(),
+        },
+    )?;
     let got = gpu.download(&d_cache)?;
     let (gb, wb) = (u8_storage(&got), u8_storage(&want));
     let quant = match gb.iter().zip(wb).position(|(a, b)| a != b) {
@@ -83,14 +93,23 @@ fn run_case(gpu: &Gpu, s: &Shape, seed: u64) -> flashmla::Result<Outcome> {
     let want_kv = dequantize_cpu(&DequantizeArgs { cache: &want })?.kv;
     let d_src = gpu.upload(&want)?;
     let d_out = gpu.alloc_filled(DType::Bf16, want_kv.shape(), POISON_BF16_BYTE)?;
-    dequantize_cuda(gpu, &DequantizeArgs { cache: &d_src.view() }, &DequantizeOutput { kv: d_out.view() })?;
+    dequantize_cuda(
+        gpu,
+        &DequantizeArgs {
+            cache: &d_src.view(),
+        },
+        &DequantizeOutput { kv: d_out.view() },
+    )?;
     let got_kv = gpu.download(&d_out)?;
     let (g, w) = (bf16_bits(&got_kv)?, bf16_bits(&want_kv)?);
     let is_nan = |b: u16| b & 0x7F80 == 0x7F80 && b & 0x007F != 0;
-    let bad = g
-        .iter()
-        .zip(&w)
-        .position(|(&a, &b)| if is_nan(b) { a & 0x7FFF != 0x7FC0 } else { a != b });
+    let bad = g.iter().zip(&w).position(|(&a, &b)| {
+        if is_nan(b) {
+            a & 0x7FFF != 0x7FC0
+        } else {
+            a != b
+        }
+    });
     let dequant = match bad {
         None => Ok(format!("{} values identical", w.len())),
         Some(i) => Err(format!(
@@ -119,7 +138,13 @@ pub fn cases() -> Vec<Case> {
                         format.name()
                     );
                     let quick = page_size == 64 && block_pad == 0 && row_pad == 0;
-                    let shape = Shape { format, num_blocks, page_size, block_pad, row_pad };
+                    let shape = Shape {
+                        format,
+                        num_blocks,
+                        page_size,
+                        block_pad,
+                        row_pad,
+                    };
                     v.push(Case {
                         name,
                         quick,

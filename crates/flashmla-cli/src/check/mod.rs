@@ -112,7 +112,11 @@ pub fn run(args: &CheckArgs) -> Result<u8, String> {
     let cases: Vec<Case> = all_cases()
         .into_iter()
         .filter(|c| args.suite == Suite::Full || c.quick)
-        .filter(|c| args.filter.as_ref().is_none_or(|f| c.name.contains(f.as_str())))
+        .filter(|c| {
+            args.filter
+                .as_ref()
+                .is_none_or(|f| c.name.contains(f.as_str()))
+        })
         .collect();
     if args.list {
         for c in &cases {
@@ -143,7 +147,10 @@ pub fn run(args: &CheckArgs) -> Result<u8, String> {
         });
         let seconds = t0.elapsed().as_secs_f64();
         if !outcome.passed {
-            bar.println(format!("FAIL {} (seed {seed}): {}", case.name, outcome.detail));
+            bar.println(format!(
+                "FAIL {} (seed {seed}): {}",
+                case.name, outcome.detail
+            ));
         }
         records.push(CaseRecord {
             name: &case.name,

@@ -2,17 +2,14 @@
 //! the forward issue, with outputs poisoned before every run. Large problems compare a sample of query rows.
 
 use super::{Case, Outcome};
+use crate::device_ops::SparseFwdOnGpu;
 use flashmla::cuda::Gpu;
-use flashmla::ops::sparse_fwd::{sparse_fwd_cuda, SparseFwdArgs, SparseFwdOutput, D_V};
-use flashmla::reference::compare::{compare, Tolerance, PREFILL_LSE, PREFILL_MAX_LOGITS, PREFILL_OUT};
-use flashmla::reference::sparse_fwd::{sparse_fwd_rows, SparseFwdProblem};
+use flashmla::ops::sparse_fwd::D_V;
+use flashmla::reference::compare::{
+    compare, Tolerance, PREFILL_LSE, PREFILL_MAX_LOGITS, PREFILL_OUT,
+};
+use flashmla::reference::sparse_fwd::sparse_fwd_rows;
 use flashmla::testing::{IndexPattern, SinkKind, SparseCase};
-use flashmla::{DType, HostTensor, TensorMeta};
-
-/// Poison byte: 0xFFFF.. is NaN in bf16 and f32, so an element the kernel does not write fails.
-const POISON: u8 = 0xFF;
-/// Padding of the non-contiguous variant (SPEC 6): last dim + 128, every other dim + 1.
-const PAD_LAST: usize = 128;
 
 /// How a case is run.
 #[derive(Clone)]
@@ -41,78 +38,58 @@ fn gather_rows(all: &[f32], width: usize, rows: &[usize]) -> Vec<f32> {
         .collect()
 }
 
-fn check(name: &str, got: &[f32], want: &[f64], tol: &Tolerance) -> (String, Result<String, String>) {
+fn check(
+    name: &str,
+    got: &[f32],
+    want: &[f64],
+    tol: &Tolerance,
+) -> (String, Result<String, String>) {
     let c = compare(got, want);
     let r = c.check(tol).map(|()| {
-        format!("max_abs {:.2e} max_rel {:.2e} cos {:.1e}", c.max_abs_err, c.max_rel_err, c.cos_diff)
+        format!(
+            "max_abs {:.2e} max_rel {:.2e} cos {:.1e}",
+            c.max_abs_err, c.max_rel_err, c.cos_diff
+        )
     });
     (name.to_string(), r)
 }
 
-fn pad(t: &HostTensor) -> flashmla::Result<HostTensor> {
-    let rank = t.layout().rank();
-    let p: Vec<usize> = (0..rank).map(|d| if d + 1 == rank { PAD_LAST } else { 1 }).collect();
-    t.to_padded(&p)
-}
-
 fn run_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
-
     let c = &spec.case;
     let inp = c.generate(seed)?;
-    let maybe_pad = |t: &HostTensor| if spec.padded { pad(t) } else { Ok(t.clone()) };
-    let (q, kv, idx) = (maybe_pad(&inp.q)?, maybe_pad(&inp.kv)?, maybe_pad(&inp.indices)?);
-    let sink = inp.attn_sink.as_ref().map(maybe_pad).transpose()?;
-    let len = inp.topk_length.as_ref().map(maybe_pad).transpose()?;
-
-    let (dq, dkv, didx) = (gpu.upload(&q)?, gpu.upload(&kv)?, gpu.upload(&idx)?);
-    let dsink = sink.as_ref().map(|t| gpu.upload(t)).transpose()?;
-    let dlen = len.as_ref().map(|t| gpu.upload(t)).transpose()?;
-    let out = gpu.alloc_filled(DType::Bf16, &[c.s_q, c.h_q, D_V], POISON)?;
-    let max_logits = gpu.alloc_filled(DType::F32, &[c.s_q, c.h_q], POISON)?;
-    let lse = gpu.alloc_filled(DType::F32, &[c.s_q, c.h_q], POISON)?;
-    let (vq, vkv, vidx) = (dq.view(), dkv.view(), didx.view());
-    let vsink = dsink.as_ref().map(|t| t.view());
-    let vlen = dlen.as_ref().map(|t| t.view());
-    let args = SparseFwdArgs {
-        q: &vq,
-        kv: &vkv,
-        indices: &vidx,
-        sm_scale: inp.sm_scale,
-        attn_sink: vsink.as_ref(),
-        topk_length: vlen.as_ref(),
-    };
-    let outs = SparseFwdOutput { out: out.view(), max_logits: max_logits.view(), lse: lse.view() };
-    sparse_fwd_cuda(gpu, &args, &outs)?;
-    let got_out = gpu.download(&out)?.to_f32_vec()?;
-    let got_max = gpu.download(&max_logits)?.to_f32_vec()?;
-    let got_lse = gpu.download(&lse)?.to_f32_vec()?;
-    debug_assert_eq!(q.shape()[0], c.s_q);
-
-    let qv = inp.q.to_f32_vec()?;
-    let kvv = inp.kv.to_f32_vec()?;
-    let iv = inp.indices.to_i32_vec()?;
-    let sv = inp.attn_sink.as_ref().map(|t| t.to_f32_vec()).transpose()?;
-    let lv = inp.topk_length.as_ref().map(|t| t.to_i32_vec()).transpose()?;
-    let problem = SparseFwdProblem {
-        s_q: c.s_q,
-        s_kv: c.s_kv,
-        h_q: c.h_q,
-        d_qk: c.d_qk,
-        d_v: D_V,
-        topk: c.topk,
-        q: &qv,
-        kv: &kvv,
-        indices: &iv,
-        sm_scale: inp.sm_scale,
-        attn_sink: sv.as_deref(),
-        topk_length: lv.as_deref(),
-    };
+    let dev = SparseFwdOnGpu::new(
+        gpu,
+        &if spec.padded {
+            inp.padded()?
+        } else {
+            inp.clone()
+        },
+        true,
+    )?;
+    dev.run(gpu)?;
+    let got = dev.download(gpu)?;
+    let values = inp.values()?;
     let rows = rows_to_check(c.s_q, spec.sample);
-    let want = sparse_fwd_rows::<f64>(&problem, &rows)?;
+    let want = sparse_fwd_rows::<f64>(&values.problem(), &rows)?;
     Ok(Outcome::from_checks(vec![
-        check("out", &gather_rows(&got_out, c.h_q * D_V, &rows), &want.out, &PREFILL_OUT),
-        check("lse", &gather_rows(&got_lse, c.h_q, &rows), &want.lse, &PREFILL_LSE),
-        check("max_logits", &gather_rows(&got_max, c.h_q, &rows), &want.max_logits, &PREFILL_MAX_LOGITS),
+        check(
+            "out",
+            &gather_rows(&got.out, c.h_q * D_V, &rows),
+            &want.out,
+            &PREFILL_OUT,
+        ),
+        check(
+            "lse",
+            &gather_rows(&got.lse, c.h_q, &rows),
+            &want.lse,
+            &PREFILL_LSE,
+        ),
+        check(
+            "max_logits",
+            &gather_rows(&got.max_logits, c.h_q, &rows),
+            &want.max_logits,
+            &PREFILL_MAX_LOGITS,
+        ),
     ]))
 }
 
@@ -181,8 +158,18 @@ pub fn cases() -> Vec<Case> {
                     let (what, padded) = variant(&mut case, k);
                     let quick = k % 9 == 0;
                     k += 1;
-                    let name = format!("sparse_fwd/h{h_q}/d{d_qk}/skv{s_kv}/topk{topk}/sq{s_q}/{what}");
-                    push(&mut v, name, quick, Spec { case, padded, sample: None });
+                    let name =
+                        format!("sparse_fwd/h{h_q}/d{d_qk}/skv{s_kv}/topk{topk}/sq{s_q}/{what}");
+                    push(
+                        &mut v,
+                        name,
+                        quick,
+                        Spec {
+                            case,
+                            padded,
+                            sample: None,
+                        },
+                    );
                 }
             }
         }
@@ -194,7 +181,16 @@ pub fn cases() -> Vec<Case> {
                 let mut case = SparseCase::plain(37, 1521, h_q, d_qk, 512);
                 let (what, padded) = variant(&mut case, j);
                 let name = format!("sparse_fwd/feature/{what}/h{h_q}/d{d_qk}");
-                push(&mut v, name, true, Spec { case, padded, sample: None });
+                push(
+                    &mut v,
+                    name,
+                    true,
+                    Spec {
+                        case,
+                        padded,
+                        sample: None,
+                    },
+                );
             }
         }
     }
@@ -202,30 +198,75 @@ pub fn cases() -> Vec<Case> {
     for (s_kv, topk) in [(32usize, 2048usize), (64, 8192)] {
         for (h_q, d_qk) in [(64usize, 576usize), (128, 512)] {
             let case = SparseCase::plain(62, s_kv, h_q, d_qk, topk);
-            push(&mut v, format!("sparse_fwd/topk_gt_skv/skv{s_kv}/topk{topk}/h{h_q}/d{d_qk}"), false, Spec { case, padded: false, sample: None });
+            push(
+                &mut v,
+                format!("sparse_fwd/topk_gt_skv/skv{s_kv}/topk{topk}/h{h_q}/d{d_qk}"),
+                false,
+                Spec {
+                    case,
+                    padded: false,
+                    sample: None,
+                },
+            );
         }
     }
     let mut all_invalid = SparseCase::plain(20, 500, 128, 576, 256);
     all_invalid.empty_every = 1;
     all_invalid.sink = SinkKind::Random;
-    push(&mut v, "sparse_fwd/all_rows_invalid".into(), true, Spec { case: all_invalid, padded: false, sample: None });
+    push(
+        &mut v,
+        "sparse_fwd/all_rows_invalid".into(),
+        true,
+        Spec {
+            case: all_invalid,
+            padded: false,
+            sample: None,
+        },
+    );
     for h_q in [1usize, 3, 100] {
         let mut case = SparseCase::plain(40, 700, h_q, 576, 200);
         case.sink = SinkKind::Random;
         case.invalid_frac = 0.1;
-        push(&mut v, format!("sparse_fwd/heads/h{h_q}"), true, Spec { case, padded: false, sample: None });
+        push(
+            &mut v,
+            format!("sparse_fwd/heads/h{h_q}"),
+            true,
+            Spec {
+                case,
+                padded: false,
+                sample: None,
+            },
+        );
     }
     // Huge s_q (never on grid y/z): run, no crash, sampled rows checked.
     for (s_q, h_q) in [(70_000usize, 16usize), (200_000, 2)] {
         let mut case = SparseCase::plain(s_q, 8192, h_q, 576, 128);
         case.invalid_frac = 0.02;
-        push(&mut v, format!("sparse_fwd/huge_sq/sq{s_q}/h{h_q}"), false, Spec { case, padded: false, sample: Some(48) });
+        push(
+            &mut v,
+            format!("sparse_fwd/huge_sq/sq{s_q}/h{h_q}"),
+            false,
+            Spec {
+                case,
+                padded: false,
+                sample: Some(48),
+            },
+        );
     }
     // The benchmark shape, random and local indices, sampled.
     for pattern in [IndexPattern::Random, IndexPattern::Local] {
         let mut case = SparseCase::plain(4096, 32768, 128, 576, 2048);
         case.pattern = pattern;
-        push(&mut v, format!("sparse_fwd/perf_shape/{pattern:?}").to_lowercase(), false, Spec { case, padded: false, sample: Some(24) });
+        push(
+            &mut v,
+            format!("sparse_fwd/perf_shape/{pattern:?}").to_lowercase(),
+            false,
+            Spec {
+                case,
+                padded: false,
+                sample: Some(24),
+            },
+        );
     }
     v
 }
