@@ -106,6 +106,9 @@ pub struct Record {
 /// The closure a benchmark times: one call of the op.
 pub type Timed = Box<dyn FnMut() -> flashmla::Result<()>>;
 
+/// Prepares a benchmark's inputs on the GPU and returns what to time.
+pub type Setup = Box<dyn Fn(&Gpu) -> flashmla::Result<Timed>>;
+
 /// A benchmark: its record template (shape fields), its work counts, and a closure that runs the op once.
 pub struct Bench {
     /// Record with the shape fields filled in.
@@ -115,7 +118,7 @@ pub struct Bench {
     /// Compulsory bytes per call.
     pub bytes: f64,
     /// Prepares inputs and returns the closure to time.
-    pub setup: Box<dyn Fn(&Gpu) -> flashmla::Result<Timed>>,
+    pub setup: Setup,
 }
 
 fn all_benches(args: &BenchArgs) -> Vec<Bench> {
