@@ -56,7 +56,12 @@ fn main() {
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
     let csrc = manifest.join("csrc");
     let require = env::var("FLASHMLA_REQUIRE_KERNELS").is_ok_and(|v| v == "1");
-    for var in ["NVCC", "CUDA_HOME", "FLASHMLA_REQUIRE_KERNELS", "FLASHMLA_NVCC_FLAGS"] {
+    for var in [
+        "NVCC",
+        "CUDA_HOME",
+        "FLASHMLA_REQUIRE_KERNELS",
+        "FLASHMLA_NVCC_FLAGS",
+    ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
     println!("cargo:rerun-if-changed={}", csrc.display());

@@ -68,7 +68,11 @@ pub fn e8m0_to_f32(b: u8) -> f32 {
 /// `2^ceil(log2(max(amax / 448, 1e-4)))`, computed on the exponent bits (no `log2`).
 /// Returns the scale and its unbiased exponent. A NaN `amax` is treated as infinite, +inf saturates to 2^127.
 pub fn pow2_scale(amax: f32) -> (f32, i32) {
-    let v = if amax.is_nan() { f32::INFINITY } else { amax / E4M3_MAX };
+    let v = if amax.is_nan() {
+        f32::INFINITY
+    } else {
+        amax / E4M3_MAX
+    };
     let v = v.max(SCALE_FLOOR);
     let bits = v.to_bits();
     let mut e = ((bits >> 23) & 0xFF) as i32 - 127;
@@ -165,7 +169,11 @@ impl KvFormat {
         match d_qk {
             576 => Ok(KvFormat::V32),
             512 => Ok(KvFormat::Model1),
-            other => Err(Error::invalid("d_qk", "576 (V3.2 format) or 512 (MODEL1 format)", other)),
+            other => Err(Error::invalid(
+                "d_qk",
+                "576 (V3.2 format) or 512 (MODEL1 format)",
+                other,
+            )),
         }
     }
     /// Short name (`v32`, `model1`).
@@ -222,14 +230,19 @@ mod tests {
                 .iter()
                 .map(|&c| (c - x).abs())
                 .fold(f32::INFINITY, f32::min);
-            assert!(((got - x).abs() - best).abs() <= best * 1e-6, "x={x} got={got}");
+            assert!(
+                ((got - x).abs() - best).abs() <= best * 1e-6,
+                "x={x} got={got}"
+            );
             x *= 1.0137;
         }
     }
 
     #[test]
     fn pow2_scale_matches_definition() {
-        for &amax in &[0.0f32, 1e-9, 0.0448, 0.0449, 1.0, 448.0, 449.0, 896.0, 3.7e4] {
+        for &amax in &[
+            0.0f32, 1e-9, 0.0448, 0.0449, 1.0, 448.0, 449.0, 896.0, 3.7e4,
+        ] {
             let (s, e) = pow2_scale(amax);
             let want = (amax / 448.0).max(1e-4).log2().ceil();
             assert_eq!(e as f32, want, "amax {amax}");

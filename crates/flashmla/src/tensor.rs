@@ -374,7 +374,11 @@ impl HostTensor {
     pub fn to_padded(&self, pad: &[usize]) -> Result<Self> {
         let shape = self.layout.shape().to_vec();
         if pad.len() != shape.len() {
-            return Err(Error::invalid("pad", format!("{} entries", shape.len()), pad.len()));
+            return Err(Error::invalid(
+                "pad",
+                format!("{} entries", shape.len()),
+                pad.len(),
+            ));
         }
         let padded: Vec<usize> = shape.iter().zip(pad).map(|(&n, &p)| n + p).collect();
         let big = Layout::contiguous(&padded);

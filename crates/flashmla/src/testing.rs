@@ -91,7 +91,8 @@ pub fn sparse_indices(
         }
         let empty = empty_every > 0 && t % empty_every == empty_every - 1;
         for (j, v) in row.iter_mut().enumerate() {
-            if empty || s_kv == 0 || (invalid_frac > 0.0 && rng.random_bool(invalid_frac.min(1.0))) {
+            if empty || s_kv == 0 || (invalid_frac > 0.0 && rng.random_bool(invalid_frac.min(1.0)))
+            {
                 *v = invalid_index(t + j, s_kv);
             }
         }
@@ -242,7 +243,9 @@ impl SparseCase {
         if self.nan_unreferenced {
             let mut used = vec![false; self.s_kv];
             for t in 0..self.s_q {
-                let len = topk_length.as_ref().map_or(self.topk, |l| l[t].max(0) as usize);
+                let len = topk_length
+                    .as_ref()
+                    .map_or(self.topk, |l| l[t].max(0) as usize);
                 for &i in &idx[t * self.topk..t * self.topk + len.min(self.topk)] {
                     if i >= 0 && (i as usize) < self.s_kv {
                         used[i as usize] = true;
@@ -257,7 +260,11 @@ impl SparseCase {
         }
         let attn_sink = match self.sink {
             SinkKind::None => None,
-            SinkKind::Random => Some((0..self.h_q).map(|_| r.random_range(-2.0f32..6.0)).collect()),
+            SinkKind::Random => Some(
+                (0..self.h_q)
+                    .map(|_| r.random_range(-2.0f32..6.0))
+                    .collect(),
+            ),
             SinkKind::Infinite => Some(
                 (0..self.h_q)
                     .map(|h| match h % 3 {
@@ -272,7 +279,9 @@ impl SparseCase {
             q: HostTensor::bf16_from_f32(&q, &[self.s_q, self.h_q, self.d_qk])?,
             kv: HostTensor::bf16_from_f32(&kv, &[self.s_kv, 1, self.d_qk])?,
             indices: HostTensor::from_i32(idx, &[self.s_q, 1, self.topk])?,
-            attn_sink: attn_sink.map(|s| HostTensor::from_f32(s, &[self.h_q])).transpose()?,
+            attn_sink: attn_sink
+                .map(|s| HostTensor::from_f32(s, &[self.h_q]))
+                .transpose()?,
             topk_length: topk_length
                 .map(|l| HostTensor::from_i32(l, &[self.s_q]))
                 .transpose()?,
@@ -321,8 +330,16 @@ impl SparseInputs {
             q: self.q.to_f32_vec()?,
             kv: self.kv.to_f32_vec()?,
             indices: self.indices.to_i32_vec()?,
-            attn_sink: self.attn_sink.as_ref().map(|t| t.to_f32_vec()).transpose()?,
-            topk_length: self.topk_length.as_ref().map(|t| t.to_i32_vec()).transpose()?,
+            attn_sink: self
+                .attn_sink
+                .as_ref()
+                .map(|t| t.to_f32_vec())
+                .transpose()?,
+            topk_length: self
+                .topk_length
+                .as_ref()
+                .map(|t| t.to_i32_vec())
+                .transpose()?,
             sm_scale: self.sm_scale,
         })
     }
@@ -332,7 +349,9 @@ impl SparseInputs {
     pub fn padded(&self) -> Result<SparseInputs> {
         fn pad(t: &HostTensor) -> Result<HostTensor> {
             let rank = t.shape().len();
-            let p: Vec<usize> = (0..rank).map(|d| if d + 1 == rank { 128 } else { 1 }).collect();
+            let p: Vec<usize> = (0..rank)
+                .map(|d| if d + 1 == rank { 128 } else { 1 })
+                .collect();
             t.to_padded(&p)
         }
         Ok(SparseInputs {
@@ -477,7 +496,11 @@ pub fn kv_token_values(format: KvFormat, flavour: KvFlavour, rng: &mut StdRng) -
 }
 
 /// `num_tokens` tokens, flavours cycling through [`FLAVOURS`] with a seeded shuffle; returns values and flavours.
-pub fn kv_cache_values(format: KvFormat, num_tokens: usize, seed: u64) -> (Vec<f32>, Vec<KvFlavour>) {
+pub fn kv_cache_values(
+    format: KvFormat,
+    num_tokens: usize,
+    seed: u64,
+) -> (Vec<f32>, Vec<KvFlavour>) {
     let mut r = rng(seed);
     let mut values = Vec::with_capacity(num_tokens * format.d_qk());
     let mut flavours = Vec::with_capacity(num_tokens);
@@ -500,7 +523,15 @@ mod tests {
 
     #[test]
     fn invalid_indices_are_invalid_for_any_s_kv() {
-        for s_kv in [0usize, 1, 95, 114515, 1919811, 2147480001, i32::MAX as usize] {
+        for s_kv in [
+            0usize,
+            1,
+            95,
+            114515,
+            1919811,
+            2147480001,
+            i32::MAX as usize,
+        ] {
             for k in 0..8 {
                 let v = invalid_index(k, s_kv);
                 assert!(v < 0 || v as usize >= s_kv, "k={k} s_kv={s_kv} v={v}");

@@ -90,7 +90,12 @@ pub fn expect_contiguous(arg: &str, t: &impl TensorMeta) -> Result<()> {
 
 /// Every stride (and the span of reachable offsets) fits the index type a kernel uses, given as its
 /// largest value (e.g. `i32::MAX as usize`). Kernels index with that type, so a larger value would wrap.
-pub fn expect_offsets_fit(arg: &str, t: &impl TensorMeta, max: usize, type_name: &str) -> Result<()> {
+pub fn expect_offsets_fit(
+    arg: &str,
+    t: &impl TensorMeta,
+    max: usize,
+    type_name: &str,
+) -> Result<()> {
     let span = t.layout().span();
     match span {
         Some(s) if s <= max.saturating_add(1) => Ok(()),
@@ -130,7 +135,11 @@ pub fn expect_range(arg: &str, value: usize, lo: usize, hi: usize) -> Result<()>
     if (lo..=hi).contains(&value) {
         return Ok(());
     }
-    Err(Error::invalid(arg, format!("a value in {lo}..={hi}"), value))
+    Err(Error::invalid(
+        arg,
+        format!("a value in {lo}..={hi}"),
+        value,
+    ))
 }
 
 /// A finite, positive scale.

@@ -47,7 +47,10 @@ impl CacheLayout {
         if self.block_stride < need {
             return Err(Error::invalid(
                 "k_cache.strides[0]",
-                format!("at least page_size * {} = {need} bytes", self.format.bytes_per_token()),
+                format!(
+                    "at least page_size * {} = {need} bytes",
+                    self.format.bytes_per_token()
+                ),
                 self.block_stride,
             ));
         }
@@ -98,7 +101,13 @@ pub fn token_scale(format: KvFormat, block: &[u8], page_size: usize, t: usize, s
 }
 
 /// Dequantises token `t` of a block into `out` (`d_qk` values): `fp8 * scale` for NoPE, bf16 RoPE as is.
-pub fn dequantize_token(format: KvFormat, block: &[u8], page_size: usize, t: usize, out: &mut [f32]) {
+pub fn dequantize_token(
+    format: KvFormat,
+    block: &[u8],
+    page_size: usize,
+    t: usize,
+    out: &mut [f32],
+) {
     debug_assert_eq!(out.len(), format.d_qk());
     let tile = format.tile();
     let nope = format.nope_offset(t);
@@ -123,7 +132,11 @@ pub fn quantize_cache(layout: &CacheLayout, kv: &[f32]) -> Result<Vec<u8>> {
     if kv.len() != layout.num_tokens() * d {
         return Err(Error::invalid(
             "kv",
-            format!("{} values ({} tokens x {d})", layout.num_tokens() * d, layout.num_tokens()),
+            format!(
+                "{} values ({} tokens x {d})",
+                layout.num_tokens() * d,
+                layout.num_tokens()
+            ),
             kv.len(),
         ));
     }
@@ -137,7 +150,13 @@ pub fn quantize_cache(layout: &CacheLayout, kv: &[f32]) -> Result<Vec<u8>> {
         .for_each(|(b, block)| {
             for t in 0..layout.page_size {
                 let tok = b * layout.page_size + t;
-                quantize_token(layout.format, block, layout.page_size, t, &kv[tok * d..(tok + 1) * d]);
+                quantize_token(
+                    layout.format,
+                    block,
+                    layout.page_size,
+                    t,
+                    &kv[tok * d..(tok + 1) * d],
+                );
             }
         });
     Ok(cache)
@@ -163,7 +182,13 @@ pub fn dequantize_cache(layout: &CacheLayout, cache: &[u8]) -> Result<Vec<f32>> 
         .for_each(|(b, dst)| {
             let block = &cache[b * layout.block_stride..];
             for t in 0..layout.page_size {
-                dequantize_token(layout.format, block, layout.page_size, t, &mut dst[t * d..(t + 1) * d]);
+                dequantize_token(
+                    layout.format,
+                    block,
+                    layout.page_size,
+                    t,
+                    &mut dst[t * d..(t + 1) * d],
+                );
             }
         });
     Ok(out)

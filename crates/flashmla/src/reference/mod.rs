@@ -9,7 +9,13 @@ pub mod kv_quant;
 
 /// The accumulation type of a reference computation: `f32` or `f64`.
 pub trait Real:
-    num_traits::Float + num_traits::FromPrimitive + std::iter::Sum + Send + Sync + std::fmt::Debug + 'static
+    num_traits::Float
+    + num_traits::FromPrimitive
+    + std::iter::Sum
+    + Send
+    + Sync
+    + std::fmt::Debug
+    + 'static
 {
     /// Widens (or keeps) an f32 input.
     fn of(x: f32) -> Self;

@@ -65,7 +65,9 @@ pub fn offset(rng: &mut StdRng, max: f32) -> f32 {
 /// The SPEC-6 invalid index values, as they apply to a KV tensor of `s_kv` rows.
 pub fn invalid_index_values(s_kv: usize) -> Vec<i32> {
     let n = flashmla::testing::INVALID_INDEX_VALUES.len();
-    let mut v: Vec<i32> = (0..n).map(|k| flashmla::testing::invalid_index(k, s_kv)).collect();
+    let mut v: Vec<i32> = (0..n)
+        .map(|k| flashmla::testing::invalid_index(k, s_kv))
+        .collect();
     v.dedup();
     v
 }

@@ -13,8 +13,6 @@ pub fn to_bf16(x: f32) -> f32 {
     bf16::from_f32(x).to_f32()
 }
 
-
-
 #[allow(unused_imports)]
 pub use flashmla::testing::{
     kv_cache_values as cache_values, kv_token_values as token_values, rng, KvFlavour as Flavour,
