@@ -1,0 +1,38 @@
+//! `flashmla._native`: the PyO3 extension module behind the `flashmla` Python package (`python/flashmla/`).
+//!
+//! Bindings only: torch-free entry points that take tensor descriptors (`(data_ptr, dtype, shape, strides,
+//! device)` tuples, see [`tensor`]) built by the Python layer, which owns everything torch-specific (output
+//! allocation through torch's allocator, the current stream, autograd, `torch.library` registration). Built
+//! with the stable ABI (abi3, CPython 3.9+) by maturin from the repository's `pyproject.toml`.
+//!
+//! Errors: see [`errors`] for how `flashmla::Error` maps to Python exceptions; no panic reaches Python.
+
+mod errors;
+mod gpu;
+mod ops;
+mod tensor;
+
+use pyo3::prelude::*;
+
+/// Rust core of flashmla (import `flashmla`, not this module).
+#[pymodule]
+#[pyo3(name = "_native")]
+fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("NVCC_VERSION", flashmla::cuda::NVCC_VERSION)?;
+    m.add("KERNEL_ARCH", flashmla::cuda::KERNEL_ARCH)?;
+    m.add_function(wrap_pyfunction!(ops::sparse_fwd_check, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::sparse_fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::sparse_bwd_check, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::sparse_bwd, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::decode_dense_check, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::decode_dense, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::decode_sparse_check, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::decode_sparse, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::kv_quantize_check, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::kv_quantize, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::kv_dequantize_check, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::kv_dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::kernels_built, m)?)?;
+    Ok(())
+}

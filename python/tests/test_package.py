@@ -1,0 +1,44 @@
+"""The installed package: where it comes from, what the wheel embeds, thread use."""
+
+import os
+import threading
+
+import pytest
+import torch
+
+import flashmla
+from mla_cases import make_sparse_case
+
+
+def test_imports_the_installed_wheel():
+    if os.environ.get("FLASHMLA_TEST_INSTALLED") != "1":
+        pytest.skip("set by scripts/python-test.sh, which installs the wheel")
+    assert "site-packages" in flashmla.__file__, flashmla.__file__
+
+
+def test_version_and_build_info():
+    assert flashmla.__version__.count(".") == 2
+    built = flashmla.kernels_built()
+    assert "sparse_fwd" in built and "kv_quant" in built
+    if os.environ.get("FLASHMLA_EXPECT_KERNELS") == "1":
+        assert all(built.values()), f"the wheel must embed every cubin: {built}"
+        assert flashmla._native.NVCC_VERSION
+
+
+def test_concurrent_calls_from_threads():
+    """The GIL is released during a call; concurrent calls on separate inputs give the serial results."""
+    cases = [make_sparse_case(70 + i, s_q=4, s_kv=32, h_q=4, d_qk=576, topk=16) for i in range(4)]
+    serial = [flashmla.sparse_fwd(*c.args())[0] for c in cases]
+    results = [None] * len(cases)
+
+    def work(i):
+        results[i] = flashmla.sparse_fwd(*cases[i].args())[0]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for a, b in zip(results, serial):
+        assert torch.equal(a, b)
+
