@@ -15,14 +15,17 @@
 //! Rows of `d_kv` that no valid index references are exactly 0. [`validate()`] checks everything once for
 //! both backends. CPU path: [`sparse_bwd_cpu`] runs [`crate::reference::sparse_bwd`] in f32.
 
+pub mod launch;
 pub mod validate;
 
+pub use launch::{workspace_shape, SparseBwdOptions};
 pub use validate::{validate, validate_output};
 
 use crate::error::Result;
 use crate::ops::sparse_fwd::{HostInputs, SparseFwdArgs, SparseFwdDims};
 use crate::reference::sparse_bwd::{sparse_bwd, SparseBwdProblem};
-use crate::tensor::{DType, HostTensor};
+use crate::cuda::Gpu;
+use crate::tensor::{DType, DeviceView, HostTensor, TensorMeta};
 
 /// The dtypes `d_kv` may have.
 pub const D_KV_DTYPES: [DType; 2] = [DType::Bf16, DType::F32];
@@ -148,4 +151,30 @@ pub fn sparse_bwd_cpu(args: &SparseBwdArgs<'_, HostTensor>) -> Result<SparseBwdO
             .map(|d| HostTensor::from_f32(d, &dims.d_attn_sink_shape()))
             .transpose()?,
     })
+}
+
+/// Runs the backward on the GPU with default options (atomic f32 accumulation of `d_kv`, workspace allocated
+/// and freed in stream order when `d_kv` is bf16). See [`sparse_bwd_cuda_with`].
+pub fn sparse_bwd_cuda(
+    gpu: &Gpu,
+    args: &SparseBwdArgs<'_, DeviceView>,
+    out: &SparseBwdOutput<DeviceView>,
+) -> Result<()> {
+    sparse_bwd_cuda_with(gpu, args, out, &SparseBwdOptions::default(), None)
+}
+
+/// Runs the backward on the GPU. `options` selects accumulation into an existing f32 `d_kv`, the 2-CTA pairing
+/// and the deterministic (fixed-point) reduction; `workspace` is an optional caller-owned f32 buffer of
+/// [`workspace_shape`] (otherwise the op allocates it when needed: `s_kv * d_qk` f32, or twice that in
+/// deterministic mode, and nothing of size `s_q * topk`).
+pub fn sparse_bwd_cuda_with(
+    gpu: &Gpu,
+    args: &SparseBwdArgs<'_, DeviceView>,
+    out: &SparseBwdOutput<DeviceView>,
+    options: &SparseBwdOptions,
+    workspace: Option<&DeviceView>,
+) -> Result<()> {
+    let dims = validate(args)?;
+    validate_output(&dims, args.q.location(), out)?;
+    launch::launch(gpu, &dims, args, out, options, workspace)
 }

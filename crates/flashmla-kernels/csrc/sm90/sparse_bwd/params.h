@@ -1,0 +1,89 @@
+// Parameters of the sparse MLA prefill backward family (SPEC section 2). ONE struct for every kernel of the family
+// (delta pre-pass, accumulator zeroing, main kernel, d_kv finalisation, sink gradient); each kernel reads the
+// fields it needs. Mirrored field by field by `crates/flashmla/src/ops/sparse_bwd/launch.rs` (`SparseBwdParams`,
+// #[repr(C)]); the static_asserts below and the Rust `const` asserts pin the same size and offsets.
+//
+// Shapes use SPEC names. Strides are in elements, last dimensions are contiguous (stride 1, not stored). All
+// strides are i64: the host checked that every reachable offset fits. q, kv and d_out rows are 16-byte aligned
+// (the main kernel gathers them in 16-byte chunks); dkv_acc rows are 16-byte aligned (vector reductions); the
+// host checked both.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace flashmla::sparse_bwd {
+
+// `flags` bits.
+inline constexpr uint32_t kFlagOutVec16 = 1u << 0;    // `out` rows 16-byte aligned: the delta pre-pass loads 16 B
+inline constexpr uint32_t kFlagDqVec16 = 1u << 1;     // `d_q` rows 16-byte aligned: 16-byte stores
+inline constexpr uint32_t kFlagDkvVec16 = 1u << 2;    // `d_kv` rows 16-byte aligned: finalisation stores 16 B
+inline constexpr uint32_t kFlagDkvF32 = 1u << 3;      // `d_kv` is f32 (finalisation copies); else bf16 (casts)
+inline constexpr uint32_t kFlagAccumulate = 1u << 4;  // finalisation adds into the existing f32 `d_kv`
+inline constexpr uint32_t kFlagFixedPoint = 1u << 5;  // dkv_acc holds int64 fixed point (deterministic mode)
+
+struct SparseBwdParams {
+    const uint16_t* q;            // [s_q, h_q, d_qk] bf16; strides (q_stride_t, q_stride_h, 1)
+    const uint16_t* kv;           // [s_kv, 1, d_qk] bf16; row stride kv_stride_t (V = first 512 columns)
+    const int32_t* indices;       // [s_q, 1, topk] i32; token stride indices_stride_t
+    const int32_t* topk_length;   // [s_q] i32, stride topk_length_stride; nullptr: every row uses all topk entries
+    const float* attn_sink;       // [h_q] f32, stride attn_sink_stride; nullptr: no sink
+    const uint16_t* out;          // [s_q, h_q, d_v] bf16 forward output; strides (out_stride_t, out_stride_h, 1)
+    const uint16_t* d_out;        // [s_q, h_q, d_v] bf16; strides (d_out_stride_t, d_out_stride_h, 1)
+    const float* lse;             // [s_q, h_q] f32 natural log, +inf for empty rows; strides (lse_stride_t, _h)
+    uint16_t* d_q;                // [s_q, h_q, d_qk] bf16; strides (d_q_stride_t, d_q_stride_h, 1)
+    float* delta;                 // [s_q, h_q] f32; written by the pre-pass, read by the main kernel and sink grad
+    float* d_attn_sink;           // [h_q] f32, stride d_attn_sink_stride; nullptr when there is no sink
+    float* dkv_acc;               // [s_kv, d_qk] f32 accumulator, row stride dkv_acc_stride (the f32 d_kv itself
+                                  // when its rows are 16-byte aligned, else the workspace); with kFlagFixedPoint
+                                  // int64 values (2^-32 units) and the stride counts int64 elements
+    void* d_kv;                   // [s_kv, 1, d_qk] bf16 or f32 (kFlagDkvF32), row stride d_kv_stride: written by
+                                  // the finalisation kernel from dkv_acc (unused when dkv_acc is d_kv itself)
+
+    int64_t q_stride_t;
+    int64_t q_stride_h;
+    int64_t kv_stride_t;
+    int64_t indices_stride_t;
+    int64_t topk_length_stride;
+    int64_t attn_sink_stride;
+    int64_t out_stride_t;
+    int64_t out_stride_h;
+    int64_t d_out_stride_t;
+    int64_t d_out_stride_h;
+    int64_t lse_stride_t;
+    int64_t lse_stride_h;
+    int64_t d_q_stride_t;
+    int64_t d_q_stride_h;
+    int64_t delta_stride_t;
+    int64_t delta_stride_h;
+    int64_t d_attn_sink_stride;
+    int64_t dkv_acc_stride;
+    int64_t d_kv_stride;
+
+    int32_t s_q;
+    int32_t s_kv;                 // an index i is valid iff 0 <= i < s_kv (clamped to i32::MAX by the host)
+    int32_t h_q;                  // 1..=128
+    int32_t topk;                 // >= 1
+    int32_t d_qk;                 // 512 or 576 (the small kernels need it; the main kernel is templated on it)
+    int32_t num_head_groups;      // ceil(h_q / 64); the main kernel's grid.x = s_q * num_head_groups
+    uint32_t flags;               // kFlag* bits
+    float sm_scale;               // folded into dS, so d_q and d_kv need no extra scaling
+    float sm_scale_log2;          // sm_scale * log2(e): logits are kept in base 2 inside the kernel
+    int32_t reserved;             // keeps the size a multiple of 8; always 0
+};
+
+inline constexpr size_t kSparseBwdParamsBytes = 296;
+static_assert(sizeof(SparseBwdParams) == kSparseBwdParamsBytes, "mirror of launch.rs SparseBwdParams");
+static_assert(offsetof(SparseBwdParams, q) == 0, "mirror of launch.rs");
+static_assert(offsetof(SparseBwdParams, lse) == 56, "mirror of launch.rs");
+static_assert(offsetof(SparseBwdParams, dkv_acc) == 88, "mirror of launch.rs");
+static_assert(offsetof(SparseBwdParams, d_kv) == 96, "mirror of launch.rs");
+static_assert(offsetof(SparseBwdParams, q_stride_t) == 104, "mirror of launch.rs");
+static_assert(offsetof(SparseBwdParams, d_kv_stride) == 248, "mirror of launch.rs");
+static_assert(offsetof(SparseBwdParams, s_q) == 256, "mirror of launch.rs");
+static_assert(offsetof(SparseBwdParams, flags) == 280, "mirror of launch.rs");
+static_assert(offsetof(SparseBwdParams, sm_scale) == 284, "mirror of launch.rs");
+static_assert(offsetof(SparseBwdParams, sm_scale_log2) == 288, "mirror of launch.rs");
+static_assert(offsetof(SparseBwdParams, reserved) == 292, "mirror of launch.rs");
+
+}  // namespace flashmla::sparse_bwd

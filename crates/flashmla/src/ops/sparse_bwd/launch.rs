@@ -1,0 +1,1058 @@
+//! GPU path of the sparse prefill backward: checks the limits of the sm_90a kernels
+//! (`csrc/sm90/sparse_bwd/`, design in `docs/sparse-bwd.md`), lowers validated arguments to their
+//! one [`SparseBwdParams`] struct and the ordered list of launches, and runs them.
+//!
+//! Launches, in stream order (see [`Stage`]):
+//! 1. `sparse_bwd_zero_acc`: zero the f32 `d_kv` accumulator (skipped when accumulating into an f32
+//!    `d_kv` in place);
+//! 2. `sparse_bwd_delta`: `delta = rowsum(d_out * out)` (written to the `delta` output);
+//! 3. `sparse_bwd_main_d{576,512}`: one CTA of 384 threads per (query token, group of 64 heads):
+//!    writes `d_q` once and adds each tile's `d_kv` rows into the accumulator with vector reductions;
+//! 4. `sparse_bwd_finalize`: accumulator -> `d_kv` (bf16 cast, or f32 copy/add), only when the
+//!    accumulator is the workspace;
+//! 5. `sparse_bwd_sink_grad`: `d_attn_sink`, deterministic, only with `attn_sink`.
+//!
+//! **Memory.** The accumulator is the f32 `d_kv` itself when its rows are 16-byte aligned;
+//! otherwise (bf16 `d_kv`, or an unaligned f32 one) an f32 workspace `[s_kv, d_qk]`, 16-byte aligned
+//! rows: the caller's, or allocated here with [`Gpu::alloc`] and released in stream order when
+//! [`launch`] returns. Nothing else is allocated (no `O(s_q * topk)` buffer; `delta` lives in its
+//! output).
+//!
+//! Kernel limits checked here (beyond [`super::validate`]): `h_q <= 128`; `q`, `kv` and `d_out`
+//! rows 16-byte aligned (the main kernel gathers 16-byte chunks); every other tensor aligned to its
+//! element size; every reachable offset fits `i64`; `topk`, `s_q * h_q` and the grid fit the
+//! kernels' 32-bit counters. `out`, `d_q` and `d_kv` take 16-byte accesses when their rows are
+//! 16-byte aligned and element accesses otherwise.
+//!
+//! `d_kv` is accumulated with f32 atomics, so its low bits depend on the order in which CTAs add
+//! (not bitwise reproducible run to run); `d_q`, `delta` and `d_attn_sink` are deterministic.
+
+use super::{SparseBwdArgs, SparseBwdDims, SparseBwdOutput};
+use crate::cuda::{Gpu, LaunchConfig};
+use crate::error::{Error, Result};
+use crate::tensor::{DType, DeviceView, Location, TensorMeta};
+use crate::validate::{expect_location, expect_offsets_fit, expect_shape, to_i32, to_i64};
+use std::mem::{offset_of, size_of};
+
+/// Kernel family (`csrc/sm90/sparse_bwd/`).
+pub const FAMILY: &str = "sparse_bwd";
+/// Heads per CTA of the main kernel (`kHeadsPerCta`).
+pub const HEADS_PER_CTA: usize = 64;
+/// Largest `h_q` the kernels serve (`kMaxHeads`): two head groups per token.
+pub const MAX_HEADS: usize = 128;
+/// KV rows per tile of the main kernel (`kTileRows`).
+pub const TILE_ROWS: usize = 64;
+/// Threads per CTA of the main kernel (`kThreads`): one producer and two consumer warpgroups.
+pub const THREADS_PER_CTA: u32 = 384;
+/// Threads per CTA of every auxiliary kernel (`kSmallThreads`).
+pub const SMALL_THREADS: u32 = 256;
+/// `(t, h)` rows per CTA of the delta pre-pass (`kDeltaRowsPerCta`: 8 warps x 4 rows).
+pub const DELTA_ROWS_PER_CTA: usize = 32;
+/// Dynamic shared memory of the d_qk = 576 main kernel (`kSmemBytes<576>`, static_asserted in
+/// config.cuh).
+pub const SMEM_BYTES_D576: u32 = 231_424;
+/// Dynamic shared memory of the d_qk = 512 main kernel (`kSmemBytes<512>`).
+pub const SMEM_BYTES_D512: u32 = 215_040;
+/// Gathers, vector reductions and vector stores move 16-byte chunks.
+pub const CHUNK_ALIGN_BYTES: u64 = 16;
+/// `flags` bit: `out` rows are 16-byte aligned (`kFlagOutVec16`).
+pub const FLAG_OUT_VEC16: u32 = 1 << 0;
+/// `flags` bit: `d_q` rows are 16-byte aligned (`kFlagDqVec16`).
+pub const FLAG_DQ_VEC16: u32 = 1 << 1;
+/// `flags` bit: `d_kv` rows are 16-byte aligned (`kFlagDkvVec16`).
+pub const FLAG_DKV_VEC16: u32 = 1 << 2;
+/// `flags` bit: `d_kv` is f32 (`kFlagDkvF32`); otherwise bf16.
+pub const FLAG_DKV_F32: u32 = 1 << 3;
+/// `flags` bit: finalisation adds the accumulator into the f32 `d_kv` (`kFlagAccumulate`).
+pub const FLAG_ACCUMULATE: u32 = 1 << 4;
+/// `flags` bit: the accumulator holds int64 fixed point (`kFlagFixedPoint`, deterministic mode).
+pub const FLAG_FIXED_POINT: u32 = 1 << 5;
+/// 4-byte words per accumulator value in deterministic mode (int64 fixed point).
+const FIXED_POINT_WORDS: usize = 2;
+/// Largest `blockIdx.x` + 1 the driver accepts.
+const MAX_GRID_X: usize = i32::MAX as usize;
+/// CTAs of the grid-stride kernels (zeroing, finalisation): enough to fill an H100 many times over.
+const MAX_STREAM_CTAS: usize = 1 << 16;
+/// f32 values one thread of the zeroing kernel writes per step (one float4).
+const ZERO_VALUES_PER_ITEM: usize = 4;
+/// Values one thread of the finalisation kernel converts per step (`kElemChunk`).
+const FINALIZE_VALUES_PER_ITEM: usize = 8;
+/// log2(e): the kernel keeps logits in base 2, so the host folds it into the scale.
+const LOG2_E: f32 = std::f32::consts::LOG2_E;
+
+/// Mirror of `flashmla::sparse_bwd::SparseBwdParams` (params.h): same field order, types and size,
+/// asserted below and by `static_assert`s on the C++ side. Pointers are device addresses (0 when
+/// absent); strides are in elements; last dimensions are contiguous and have no stride field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SparseBwdParams {
+    /// `[s_q, h_q, d_qk]` bf16.
+    pub q: u64,
+    /// `[s_kv, 1, d_qk]` bf16.
+    pub kv: u64,
+    /// `[s_q, 1, topk]` i32.
+    pub indices: u64,
+    /// `[s_q]` i32 or 0.
+    pub topk_length: u64,
+    /// `[h_q]` f32 or 0.
+    pub attn_sink: u64,
+    /// Forward output `[s_q, h_q, d_v]` bf16.
+    pub out: u64,
+    /// `[s_q, h_q, d_v]` bf16.
+    pub d_out: u64,
+    /// `[s_q, h_q]` f32.
+    pub lse: u64,
+    /// `[s_q, h_q, d_qk]` bf16 output.
+    pub d_q: u64,
+    /// `[s_q, h_q]` f32 output.
+    pub delta: u64,
+    /// `[h_q]` f32 output or 0.
+    pub d_attn_sink: u64,
+    /// f32 accumulator `[s_kv, d_qk]`, row stride `dkv_acc_stride` (the f32 `d_kv` or the workspace).
+    pub dkv_acc: u64,
+    /// `[s_kv, 1, d_qk]` bf16 or f32 output.
+    pub d_kv: u64,
+    /// Elements between `q` tokens.
+    pub q_stride_t: i64,
+    /// Elements between `q` heads.
+    pub q_stride_h: i64,
+    /// Elements between `kv` rows.
+    pub kv_stride_t: i64,
+    /// Elements between `indices` tokens.
+    pub indices_stride_t: i64,
+    /// Elements between `topk_length` entries.
+    pub topk_length_stride: i64,
+    /// Elements between `attn_sink` entries.
+    pub attn_sink_stride: i64,
+    /// Elements between `out` tokens.
+    pub out_stride_t: i64,
+    /// Elements between `out` heads.
+    pub out_stride_h: i64,
+    /// Elements between `d_out` tokens.
+    pub d_out_stride_t: i64,
+    /// Elements between `d_out` heads.
+    pub d_out_stride_h: i64,
+    /// Elements between `lse` tokens.
+    pub lse_stride_t: i64,
+    /// Elements between `lse` heads.
+    pub lse_stride_h: i64,
+    /// Elements between `d_q` tokens.
+    pub d_q_stride_t: i64,
+    /// Elements between `d_q` heads.
+    pub d_q_stride_h: i64,
+    /// Elements between `delta` tokens.
+    pub delta_stride_t: i64,
+    /// Elements between `delta` heads.
+    pub delta_stride_h: i64,
+    /// Elements between `d_attn_sink` entries.
+    pub d_attn_sink_stride: i64,
+    /// Elements between accumulator rows.
+    pub dkv_acc_stride: i64,
+    /// Elements between `d_kv` rows.
+    pub d_kv_stride: i64,
+    /// Query tokens.
+    pub s_q: i32,
+    /// KV rows, clamped to `i32::MAX` (every i32 index >= 0 is then below it, as it is below the
+    /// true `s_kv`).
+    pub s_kv: i32,
+    /// Query heads, 1..=128.
+    pub h_q: i32,
+    /// Index entries per token.
+    pub topk: i32,
+    /// 512 or 576.
+    pub d_qk: i32,
+    /// `ceil(h_q / 64)`.
+    pub num_head_groups: i32,
+    /// `FLAG_*` bits.
+    pub flags: u32,
+    /// The forward's scale.
+    pub sm_scale: f32,
+    /// `sm_scale * log2(e)`.
+    pub sm_scale_log2: f32,
+    /// Always 0.
+    pub reserved: i32,
+}
+
+const _: () = {
+    assert!(size_of::<SparseBwdParams>() == 296);
+    assert!(offset_of!(SparseBwdParams, q) == 0);
+    assert!(offset_of!(SparseBwdParams, lse) == 56);
+    assert!(offset_of!(SparseBwdParams, dkv_acc) == 88);
+    assert!(offset_of!(SparseBwdParams, d_kv) == 96);
+    assert!(offset_of!(SparseBwdParams, q_stride_t) == 104);
+    assert!(offset_of!(SparseBwdParams, d_kv_stride) == 248);
+    assert!(offset_of!(SparseBwdParams, s_q) == 256);
+    assert!(offset_of!(SparseBwdParams, flags) == 280);
+    assert!(offset_of!(SparseBwdParams, sm_scale) == 284);
+    assert!(offset_of!(SparseBwdParams, sm_scale_log2) == 288);
+    assert!(offset_of!(SparseBwdParams, reserved) == 292);
+};
+
+/// Choices of a GPU backward call that the arguments do not carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SparseBwdOptions {
+    /// Add this call's `d_kv` to the contents of an f32 `d_kv` instead of overwriting it (gradient
+    /// accumulation across calls). Unsupported with a bf16 `d_kv`.
+    pub accumulate_d_kv: bool,
+    /// Launch the main kernel in 2-CTA clusters when `h_q > 64`, so that the two head groups of a
+    /// token are co-scheduled and their `d_kv` adds to the same rows meet in L2. The kernel itself
+    /// does not depend on it.
+    pub pair_cluster: bool,
+    /// Bitwise-reproducible `d_kv`: contributions are reduced as 64-bit fixed point (2^-32 units,
+    /// range +-2^31; integer adds commute) in a workspace twice the size of an f32 `d_kv`, then
+    /// converted. Costs about twice the reduction traffic (8 bytes per value, 4x the instructions).
+    /// Non-finite contributions are not propagated (NaN adds 0, +-inf saturates).
+    pub deterministic: bool,
+}
+
+/// The kernels of the family, in launch order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// `sparse_bwd_zero_acc`: accumulator = 0.
+    ZeroAcc,
+    /// `sparse_bwd_delta`: `delta = rowsum(d_out * out)`.
+    Delta,
+    /// `sparse_bwd_main_d*`: `d_q`, and `d_kv` into the accumulator.
+    Main,
+    /// `sparse_bwd_finalize`: accumulator -> `d_kv`.
+    Finalize,
+    /// `sparse_bwd_sink_grad`: `d_attn_sink`.
+    SinkGrad,
+}
+
+/// One kernel launch of a plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    /// What it computes.
+    pub stage: Stage,
+    /// Kernel symbol in the family's cubin.
+    pub kernel: &'static str,
+    /// Geometry.
+    pub cfg: LaunchConfig,
+}
+
+/// Where the main kernel adds `d_kv`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accumulator {
+    /// Into the f32 `d_kv` output itself (its rows are 16-byte aligned).
+    Output,
+    /// Into a workspace ([`workspace_shape`]: f32 `[s_kv, d_qk]`, or int64 fixed point stored as
+    /// f32 `[s_kv, 2 * d_qk]` in deterministic mode), then finalised into `d_kv`.
+    Workspace,
+}
+
+/// Everything a backward call launches, computed without a GPU by [`lower`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct SparseBwdPlan {
+    /// The parameters every launch receives. With [`Accumulator::Workspace`], `dkv_acc` is 0 until
+    /// [`SparseBwdPlan::set_workspace`].
+    pub params: SparseBwdParams,
+    /// The launches, in stream order.
+    pub launches: Vec<Launch>,
+    /// Where `d_kv` is accumulated.
+    pub accumulator: Accumulator,
+    /// Shape (as f32) the workspace must have ([`workspace_shape`]).
+    pub workspace_shape: [usize; 2],
+}
+
+/// Shape (as f32) of the workspace a call needs when its accumulator is not `d_kv` itself:
+/// `[s_kv, d_qk]` (`s_kv * d_qk * 4` bytes: 75.5 MB at s_kv 32768, d_qk 576), or `[s_kv, 2 * d_qk]`
+/// holding int64 fixed point in deterministic mode.
+pub fn workspace_shape(dims: &SparseBwdDims, options: &SparseBwdOptions) -> [usize; 2] {
+    let words = if options.deterministic {
+        FIXED_POINT_WORDS
+    } else {
+        1
+    };
+    [dims.fwd.s_kv, words * dims.fwd.d_qk]
+}
+
+/// Main kernel symbol and dynamic shared memory for a `d_qk` (f32 or fixed-point reduction).
+pub fn main_kernel_for(d_qk: usize, deterministic: bool) -> Result<(&'static str, u32)> {
+    match (d_qk, deterministic) {
+        (576, false) => Ok(("sparse_bwd_main_d576", SMEM_BYTES_D576)),
+        (512, false) => Ok(("sparse_bwd_main_d512", SMEM_BYTES_D512)),
+        (576, true) => Ok(("sparse_bwd_main_det_d576", SMEM_BYTES_D576)),
+        (512, true) => Ok(("sparse_bwd_main_det_d512", SMEM_BYTES_D512)),
+        _ => Err(Error::unsupported(
+            format!("sparse_bwd kernel for d_qk = {d_qk}"),
+            "the sm_90a kernel is built for d_qk 512 and 576",
+        )),
+    }
+}
+
+/// Stride of dimension `dim`, or 0 when the dimension has one entry (its stride never moves a
+/// pointer, and may be anything, e.g. from a sliced framework tensor).
+fn stride_of(t: &DeviceView, dim: usize) -> usize {
+    if t.shape()[dim] <= 1 {
+        0
+    } else {
+        t.strides()[dim]
+    }
+}
+
+/// `t`'s base address and every used stride (all but the last dimension's) are multiples of
+/// `align` bytes.
+fn rows_aligned(t: &DeviceView, align: u64) -> bool {
+    let elem = t.dtype().size_bytes() as u64;
+    let rank = t.shape().len();
+    t.ptr() % align == 0
+        && (0..rank.saturating_sub(1)).all(|d| (stride_of(t, d) as u64 * elem) % align == 0)
+}
+
+/// `i64` stride parameter for dimension `dim` of `t`.
+fn stride_param(arg: &str, t: &DeviceView, dim: usize) -> Result<i64> {
+    to_i64(&format!("{arg}.strides[{dim}]"), stride_of(t, dim))
+}
+
+/// A 1-D launch of `ctas` CTAs of `threads` threads.
+fn linear(ctas: usize, threads: u32) -> Result<LaunchConfig> {
+    let grid = u32::try_from(ctas)
+        .ok()
+        .filter(|&g| g as usize <= MAX_GRID_X)
+        .ok_or_else(|| Error::invalid("grid", format!("at most {MAX_GRID_X} CTAs"), ctas))?;
+    Ok(LaunchConfig::linear(grid, threads))
+}
+
+/// CTAs of a grid-stride kernel over `items` work items of one thread each.
+fn stream_ctas(items: usize) -> usize {
+    items
+        .div_ceil(SMALL_THREADS as usize)
+        .clamp(1, MAX_STREAM_CTAS)
+}
+
+/// Checks the kernels' limits and builds the parameters and the launches (pure: no GPU needed).
+pub fn lower(
+    dims: &SparseBwdDims,
+    args: &SparseBwdArgs<'_, DeviceView>,
+    out: &SparseBwdOutput<DeviceView>,
+    options: &SparseBwdOptions,
+) -> Result<SparseBwdPlan> {
+    let f = &dims.fwd;
+    let (main_kernel, smem) = main_kernel_for(f.d_qk, options.deterministic)?;
+    if f.h_q > MAX_HEADS {
+        return Err(Error::unsupported(
+            format!("sparse_bwd on the GPU with h_q = {}", f.h_q),
+            format!("the sm_90a kernel serves h_q 1..={MAX_HEADS}"),
+        ));
+    }
+    if f.topk > i32::MAX as usize - TILE_ROWS {
+        return Err(Error::invalid(
+            "indices.shape[2]",
+            format!(
+                "topk <= {} (the kernel counts entries in i32)",
+                i32::MAX as usize - TILE_ROWS
+            ),
+            f.topk,
+        ));
+    }
+    let d_kv_f32 = dims.d_kv_dtype == DType::F32;
+    if options.accumulate_d_kv && !d_kv_f32 {
+        return Err(Error::unsupported(
+            "sparse_bwd accumulating into a bf16 d_kv",
+            "accumulation is offered for an f32 d_kv only (bf16 would round every partial sum)",
+        ));
+    }
+    for (arg, t) in [("q", args.q), ("kv", args.kv), ("d_out", args.d_out)] {
+        if !rows_aligned(t, CHUNK_ALIGN_BYTES) {
+            let (ptr, strides) = (t.ptr(), t.strides());
+            return Err(Error::unsupported(
+                format!("sparse_bwd on the GPU with `{arg}` at {ptr:#x}, strides {strides:?}"),
+                "the kernel gathers rows in 16-byte chunks: the base address and strides must be \
+                 multiples of 8 elements (pass a contiguous copy otherwise)",
+            ));
+        }
+    }
+    let all = [
+        ("q", Some(args.q)),
+        ("kv", Some(args.kv)),
+        ("out", Some(args.out)),
+        ("d_out", Some(args.d_out)),
+        ("indices", Some(args.indices)),
+        ("lse", Some(args.lse)),
+        ("attn_sink", args.attn_sink),
+        ("topk_length", args.topk_length),
+        ("d_q", Some(&out.d_q)),
+        ("d_kv", Some(&out.d_kv)),
+        ("delta", Some(&out.delta)),
+        ("d_attn_sink", out.d_attn_sink.as_ref()),
+    ];
+    for (arg, t) in all.iter().filter_map(|&(a, t)| t.map(|t| (a, t))) {
+        let elem = t.dtype().size_bytes() as u64;
+        if t.ptr() % elem != 0 {
+            return Err(Error::invalid(
+                format!("{arg}.data_ptr"),
+                format!("an address aligned to the element size ({elem} bytes)"),
+                format!("{:#x}", t.ptr()),
+            ));
+        }
+        expect_offsets_fit(arg, t, i64::MAX as usize, "i64")?;
+    }
+    let sm_scale_log2 = args.sm_scale * LOG2_E;
+    if !sm_scale_log2.is_finite() {
+        return Err(Error::invalid(
+            "sm_scale",
+            "a value whose product with log2(e) is finite",
+            args.sm_scale,
+        ));
+    }
+    let rows = f.s_q.checked_mul(f.h_q).filter(|&n| n <= i64::MAX as usize);
+    let Some(rows) = rows else {
+        return Err(Error::invalid(
+            "q.shape",
+            "s_q * h_q that fits i64",
+            format!("{} * {}", f.s_q, f.h_q),
+        ));
+    };
+    let num_head_groups = f.h_q.div_ceil(HEADS_PER_CTA);
+
+    // The accumulator: d_kv itself when it is f32 with 16-byte aligned rows (vector reductions) and
+    // the reduction is in f32.
+    let accumulator =
+        if d_kv_f32 && !options.deterministic && rows_aligned(&out.d_kv, CHUNK_ALIGN_BYTES) {
+            Accumulator::Output
+        } else {
+            Accumulator::Workspace
+        };
+    let (dkv_acc, dkv_acc_stride) = match accumulator {
+        Accumulator::Output => (out.d_kv.ptr(), stride_param("d_kv", &out.d_kv, 0)?),
+        Accumulator::Workspace => (0, to_i64("d_qk", f.d_qk)?),
+    };
+
+    let mut flags = 0;
+    for (bit, on) in [
+        (FLAG_OUT_VEC16, rows_aligned(args.out, CHUNK_ALIGN_BYTES)),
+        (FLAG_DQ_VEC16, rows_aligned(&out.d_q, CHUNK_ALIGN_BYTES)),
+        (FLAG_DKV_VEC16, rows_aligned(&out.d_kv, CHUNK_ALIGN_BYTES)),
+        (FLAG_DKV_F32, d_kv_f32),
+        (FLAG_ACCUMULATE, options.accumulate_d_kv),
+        (FLAG_FIXED_POINT, options.deterministic),
+    ] {
+        if on {
+            flags |= bit;
+        }
+    }
+
+    let opt_ptr = |t: Option<&DeviceView>| t.map_or(0, DeviceView::ptr);
+    let opt_stride =
+        |arg: &str, t: Option<&DeviceView>| t.map_or(Ok(0), |t| stride_param(arg, t, 0));
+    let params = SparseBwdParams {
+        q: args.q.ptr(),
+        kv: args.kv.ptr(),
+        indices: args.indices.ptr(),
+        topk_length: opt_ptr(args.topk_length),
+        attn_sink: opt_ptr(args.attn_sink),
+        out: args.out.ptr(),
+        d_out: args.d_out.ptr(),
+        lse: args.lse.ptr(),
+        d_q: out.d_q.ptr(),
+        delta: out.delta.ptr(),
+        d_attn_sink: opt_ptr(out.d_attn_sink.as_ref()),
+        dkv_acc,
+        d_kv: out.d_kv.ptr(),
+        q_stride_t: stride_param("q", args.q, 0)?,
+        q_stride_h: stride_param("q", args.q, 1)?,
+        kv_stride_t: stride_param("kv", args.kv, 0)?,
+        indices_stride_t: stride_param("indices", args.indices, 0)?,
+        topk_length_stride: opt_stride("topk_length", args.topk_length)?,
+        attn_sink_stride: opt_stride("attn_sink", args.attn_sink)?,
+        out_stride_t: stride_param("out", args.out, 0)?,
+        out_stride_h: stride_param("out", args.out, 1)?,
+        d_out_stride_t: stride_param("d_out", args.d_out, 0)?,
+        d_out_stride_h: stride_param("d_out", args.d_out, 1)?,
+        lse_stride_t: stride_param("lse", args.lse, 0)?,
+        lse_stride_h: stride_param("lse", args.lse, 1)?,
+        d_q_stride_t: stride_param("d_q", &out.d_q, 0)?,
+        d_q_stride_h: stride_param("d_q", &out.d_q, 1)?,
+        delta_stride_t: stride_param("delta", &out.delta, 0)?,
+        delta_stride_h: stride_param("delta", &out.delta, 1)?,
+        d_attn_sink_stride: opt_stride("d_attn_sink", out.d_attn_sink.as_ref())?,
+        dkv_acc_stride,
+        d_kv_stride: stride_param("d_kv", &out.d_kv, 0)?,
+        s_q: to_i32("q.shape[0]", f.s_q)?,
+        s_kv: i32::try_from(f.s_kv).unwrap_or(i32::MAX),
+        h_q: to_i32("q.shape[1]", f.h_q)?,
+        topk: to_i32("indices.shape[2]", f.topk)?,
+        d_qk: to_i32("q.shape[2]", f.d_qk)?,
+        num_head_groups: to_i32("ceil(h_q / 64)", num_head_groups)?,
+        flags,
+        sm_scale: args.sm_scale,
+        sm_scale_log2,
+        reserved: 0,
+    };
+
+    // The accumulator's values: s_kv * d_qk (an empty d_kv needs no zeroing and no finalisation;
+    // an s_kv beyond i32 still works, the kernels index rows in i64).
+    let acc_values = f
+        .s_kv
+        .checked_mul(f.d_qk)
+        .ok_or_else(|| Error::invalid("kv.shape[0]", "s_kv * d_qk that fits usize", f.s_kv))?;
+    let mut launches = Vec::with_capacity(5);
+    let zero_needed = !(accumulator == Accumulator::Output && options.accumulate_d_kv);
+    if acc_values > 0 && zero_needed {
+        launches.push(Launch {
+            stage: Stage::ZeroAcc,
+            kernel: "sparse_bwd_zero_acc",
+            cfg: linear(
+                stream_ctas(acc_values / ZERO_VALUES_PER_ITEM),
+                SMALL_THREADS,
+            )?,
+        });
+    }
+    if rows > 0 {
+        launches.push(Launch {
+            stage: Stage::Delta,
+            kernel: "sparse_bwd_delta",
+            cfg: linear(rows.div_ceil(DELTA_ROWS_PER_CTA), SMALL_THREADS)?,
+        });
+        let ctas = f
+            .s_q
+            .checked_mul(num_head_groups)
+            .filter(|&n| n <= MAX_GRID_X)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "q.shape[0]",
+                    format!(
+                        "s_q * ceil(h_q / 64) <= {MAX_GRID_X} (one CTA per token and head group)"
+                    ),
+                    f.s_q,
+                )
+            })?;
+        let cluster = (options.pair_cluster && num_head_groups == 2).then_some((2, 1, 1));
+        launches.push(Launch {
+            stage: Stage::Main,
+            kernel: main_kernel,
+            cfg: LaunchConfig {
+                grid: (ctas as u32, 1, 1),
+                block: (THREADS_PER_CTA, 1, 1),
+                shared_mem_bytes: smem,
+                cluster,
+            },
+        });
+    }
+    if acc_values > 0 && accumulator == Accumulator::Workspace {
+        launches.push(Launch {
+            stage: Stage::Finalize,
+            kernel: "sparse_bwd_finalize",
+            cfg: linear(
+                stream_ctas(acc_values / FINALIZE_VALUES_PER_ITEM),
+                SMALL_THREADS,
+            )?,
+        });
+    }
+    if args.attn_sink.is_some() {
+        launches.push(Launch {
+            stage: Stage::SinkGrad,
+            kernel: "sparse_bwd_sink_grad",
+            cfg: linear(f.h_q, SMALL_THREADS)?,
+        });
+    }
+    Ok(SparseBwdPlan {
+        params,
+        launches,
+        accumulator,
+        workspace_shape: workspace_shape(dims, options),
+    })
+}
+
+impl SparseBwdPlan {
+    /// Whether the plan accumulates into a workspace that [`Self::set_workspace`] must provide
+    /// (false when the accumulator is `d_kv` itself or `d_kv` is empty).
+    pub fn needs_workspace(&self) -> bool {
+        self.accumulator == Accumulator::Workspace
+            && self.launches.iter().any(|l| l.stage == Stage::Finalize)
+    }
+
+    /// Points the plan's accumulator at `ws`: f32 of shape [`Self::workspace_shape`], contiguous last
+    /// dimension, rows 16-byte aligned (the reductions are 16 bytes wide), every offset within i64.
+    pub fn set_workspace(&mut self, ws: &DeviceView) -> Result<()> {
+        if ws.dtype() != DType::F32 {
+            return Err(Error::invalid("workspace.dtype", DType::F32, ws.dtype()));
+        }
+        expect_shape("workspace", ws, &self.workspace_shape)?;
+        if ws.shape()[1] > 1 && ws.strides()[1] != 1 {
+            return Err(Error::invalid(
+                "workspace.strides[1]",
+                "1 (contiguous rows)",
+                ws.strides()[1],
+            ));
+        }
+        if !rows_aligned(ws, CHUNK_ALIGN_BYTES) {
+            return Err(Error::invalid(
+                "workspace",
+                "16-byte aligned rows (base address and row stride multiples of 4 floats)",
+                format!("{:#x}, strides {:?}", ws.ptr(), ws.strides()),
+            ));
+        }
+        expect_offsets_fit("workspace", ws, i64::MAX as usize, "i64")?;
+        // The kernels count the stride in accumulator values (int64 in fixed-point mode); 16-byte
+        // aligned rows make it a whole number of them.
+        let words = if self.params.flags & FLAG_FIXED_POINT != 0 {
+            FIXED_POINT_WORDS as i64
+        } else {
+            1
+        };
+        self.params.dkv_acc = ws.ptr();
+        self.params.dkv_acc_stride = stride_param("workspace", ws, 0)? / words;
+        Ok(())
+    }
+}
+
+/// Runs the backward on `gpu`'s stream for arguments that passed [`super::validate`] and outputs
+/// that passed [`super::validate_output`] (`dims` is what `validate` returned): the launches of
+/// [`lower`], in order. `workspace`: an f32 `[s_kv, d_qk]` buffer with 16-byte aligned rows for the
+/// accumulator when it cannot be `d_kv` itself (shape [`workspace_shape`]); `None` allocates one for
+/// this call ([`Gpu::alloc`], freed in stream order on return). Asynchronous: synchronise or download to wait.
+///
+/// Errors: [`Error::Unsupported`] / [`Error::InvalidArgument`] for the kernel limits in the
+/// [module docs](self) and a bad workspace; [`Error::Cuda`] (with the driver call and code) from an
+/// allocation or any launch, never a panic.
+pub(crate) fn launch(
+    gpu: &Gpu,
+    dims: &SparseBwdDims,
+    args: &SparseBwdArgs<'_, DeviceView>,
+    out: &SparseBwdOutput<DeviceView>,
+    options: &SparseBwdOptions,
+    workspace: Option<&DeviceView>,
+) -> Result<()> {
+    let device = Location::Cuda(gpu.ordinal());
+    expect_location("q", args.q, device)?;
+    let mut plan = lower(dims, args, out, options)?;
+    // Owned workspace, if any: dropped (freed in stream order, after the launches) on return.
+    let mut _owned = None;
+    if plan.needs_workspace() {
+        let view = match workspace {
+            Some(ws) => {
+                expect_location("workspace", ws, device)?;
+                ws.clone()
+            }
+            None => {
+                let t = gpu.alloc(DType::F32, &plan.workspace_shape)?;
+                let v = t.view();
+                _owned = Some(t);
+                v
+            }
+        };
+        plan.set_workspace(&view)?;
+    }
+    for l in &plan.launches {
+        let kernel = gpu.kernel(FAMILY, l.kernel)?;
+        // SAFETY: `SparseBwdParams` mirrors the kernels' parameter struct (asserted on both
+        // sides). `validate`/`validate_output` established the shapes and dtypes the params
+        // describe and that every tensor lives on this device; `lower` checked alignment and that
+        // every offset fits i64; the accumulator is d_kv itself (f32, rows 16-byte aligned) or a
+        // checked workspace that lives until this function returns, after the launches were queued
+        // (its release is stream-ordered). The kernels read q/kv/out/d_out/lse/indices inside their
+        // views (kv only at indices in 0..s_kv), write d_q, delta, d_attn_sink and the accumulator /
+        // d_kv rows inside theirs; by the DeviceView contract outputs do not alias inputs.
+        unsafe { gpu.launch(&kernel, &l.cfg, &plan.params)? };
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::sparse_fwd::SparseFwdDims;
+    use crate::tensor::Layout;
+
+    const BASE: u64 = 0x7f00_0000_0000;
+
+    fn view(ptr: u64, dtype: DType, shape: &[usize], strides: Option<&[usize]>) -> DeviceView {
+        let layout = match strides {
+            Some(s) => Layout::strided(shape, s).unwrap(),
+            None => Layout::contiguous(shape),
+        };
+        // SAFETY: never dereferenced; these tests only lower parameters.
+        unsafe { DeviceView::from_raw(ptr, dtype, layout, 0) }
+    }
+
+    fn at(slot: u64) -> u64 {
+        BASE + (slot << 34)
+    }
+
+    struct Case {
+        q: DeviceView,
+        kv: DeviceView,
+        out: DeviceView,
+        d_out: DeviceView,
+        indices: DeviceView,
+        lse: DeviceView,
+        sink: Option<DeviceView>,
+        grads: SparseBwdOutput<DeviceView>,
+        dims: SparseBwdDims,
+    }
+
+    fn case(s_q: usize, h_q: usize, d_qk: usize, s_kv: usize, topk: usize, d_kv: DType) -> Case {
+        let fwd = SparseFwdDims {
+            s_q,
+            s_kv,
+            h_q,
+            d_qk,
+            d_v: 512,
+            topk,
+            has_attn_sink: false,
+            has_topk_length: false,
+        };
+        Case {
+            q: view(at(0), DType::Bf16, &[s_q, h_q, d_qk], None),
+            kv: view(at(1), DType::Bf16, &[s_kv, 1, d_qk], None),
+            out: view(at(2), DType::Bf16, &[s_q, h_q, 512], None),
+            d_out: view(at(3), DType::Bf16, &[s_q, h_q, 512], None),
+            indices: view(at(4), DType::I32, &[s_q, 1, topk], None),
+            lse: view(at(5), DType::F32, &[s_q, h_q], None),
+            sink: None,
+            grads: SparseBwdOutput {
+                d_q: view(at(6), DType::Bf16, &[s_q, h_q, d_qk], None),
+                d_kv: view(at(7), d_kv, &[s_kv, 1, d_qk], None),
+                delta: view(at(8), DType::F32, &[s_q, h_q], None),
+                d_attn_sink: None,
+            },
+            dims: SparseBwdDims {
+                fwd,
+                d_kv_dtype: d_kv,
+            },
+        }
+    }
+
+    fn args(c: &Case) -> SparseBwdArgs<'_, DeviceView> {
+        SparseBwdArgs {
+            q: &c.q,
+            kv: &c.kv,
+            out: &c.out,
+            d_out: &c.d_out,
+            indices: &c.indices,
+            lse: &c.lse,
+            sm_scale: 0.1,
+            attn_sink: c.sink.as_ref(),
+            topk_length: None,
+            d_kv_dtype: c.dims.d_kv_dtype,
+        }
+    }
+
+    fn plan(c: &Case, o: &SparseBwdOptions) -> Result<SparseBwdPlan> {
+        lower(&c.dims, &args(c), &c.grads, o)
+    }
+
+    fn stages(p: &SparseBwdPlan) -> Vec<Stage> {
+        p.launches.iter().map(|l| l.stage).collect()
+    }
+
+    fn launch_of(p: &SparseBwdPlan, stage: Stage) -> Launch {
+        *p.launches.iter().find(|l| l.stage == stage).unwrap()
+    }
+
+    #[test]
+    fn lowers_the_v32_shape_with_a_bf16_d_kv_through_the_workspace() {
+        let c = case(4096, 128, 576, 32768, 2048, DType::Bf16);
+        let p = plan(&c, &SparseBwdOptions::default()).unwrap();
+        use Stage::*;
+        assert_eq!(stages(&p), [ZeroAcc, Delta, Main, Finalize]);
+        assert_eq!(p.accumulator, Accumulator::Workspace);
+        assert!(p.needs_workspace());
+        let main = launch_of(&p, Main);
+        assert_eq!(main.kernel, "sparse_bwd_main_d576");
+        assert_eq!(main.cfg.grid, (8192, 1, 1));
+        assert_eq!(main.cfg.block, (384, 1, 1));
+        assert_eq!(main.cfg.shared_mem_bytes, SMEM_BYTES_D576);
+        assert_eq!(main.cfg.cluster, None);
+        assert_eq!(launch_of(&p, Delta).cfg.grid, (4096 * 128 / 32, 1, 1));
+        // 32768 * 576 / 4 float4 stores, one per thread.
+        assert_eq!(launch_of(&p, ZeroAcc).cfg.grid, (18432, 1, 1));
+        assert_eq!(launch_of(&p, Finalize).cfg.grid, (9216, 1, 1));
+        let q = &p.params;
+        assert_eq!(
+            (q.q_stride_t, q.q_stride_h, q.kv_stride_t),
+            (128 * 576, 576, 576)
+        );
+        assert_eq!((q.d_out_stride_t, q.d_out_stride_h), (128 * 512, 512));
+        assert_eq!((q.d_q_stride_t, q.d_q_stride_h), (128 * 576, 576));
+        assert_eq!((q.delta_stride_t, q.delta_stride_h), (128, 1));
+        assert_eq!(
+            (q.dkv_acc, q.dkv_acc_stride, q.d_kv, q.d_kv_stride),
+            (0, 576, at(7), 576)
+        );
+        assert_eq!(
+            (q.num_head_groups, q.d_qk, q.s_kv, q.topk),
+            (2, 576, 32768, 2048)
+        );
+        assert_eq!(
+            q.flags,
+            FLAG_OUT_VEC16 | FLAG_DQ_VEC16 | FLAG_DKV_VEC16,
+            "bf16 d_kv, everything aligned"
+        );
+        assert!((q.sm_scale_log2 - 0.1 * LOG2_E).abs() < 1e-7);
+        assert_eq!(q.sm_scale, 0.1);
+    }
+
+    #[test]
+    fn workspace_is_checked_and_wired_in() {
+        let c = case(8, 64, 512, 1000, 64, DType::Bf16);
+        let mut p = plan(&c, &SparseBwdOptions::default()).unwrap();
+        let good = view(at(9), DType::F32, &[1000, 512], None);
+        p.set_workspace(&good).unwrap();
+        assert_eq!((p.params.dkv_acc, p.params.dkv_acc_stride), (at(9), 512));
+        let padded = view(at(9), DType::F32, &[1000, 512], Some(&[516, 1]));
+        p.set_workspace(&padded).unwrap();
+        assert_eq!(p.params.dkv_acc_stride, 516);
+        for (bad, arg) in [
+            (
+                view(at(9), DType::Bf16, &[1000, 512], None),
+                "workspace.dtype",
+            ),
+            (
+                view(at(9), DType::F32, &[999, 512], None),
+                "workspace.shape",
+            ),
+            (view(at(9) + 4, DType::F32, &[1000, 512], None), "workspace"),
+            (
+                view(at(9), DType::F32, &[1000, 512], Some(&[514, 1])),
+                "workspace",
+            ),
+        ] {
+            assert_eq!(
+                p.set_workspace(&bad).unwrap_err().arg(),
+                Some(arg),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn f32_d_kv_with_aligned_rows_is_the_accumulator() {
+        let c = case(8, 128, 576, 1000, 100, DType::F32);
+        let p = plan(&c, &SparseBwdOptions::default()).unwrap();
+        use Stage::*;
+        assert_eq!(stages(&p), [ZeroAcc, Delta, Main]);
+        assert_eq!(p.accumulator, Accumulator::Output);
+        assert!(!p.needs_workspace());
+        assert_eq!((p.params.dkv_acc, p.params.dkv_acc_stride), (at(7), 576));
+        // Accumulating in place: nothing is zeroed.
+        let acc = SparseBwdOptions {
+            accumulate_d_kv: true,
+            ..Default::default()
+        };
+        let p = plan(&c, &acc).unwrap();
+        assert_eq!(stages(&p), [Delta, Main]);
+        assert_ne!(p.params.flags & FLAG_ACCUMULATE, 0);
+    }
+
+    #[test]
+    fn unaligned_f32_d_kv_goes_through_the_workspace() {
+        let mut c = case(8, 128, 576, 1000, 100, DType::F32);
+        c.grads.d_kv = view(at(7), DType::F32, &[1000, 1, 576], Some(&[577, 577, 1]));
+        let acc = SparseBwdOptions {
+            accumulate_d_kv: true,
+            ..Default::default()
+        };
+        let p = plan(&c, &acc).unwrap();
+        use Stage::*;
+        // The workspace is zeroed, then added into d_kv by the finalisation.
+        assert_eq!(stages(&p), [ZeroAcc, Delta, Main, Finalize]);
+        assert_eq!(p.accumulator, Accumulator::Workspace);
+        let f = p.params.flags;
+        assert_eq!(
+            f & (FLAG_DKV_F32 | FLAG_ACCUMULATE | FLAG_DKV_VEC16),
+            FLAG_DKV_F32 | FLAG_ACCUMULATE
+        );
+        assert_eq!(p.params.d_kv_stride, 577);
+    }
+
+    #[test]
+    fn deterministic_mode_reduces_fixed_point_in_a_double_width_workspace() {
+        let c = case(8, 128, 576, 1000, 100, DType::F32);
+        let det = SparseBwdOptions {
+            deterministic: true,
+            accumulate_d_kv: true,
+            ..Default::default()
+        };
+        let mut p = plan(&c, &det).unwrap();
+        use Stage::*;
+        // Even an aligned f32 d_kv goes through the (int64) workspace, zeroed, then added into d_kv.
+        assert_eq!(stages(&p), [ZeroAcc, Delta, Main, Finalize]);
+        assert_eq!(launch_of(&p, Main).kernel, "sparse_bwd_main_det_d576");
+        assert_eq!(p.workspace_shape, [1000, 2 * 576]);
+        assert_eq!(workspace_shape(&c.dims, &det), [1000, 1152]);
+        let f = p.params.flags;
+        assert_eq!(
+            f & (FLAG_FIXED_POINT | FLAG_ACCUMULATE),
+            FLAG_FIXED_POINT | FLAG_ACCUMULATE
+        );
+        // Strides count int64 values.
+        assert_eq!(p.params.dkv_acc_stride, 576);
+        let ws = view(at(9), DType::F32, &[1000, 1152], Some(&[1160, 1]));
+        p.set_workspace(&ws).unwrap();
+        assert_eq!((p.params.dkv_acc, p.params.dkv_acc_stride), (at(9), 580));
+        let small = view(at(9), DType::F32, &[1000, 576], None);
+        assert_eq!(
+            p.set_workspace(&small).unwrap_err().arg(),
+            Some("workspace.shape")
+        );
+        let c = case(8, 64, 512, 10, 64, DType::Bf16);
+        let o = SparseBwdOptions {
+            deterministic: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            launch_of(&plan(&c, &o).unwrap(), Main).kernel,
+            "sparse_bwd_main_det_d512"
+        );
+    }
+
+    #[test]
+    fn bf16_d_kv_cannot_accumulate() {
+        let c = case(8, 64, 576, 10, 64, DType::Bf16);
+        let acc = SparseBwdOptions {
+            accumulate_d_kv: true,
+            ..Default::default()
+        };
+        assert!(matches!(plan(&c, &acc), Err(Error::Unsupported { .. })));
+    }
+
+    #[test]
+    fn head_counts_round_up_to_groups_and_clusters_pair_them() {
+        for (h_q, groups) in [(1, 1), (64, 1), (65, 2), (100, 2), (128, 2)] {
+            let c = case(3, h_q, 512, 10, 7, DType::Bf16);
+            let o = SparseBwdOptions {
+                pair_cluster: true,
+                ..Default::default()
+            };
+            let p = plan(&c, &o).unwrap();
+            let main = launch_of(&p, Stage::Main);
+            assert_eq!(main.kernel, "sparse_bwd_main_d512");
+            assert_eq!(main.cfg.shared_mem_bytes, SMEM_BYTES_D512);
+            assert_eq!(
+                (main.cfg.grid.0, p.params.num_head_groups),
+                (3 * groups, groups as i32)
+            );
+            assert_eq!(
+                main.cfg.cluster,
+                (groups == 2).then_some((2, 1, 1)),
+                "h_q {h_q}"
+            );
+            assert_eq!(
+                launch_of(&p, Stage::Delta).cfg.grid.0 as usize,
+                (3 * h_q).div_ceil(32)
+            );
+        }
+        let c = case(3, 129, 576, 10, 7, DType::Bf16);
+        assert!(matches!(
+            plan(&c, &SparseBwdOptions::default()),
+            Err(Error::Unsupported { .. })
+        ));
+    }
+
+    #[test]
+    fn empty_dimensions_launch_only_what_has_output() {
+        use Stage::*;
+        // No tokens: d_kv must still come out as zeros.
+        let c = case(0, 128, 576, 10, 7, DType::Bf16);
+        assert_eq!(
+            stages(&plan(&c, &Default::default()).unwrap()),
+            [ZeroAcc, Finalize]
+        );
+        // No KV rows: every index is invalid, d_q = 0 still has to be written.
+        let c = case(5, 128, 576, 0, 7, DType::Bf16);
+        let p = plan(&c, &Default::default()).unwrap();
+        assert_eq!(stages(&p), [Delta, Main]);
+        assert!(!p.needs_workspace());
+        // A sink gradient is written even with no tokens (an empty sum).
+        let mut c = case(0, 64, 576, 10, 7, DType::F32);
+        c.sink = Some(view(at(10), DType::F32, &[64], None));
+        c.grads.d_attn_sink = Some(view(at(11), DType::F32, &[64], None));
+        let p = plan(&c, &Default::default()).unwrap();
+        assert_eq!(stages(&p), [ZeroAcc, SinkGrad]);
+        assert_eq!(launch_of(&p, SinkGrad).cfg.grid, (64, 1, 1));
+        assert_eq!((p.params.attn_sink, p.params.d_attn_sink), (at(10), at(11)));
+    }
+
+    #[test]
+    fn long_sequences_stay_on_grid_x_and_huge_s_kv_is_clamped() {
+        let c = case(200_000, 128, 576, 3_000_000_000, 64, DType::F32);
+        let p = plan(&c, &Default::default()).unwrap();
+        assert_eq!(launch_of(&p, Stage::Main).cfg.grid, (400_000, 1, 1));
+        assert_eq!(p.params.s_kv, i32::MAX);
+        let mut big = case(2, 64, 512, 10, 64, DType::Bf16);
+        big.dims.fwd.topk = i32::MAX as usize;
+        assert_eq!(
+            plan(&big, &Default::default()).unwrap_err().arg(),
+            Some("indices.shape[2]")
+        );
+    }
+
+    #[test]
+    fn gathered_tensors_need_16_byte_rows_others_fall_back() {
+        // The SPEC's adversarial layout (every dim padded, last by 128) keeps 16-byte rows.
+        let mut c = case(5, 64, 576, 100, 64, DType::Bf16);
+        c.q = view(at(0), DType::Bf16, &[5, 64, 576], Some(&[65 * 704, 704, 1]));
+        c.kv = view(at(1), DType::Bf16, &[100, 1, 576], Some(&[1408, 704, 1]));
+        c.d_out = view(at(3), DType::Bf16, &[5, 64, 512], Some(&[65 * 640, 640, 1]));
+        let p = plan(&c, &Default::default()).unwrap();
+        assert_eq!(
+            (p.params.q_stride_t, p.params.kv_stride_t),
+            (65 * 704, 1408)
+        );
+        assert_eq!(
+            (p.params.d_out_stride_t, p.params.d_out_stride_h),
+            (65 * 640, 640)
+        );
+        for (arg, bad) in [
+            ("`q`", view(at(0) + 2, DType::Bf16, &[5, 64, 576], None)),
+            (
+                "`kv`",
+                view(at(1), DType::Bf16, &[100, 1, 576], Some(&[577, 577, 1])),
+            ),
+            (
+                "`d_out`",
+                view(at(3), DType::Bf16, &[5, 64, 512], Some(&[64 * 513, 513, 1])),
+            ),
+        ] {
+            let mut b = case(5, 64, 576, 100, 64, DType::Bf16);
+            match arg {
+                "`q`" => b.q = bad,
+                "`kv`" => b.kv = bad,
+                _ => b.d_out = bad,
+            }
+            let err = plan(&b, &Default::default()).unwrap_err();
+            assert!(
+                matches!(err, Error::Unsupported { ref what, .. } if what.contains(arg)),
+                "{err:?}"
+            );
+        }
+        // Odd strides of out, d_q and d_kv only disable their vector accesses.
+        let mut odd = case(5, 64, 576, 100, 64, DType::Bf16);
+        odd.out = view(at(2), DType::Bf16, &[5, 64, 512], Some(&[64 * 513, 513, 1]));
+        odd.grads.d_q = view(at(6), DType::Bf16, &[5, 64, 576], Some(&[64 * 577, 577, 1]));
+        odd.grads.d_kv = view(at(7), DType::Bf16, &[100, 1, 576], Some(&[577, 577, 1]));
+        let p = plan(&odd, &Default::default()).unwrap();
+        assert_eq!(p.params.flags, 0);
+        // Misaligned element pointers are rejected by name.
+        let mut mis = case(5, 64, 576, 100, 64, DType::Bf16);
+        mis.lse = view(at(5) + 2, DType::F32, &[5, 64], None);
+        assert_eq!(
+            plan(&mis, &Default::default()).unwrap_err().arg(),
+            Some("lse.data_ptr")
+        );
+    }
+
+    #[test]
+    fn optional_tensors_are_passed_with_their_strides() {
+        let mut c = case(6, 128, 576, 100, 64, DType::Bf16);
+        c.sink = Some(view(at(10), DType::F32, &[128], Some(&[2])));
+        c.grads.d_attn_sink = Some(view(at(11), DType::F32, &[128], Some(&[3])));
+        let len = view(at(12), DType::I32, &[6], Some(&[5]));
+        let mut a = args(&c);
+        a.topk_length = Some(&len);
+        let p = lower(&c.dims, &a, &c.grads, &Default::default()).unwrap();
+        assert_eq!((p.params.attn_sink, p.params.attn_sink_stride), (at(10), 2));
+        assert_eq!(
+            (p.params.d_attn_sink, p.params.d_attn_sink_stride),
+            (at(11), 3)
+        );
+        assert_eq!(
+            (p.params.topk_length, p.params.topk_length_stride),
+            (at(12), 5)
+        );
+        assert_eq!(p.launches.last().unwrap().stage, Stage::SinkGrad);
+    }
+}
