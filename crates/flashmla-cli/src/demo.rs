@@ -1,17 +1,17 @@
 //! `flashmla demo`: sparse MLA forward + backward on a built-in problem (DeepSeek V3.2 widths), verified against
-//! the f64 reference. On an sm_90 GPU the forward runs the kernel at the PERF.md benchmark shape (sampled rows
-//! verified); ops without a GPU kernel, or every op on a machine without one, run the CPU reference on a problem
-//! small enough to finish in seconds.
+//! the f64 reference. On an sm_90 GPU both kernels run at the PERF.md benchmark shape (sampled tokens verified)
+//! and the backward also on a small problem (every element verified); on a machine without one, the CPU
+//! reference runs a problem small enough to finish in seconds.
 
-use crate::device_ops::SparseFwdOnGpu;
+use crate::device_ops::{SparseBwdOnGpu, SparseFwdOnGpu};
 use crate::report::spinner;
 use flashmla::cuda::Gpu;
-use flashmla::ops::sparse_bwd::{sparse_bwd_cpu, SparseBwdArgs};
+use flashmla::ops::sparse_bwd::{sparse_bwd_cpu, SparseBwdArgs, SparseBwdOptions};
 use flashmla::ops::sparse_fwd::{sparse_fwd_cpu, SparseFwdArgs, D_V};
 use flashmla::reference::compare::{compare, Tolerance, BWD_GRAD, PREFILL_LSE, PREFILL_OUT};
 use flashmla::reference::sparse_bwd::{sparse_bwd, SparseBwdProblem};
 use flashmla::reference::sparse_fwd::{sparse_fwd, sparse_fwd_rows};
-use flashmla::testing::{peer_bf16, rng, SinkKind, SparseCase};
+use flashmla::testing::{peer_bf16, rng, SinkKind, SparseCase, SparseValues};
 use flashmla::{DType, HostTensor};
 use std::time::Instant;
 
@@ -113,8 +113,119 @@ fn gpu_forward(gpu: &Gpu, seed: u64) -> flashmla::Result<bool> {
     ))
 }
 
+/// The same tokens' slice of a problem: `d_q` of a token depends only on that token's inputs, so the reference
+/// can verify sampled tokens of a problem too large for a full CPU backward.
+fn select_tokens(v: &SparseValues, rows: &[usize]) -> SparseValues {
+    let pick = |x: &[f32], w: usize| -> Vec<f32> {
+        rows.iter()
+            .flat_map(|&r| x[r * w..(r + 1) * w].iter().copied())
+            .collect()
+    };
+    SparseValues {
+        s_q: rows.len(),
+        q: pick(&v.q, v.h_q * v.d_qk),
+        indices: rows
+            .iter()
+            .flat_map(|&r| v.indices[r * v.topk..(r + 1) * v.topk].iter().copied())
+            .collect(),
+        topk_length: v
+            .topk_length
+            .as_ref()
+            .map(|l| rows.iter().map(|&r| l[r]).collect()),
+        ..v.clone()
+    }
+}
+
+/// Backward on the GPU: timed at the benchmark shape with sampled tokens' `d_q` verified, then every output
+/// verified on the small problem.
+fn gpu_backward(gpu: &Gpu, seed: u64) -> flashmla::Result<bool> {
+    let (s_q, s_kv, h_q, d_qk, topk) = GPU_SHAPE;
+    println!(
+        "sparse backward on {}: same shape, random d_out",
+        gpu.info().name
+    );
+    let sp = spinner("generating inputs");
+    let inp = case(GPU_SHAPE).generate(seed)?;
+    let d_out_values = peer_bf16(&mut rng(seed ^ 0xd0), s_q * h_q * D_V);
+    let d_out = HostTensor::bf16_from_f32(&d_out_values, &[s_q, h_q, D_V])?;
+    sp.set_message("uploading, forward");
+    let dev = SparseBwdOnGpu::new(gpu, &inp, &d_out, DType::Bf16, true)?;
+    sp.set_message("running");
+    let opts = SparseBwdOptions::default();
+    let mut ms = gpu.time_ms(2, 8, || dev.run(gpu, &opts))?;
+    ms.sort_by(|a, b| a.total_cmp(b));
+    let med = ms[ms.len() / 2] as f64;
+    let got = dev.download(gpu)?;
+    let fwd = dev.fwd.download(gpu)?;
+    sp.set_message("verifying sampled tokens on the CPU");
+    let rows: Vec<usize> = (0..SAMPLED_ROWS)
+        .map(|i| i * (s_q - 1) / (SAMPLED_ROWS - 1))
+        .collect();
+    let sub = select_tokens(&inp.values()?, &rows);
+    let pick = |v: &[f32], w: usize| -> Vec<f32> {
+        rows.iter()
+            .flat_map(|&r| v[r * w..(r + 1) * w].iter().copied())
+            .collect()
+    };
+    let (sub_out, sub_lse, sub_dout) = (
+        pick(&fwd.out, h_q * D_V),
+        pick(&fwd.lse, h_q),
+        pick(&d_out_values, h_q * D_V),
+    );
+    let want = sparse_bwd::<f64>(&SparseBwdProblem {
+        fwd: sub.problem(),
+        out: &sub_out,
+        d_out: &sub_dout,
+        lse: &sub_lse,
+    })?;
+    sp.finish_and_clear();
+    println!(
+        "  {:.3} ms (median of {}), {:.0} TFLOPS, f32 d_kv workspace {} MB",
+        med,
+        ms.len(),
+        bwd_flop(s_q, topk, h_q, d_qk) / (med * 1e-3) / 1e12,
+        s_kv * d_qk * 4 / 1_000_000
+    );
+    let mut ok = report(
+        &format!("{SAMPLED_ROWS} sampled tokens"),
+        vec![
+            verdict("d_q", &pick(&got.d_q, h_q * d_qk), &want.d_q, &BWD_GRAD),
+            verdict("delta", &pick(&got.delta, h_q), &want.delta, &BWD_GRAD),
+        ],
+    );
+
+    let (s_q, _, h_q, _, _) = CPU_SHAPE;
+    let inp = case(CPU_SHAPE).generate(seed)?;
+    let d_out_values = peer_bf16(&mut rng(seed ^ 0xd0), s_q * h_q * D_V);
+    let d_out = HostTensor::bf16_from_f32(&d_out_values, &[s_q, h_q, D_V])?;
+    let dev = SparseBwdOnGpu::new(gpu, &inp, &d_out, DType::Bf16, true)?;
+    dev.run(gpu, &opts)?;
+    let got = dev.download(gpu)?;
+    let fwd = dev.fwd.download(gpu)?;
+    let values = inp.values()?;
+    let want = sparse_bwd::<f64>(&SparseBwdProblem {
+        fwd: values.problem(),
+        out: &fwd.out,
+        d_out: &d_out_values,
+        lse: &fwd.lse,
+    })?;
+    let mut checks = vec![
+        verdict("d_q", &got.d_q, &want.d_q, &BWD_GRAD),
+        verdict("d_kv", &got.d_kv, &want.d_kv, &BWD_GRAD),
+        verdict("delta", &got.delta, &want.delta, &BWD_GRAD),
+    ];
+    if let (Some(g), Some(w)) = (&got.d_attn_sink, &want.d_attn_sink) {
+        checks.push(verdict("d_attn_sink", g, w, &BWD_GRAD));
+    }
+    ok &= report(
+        &format!("every element of a small problem (s_q={s_q}) on the GPU"),
+        checks,
+    );
+    Ok(ok)
+}
+
 /// Forward + backward on the CPU at the small shape; returns whether everything verified.
-fn cpu_forward_backward(seed: u64, forward: bool) -> flashmla::Result<bool> {
+fn cpu_forward_backward(seed: u64) -> flashmla::Result<bool> {
     let (s_q, s_kv, h_q, d_qk, topk) = CPU_SHAPE;
     let inp = case(CPU_SHAPE).generate(seed)?;
     let values = inp.values()?;
@@ -131,7 +242,7 @@ fn cpu_forward_backward(seed: u64, forward: bool) -> flashmla::Result<bool> {
     let t0 = Instant::now();
     let fwd = sparse_fwd_cpu(&args)?;
     let t_fwd = t0.elapsed().as_secs_f64();
-    if forward {
+    {
         println!("sparse forward on the CPU reference: s_q={s_q} s_kv={s_kv} h_q={h_q} d_qk={d_qk} topk={topk}, with sink");
         println!(
             "  {:.2} s, {:.1} GFLOP/s",
@@ -217,10 +328,9 @@ pub fn run(args: &DemoArgs) -> Result<u8, String> {
         match &gpu {
             Some(g) => {
                 let fwd_ok = gpu_forward(g, args.seed)?;
-                println!("sparse backward: no GPU kernel yet; the CPU reference runs instead");
-                Ok(cpu_forward_backward(args.seed, false)? && fwd_ok)
+                Ok(gpu_backward(g, args.seed)? && fwd_ok)
             }
-            None => cpu_forward_backward(args.seed, true),
+            None => cpu_forward_backward(args.seed),
         }
     };
     match run() {

@@ -2,6 +2,9 @@
 //! outputs, launch, download.
 
 use flashmla::cuda::{DeviceTensor, Gpu};
+use flashmla::ops::sparse_bwd::{
+    sparse_bwd_cuda_with, SparseBwdArgs, SparseBwdOptions, SparseBwdOutput,
+};
 use flashmla::ops::sparse_fwd::{sparse_fwd_cuda, SparseFwdArgs, SparseFwdOutput, D_V};
 use flashmla::testing::SparseInputs;
 use flashmla::{DType, Result, TensorMeta};
@@ -90,6 +93,112 @@ impl SparseFwdOnGpu {
             out: gpu.download(&self.out)?.to_f32_vec()?,
             max_logits: gpu.download(&self.max_logits)?.to_f32_vec()?,
             lse: gpu.download(&self.lse)?.to_f32_vec()?,
+        })
+    }
+}
+
+/// A sparse backward problem resident on the GPU: the forward's inputs and outputs, `d_out`, and the gradients.
+pub struct SparseBwdOnGpu {
+    /// The forward (its outputs `out` and `lse` feed the backward).
+    pub fwd: SparseFwdOnGpu,
+    d_out: DeviceTensor,
+    /// `[s_q, h_q, d_qk]` bf16.
+    pub d_q: DeviceTensor,
+    /// `[s_kv, 1, d_qk]` bf16 or f32.
+    pub d_kv: DeviceTensor,
+    /// `[s_q, h_q]` f32.
+    pub delta: DeviceTensor,
+    /// `[h_q]` f32, with a sink.
+    pub d_attn_sink: Option<DeviceTensor>,
+    d_kv_dtype: DType,
+}
+
+/// Downloaded backward outputs, row-major f32.
+pub struct SparseBwdResults {
+    /// `[s_q, h_q, d_qk]`.
+    pub d_q: Vec<f32>,
+    /// `[s_kv, d_qk]`.
+    pub d_kv: Vec<f32>,
+    /// `[s_q, h_q]`.
+    pub delta: Vec<f32>,
+    /// `[h_q]`.
+    pub d_attn_sink: Option<Vec<f32>>,
+}
+
+impl SparseBwdOnGpu {
+    /// Uploads the inputs and `d_out`, runs the forward kernel once to produce `out` and `lse`, and allocates
+    /// the gradients (poisoned when `poison` is set).
+    pub fn new(
+        gpu: &Gpu,
+        inp: &SparseInputs,
+        d_out: &flashmla::HostTensor,
+        d_kv_dtype: DType,
+        poison: bool,
+    ) -> Result<Self> {
+        let fwd = SparseFwdOnGpu::new(gpu, inp, poison)?;
+        fwd.run(gpu)?;
+        let (s_q, h_q, d_qk) = (inp.q.shape()[0], inp.q.shape()[1], inp.q.shape()[2]);
+        let s_kv = inp.kv.shape()[0];
+        let alloc = |dtype: DType, shape: &[usize]| {
+            if poison {
+                gpu.alloc_filled(dtype, shape, POISON)
+            } else {
+                gpu.alloc(dtype, shape)
+            }
+        };
+        Ok(SparseBwdOnGpu {
+            d_out: gpu.upload(d_out)?,
+            d_q: alloc(DType::Bf16, &[s_q, h_q, d_qk])?,
+            d_kv: alloc(d_kv_dtype, &[s_kv, 1, d_qk])?,
+            delta: alloc(DType::F32, &[s_q, h_q])?,
+            d_attn_sink: match inp.attn_sink {
+                Some(_) => Some(alloc(DType::F32, &[h_q])?),
+                None => None,
+            },
+            d_kv_dtype,
+            fwd,
+        })
+    }
+
+    /// Launches the backward (asynchronously) with `options`.
+    pub fn run(&self, gpu: &Gpu, options: &SparseBwdOptions) -> Result<()> {
+        let f = &self.fwd;
+        let (q, kv, indices) = (f.q.view(), f.kv.view(), f.indices.view());
+        let (out, lse, d_out) = (f.out.view(), f.lse.view(), self.d_out.view());
+        let sink = f.attn_sink.as_ref().map(|t| t.view());
+        let len = f.topk_length.as_ref().map(|t| t.view());
+        let args = SparseBwdArgs {
+            q: &q,
+            kv: &kv,
+            out: &out,
+            d_out: &d_out,
+            indices: &indices,
+            lse: &lse,
+            sm_scale: f.sm_scale,
+            attn_sink: sink.as_ref(),
+            topk_length: len.as_ref(),
+            d_kv_dtype: self.d_kv_dtype,
+        };
+        let grads = SparseBwdOutput {
+            d_q: self.d_q.view(),
+            d_kv: self.d_kv.view(),
+            delta: self.delta.view(),
+            d_attn_sink: self.d_attn_sink.as_ref().map(|t| t.view()),
+        };
+        sparse_bwd_cuda_with(gpu, &args, &grads, options, None)
+    }
+
+    /// Copies the gradients back.
+    pub fn download(&self, gpu: &Gpu) -> Result<SparseBwdResults> {
+        Ok(SparseBwdResults {
+            d_q: gpu.download(&self.d_q)?.to_f32_vec()?,
+            d_kv: gpu.download(&self.d_kv)?.to_f32_vec()?,
+            delta: gpu.download(&self.delta)?.to_f32_vec()?,
+            d_attn_sink: self
+                .d_attn_sink
+                .as_ref()
+                .map(|t| gpu.download(t).and_then(|h| h.to_f32_vec()))
+                .transpose()?,
         })
     }
 }

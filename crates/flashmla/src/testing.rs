@@ -61,7 +61,15 @@ pub enum IndexPattern {
     Random,
     /// 31 of 32 indices in the last 20000 rows (closer to real attention, kinder to L2).
     Local,
+    /// Every token selects among the same few rows (the first [`HOT_ROWS`]): heavy reuse of each KV row, the
+    /// worst case for the backward's `d_kv` reduction.
+    Hot,
+    /// Random rows where about a quarter of the entries repeat an earlier entry of the same row (a multiset).
+    Duplicates,
 }
+
+/// Rows shared by every token under [`IndexPattern::Hot`].
+pub const HOT_ROWS: usize = 96;
 
 /// Index rows `[s_q, topk]` following `pattern`; a fraction `invalid_frac` of entries is replaced by
 /// adversarial invalid values, and every `empty_every`-th token (if non-zero) gets only invalid entries.
@@ -85,6 +93,15 @@ pub fn sparse_indices(
                 for (j, v) in row.iter_mut().enumerate() {
                     if j % 32 == 31 && s_kv > 0 {
                         *v = rng.random_range(0..s_kv) as i32;
+                    }
+                }
+            }
+            IndexPattern::Hot => fill_distinct(rng, row, 0, s_kv.min(HOT_ROWS)),
+            IndexPattern::Duplicates => {
+                fill_distinct(rng, row, 0, s_kv);
+                for j in 1..row.len() {
+                    if rng.random_bool(0.25) {
+                        row[j] = row[rng.random_range(0..j)];
                     }
                 }
             }

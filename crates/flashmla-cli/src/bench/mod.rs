@@ -2,6 +2,7 @@
 //! writes JSON records carrying the GPU, driver, commit and date.
 
 mod kv_quant;
+mod sparse_bwd;
 mod sparse_fwd;
 
 use crate::report::{progress, table};
@@ -84,6 +85,9 @@ pub struct Record {
     pub format: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokens: Option<usize>,
+    /// Device memory the op allocates beyond its inputs and outputs, bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub extra_bytes: Option<usize>,
     /// Median time per call, microseconds.
     pub time_us: f64,
     /// Fastest and slowest repetition, microseconds.
@@ -124,6 +128,7 @@ pub struct Bench {
 fn all_benches(args: &BenchArgs) -> Vec<Bench> {
     let mut v = Vec::new();
     v.extend(sparse_fwd::benches(args.suite, args.indices));
+    v.extend(sparse_bwd::benches(args.suite, args.indices));
     v.extend(kv_quant::benches(args.suite));
     v.into_iter()
         .filter(|b| args.op.is_empty() || args.op.contains(&b.record.op))

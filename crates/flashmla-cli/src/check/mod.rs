@@ -2,6 +2,7 @@
 //! poisoned beforehand, and compares against the CPU reference (bit-exact or SPEC-6 tolerances).
 
 mod kv_quant;
+mod sparse_bwd;
 mod sparse_fwd;
 
 use crate::report::{progress, table};
@@ -97,6 +98,7 @@ fn all_cases() -> Vec<Case> {
     let mut cases = Vec::new();
     cases.extend(kv_quant::cases());
     cases.extend(sparse_fwd::cases());
+    cases.extend(sparse_bwd::cases());
     cases
 }
 

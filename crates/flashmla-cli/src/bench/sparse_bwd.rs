@@ -1,0 +1,57 @@
+//! Sparse prefill backward on the PERF.md shapes: FLOP = 2 * s_q * topk * h_q * (3 * d_qk + 2 * d_v) (recompute S,
+//! then dP, dV, dQ, dK). The timed call is the whole op (workspace zeroing, delta, main kernel, cast, sink
+//! gradient); the record carries the op's extra device memory.
+
+use super::sparse_fwd::{patterns, shapes};
+use super::{Bench, BenchSuite, IndexChoice, Record};
+use crate::device_ops::SparseBwdOnGpu;
+use flashmla::ops::sparse_bwd::SparseBwdOptions;
+use flashmla::ops::sparse_fwd::D_V;
+use flashmla::testing::{peer_bf16, rng, IndexPattern, SparseCase};
+use flashmla::{DType, HostTensor};
+
+/// The backward benchmarks (same shapes as the forward's).
+pub fn benches(suite: BenchSuite, choice: IndexChoice) -> Vec<Bench> {
+    let mut v = Vec::new();
+    for (s_q, s_kv, h_q, d_qk, topk) in shapes(suite) {
+        for pattern in patterns(choice) {
+            let name = if pattern == IndexPattern::Random {
+                "random"
+            } else {
+                "local"
+            };
+            let record = Record {
+                op: "sparse_bwd".into(),
+                s_q: Some(s_q),
+                s_kv: Some(s_kv),
+                topk: Some(topk),
+                h_q: Some(h_q),
+                d_qk: Some(d_qk),
+                d_v: Some(D_V),
+                indices: Some(name.into()),
+                // The f32 d_kv accumulator the op allocates for a bf16 d_kv (PERF: at most one f32 copy of d_kv).
+                extra_bytes: Some(s_kv * d_qk * 4),
+                ..Record::default()
+            };
+            let flop = 2.0 * (s_q * topk * h_q) as f64 * (3 * d_qk + 2 * D_V) as f64;
+            v.push(Bench {
+                record,
+                flop,
+                bytes: 0.0,
+                setup: Box::new(move |gpu| {
+                    let mut case = SparseCase::plain(s_q, s_kv, h_q, d_qk, topk);
+                    case.pattern = pattern;
+                    let inp = case.generate(0x5eed)?;
+                    let d_out = peer_bf16(&mut rng(0xd0), s_q * h_q * D_V);
+                    let d_out = HostTensor::bf16_from_f32(&d_out, &[s_q, h_q, D_V])?;
+                    let dev = SparseBwdOnGpu::new(gpu, &inp, &d_out, DType::Bf16, false)?;
+                    let gpu = gpu.clone();
+                    Ok(Box::new(move || {
+                        dev.run(&gpu, &SparseBwdOptions::default())
+                    }))
+                }),
+            });
+        }
+    }
+    v
+}

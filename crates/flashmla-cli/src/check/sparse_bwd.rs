@@ -1,0 +1,324 @@
+//! Sparse prefill backward: the kernels against the CPU reference (f64 where cheap, f32 otherwise) with the
+//! SPEC-6 backward tolerances. The forward kernel (checked by its own cases) produces `out` and `lse`, which the
+//! GPU backward and the reference both consume. Every case also checks that `d_kv` rows no valid index
+//! references are exactly zero, and gradients are poisoned before the run.
+
+use super::{Case, Outcome};
+use crate::device_ops::SparseBwdOnGpu;
+use flashmla::cuda::Gpu;
+use flashmla::ops::sparse_bwd::SparseBwdOptions;
+use flashmla::ops::sparse_fwd::D_V;
+use flashmla::reference::compare::{compare, Tolerance, BWD_GRAD};
+use flashmla::reference::sparse_bwd::{sparse_bwd, SparseBwdProblem, SparseBwdResult};
+use flashmla::testing::{peer_bf16, rng, IndexPattern, SinkKind, SparseCase, SparseValues};
+use flashmla::{DType, HostTensor};
+
+/// Above this many (token, head, entry) triples the reference runs in f32 (still far inside the tolerances).
+const F64_LIMIT: usize = 4 << 20;
+
+#[derive(Clone)]
+struct Spec {
+    case: SparseCase,
+    padded: bool,
+    d_kv_dtype: DType,
+    deterministic: bool,
+}
+
+impl Spec {
+    fn new(case: SparseCase) -> Self {
+        Spec {
+            case,
+            padded: false,
+            d_kv_dtype: DType::Bf16,
+            deterministic: false,
+        }
+    }
+}
+
+fn check(
+    name: &str,
+    got: &[f32],
+    want: &[f64],
+    tol: &Tolerance,
+) -> (String, Result<String, String>) {
+    let c = compare(got, want);
+    let r = c.check(tol).map(|()| {
+        format!(
+            "max_abs {:.2e} max_rel {:.2e} cos {:.1e}",
+            c.max_abs_err, c.max_rel_err, c.cos_diff
+        )
+    });
+    (name.to_string(), r)
+}
+
+/// Rows of `kv` that some valid entry (inside `topk_length`) references.
+fn referenced(v: &SparseValues) -> Vec<bool> {
+    let mut used = vec![false; v.s_kv];
+    for t in 0..v.s_q {
+        let len = v
+            .topk_length
+            .as_ref()
+            .map_or(v.topk, |l| (l[t].max(0) as usize).min(v.topk));
+        for &i in &v.indices[t * v.topk..t * v.topk + len] {
+            if i >= 0 && (i as usize) < v.s_kv {
+                used[i as usize] = true;
+            }
+        }
+    }
+    used
+}
+
+fn widen(r: SparseBwdResult<f32>) -> SparseBwdResult<f64> {
+    let w = |v: Vec<f32>| v.into_iter().map(f64::from).collect::<Vec<f64>>();
+    SparseBwdResult {
+        d_q: w(r.d_q),
+        d_kv: w(r.d_kv),
+        delta: w(r.delta),
+        d_attn_sink: r.d_attn_sink.map(w),
+    }
+}
+
+fn run_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
+    let c = &spec.case;
+    let inp = c.generate(seed)?;
+    let d_out_values = peer_bf16(&mut rng(seed ^ 0xd0d0), c.s_q * c.h_q * D_V);
+    let d_out = HostTensor::bf16_from_f32(&d_out_values, &[c.s_q, c.h_q, D_V])?;
+    let dev_inp = if spec.padded {
+        inp.padded()?
+    } else {
+        inp.clone()
+    };
+    let dev = SparseBwdOnGpu::new(gpu, &dev_inp, &d_out, spec.d_kv_dtype, true)?;
+    let options = SparseBwdOptions {
+        deterministic: spec.deterministic,
+        ..SparseBwdOptions::default()
+    };
+    dev.run(gpu, &options)?;
+    let got = dev.download(gpu)?;
+    let fwd = dev.fwd.download(gpu)?;
+
+    let values = inp.values()?;
+    let problem = SparseBwdProblem {
+        fwd: values.problem(),
+        out: &fwd.out,
+        d_out: &d_out_values,
+        lse: &fwd.lse,
+    };
+    let want = if c.s_q * c.h_q * c.topk <= F64_LIMIT {
+        sparse_bwd::<f64>(&problem)?
+    } else {
+        widen(sparse_bwd::<f32>(&problem)?)
+    };
+    let mut checks = vec![
+        check("d_q", &got.d_q, &want.d_q, &BWD_GRAD),
+        check("d_kv", &got.d_kv, &want.d_kv, &BWD_GRAD),
+        check("delta", &got.delta, &want.delta, &BWD_GRAD),
+    ];
+    if let (Some(g), Some(w)) = (&got.d_attn_sink, &want.d_attn_sink) {
+        checks.push(check("d_attn_sink", g, w, &BWD_GRAD));
+    }
+    let used = referenced(&values);
+    let d = c.d_qk;
+    let nonzero = (0..c.s_kv).find(|&r| {
+        !used[r]
+            && got.d_kv[r * d..(r + 1) * d]
+                .iter()
+                .any(|&x| x.to_bits() != 0)
+    });
+    checks.push((
+        "unreferenced d_kv rows".into(),
+        match nonzero {
+            None => Ok(format!(
+                "{} rows exactly +0",
+                used.iter().filter(|u| !**u).count()
+            )),
+            Some(r) => Err(format!("row {r} is not exactly zero")),
+        },
+    ));
+    if spec.deterministic {
+        dev.run(gpu, &options)?;
+        let again = dev.download(gpu)?;
+        let same = again
+            .d_kv
+            .iter()
+            .zip(&got.d_kv)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        checks.push((
+            "deterministic d_kv".into(),
+            if same {
+                Ok("bitwise identical on a second run".into())
+            } else {
+                Err("differs between runs".into())
+            },
+        ));
+    }
+    Ok(Outcome::from_checks(checks))
+}
+
+fn push(v: &mut Vec<Case>, name: String, quick: bool, spec: Spec) {
+    v.push(Case {
+        name,
+        quick,
+        run: Box::new(move |gpu, seed| run_case(gpu, &spec, seed)),
+    });
+}
+
+/// Feature variants, rotated over the grid like the forward's.
+fn variant(spec: &mut Spec, k: usize) -> &'static str {
+    let c = &mut spec.case;
+    match k % 7 {
+        0 => "plain",
+        1 => {
+            c.sink = SinkKind::Random;
+            c.topk_length = true;
+            "sink+topk_length"
+        }
+        2 => {
+            c.sink = SinkKind::Infinite;
+            "sink_inf"
+        }
+        3 => {
+            c.invalid_frac = 0.1;
+            c.empty_every = 7;
+            "invalid+empty_rows"
+        }
+        4 => {
+            c.nan_unreferenced = true;
+            c.invalid_frac = 0.05;
+            "nan_unreferenced"
+        }
+        5 => {
+            spec.d_kv_dtype = DType::F32;
+            c.pattern = IndexPattern::Duplicates;
+            "f32_dkv+duplicates"
+        }
+        _ => {
+            c.sink = SinkKind::Random;
+            c.topk_length = true;
+            spec.padded = true;
+            "noncontiguous"
+        }
+    }
+}
+
+/// The backward grid (the forward's) plus the backward issue's extra cases.
+pub fn cases() -> Vec<Case> {
+    const PAIRS: [(usize, usize); 12] = [
+        (128, 128),
+        (256, 256),
+        (512, 512),
+        (592, 128),
+        (1840, 256),
+        (1592, 384),
+        (1521, 512),
+        (95, 128),
+        (153, 256),
+        (114, 384),
+        (300, 100),
+        (1000, 1),
+    ];
+    let mut v = Vec::new();
+    let mut k = 0usize;
+    for h_q in [64usize, 128] {
+        for d_qk in [512usize, 576] {
+            for (s_kv, topk) in PAIRS {
+                for s_q in [1usize, 62, 213] {
+                    let mut spec = Spec::new(SparseCase::plain(s_q, s_kv, h_q, d_qk, topk));
+                    let what = variant(&mut spec, k);
+                    let quick = k % 9 == 0;
+                    k += 1;
+                    push(
+                        &mut v,
+                        format!("sparse_bwd/h{h_q}/d{d_qk}/skv{s_kv}/topk{topk}/sq{s_q}/{what}"),
+                        quick,
+                        spec,
+                    );
+                }
+            }
+        }
+    }
+    for h_q in [64usize, 128] {
+        for d_qk in [512usize, 576] {
+            for j in 0..7 {
+                let mut spec = Spec::new(SparseCase::plain(37, 1521, h_q, d_qk, 512));
+                let what = variant(&mut spec, j);
+                push(
+                    &mut v,
+                    format!("sparse_bwd/feature/{what}/h{h_q}/d{d_qk}"),
+                    true,
+                    spec,
+                );
+            }
+        }
+    }
+    for (s_kv, topk) in [(32usize, 2048usize), (64, 8192)] {
+        let spec = Spec::new(SparseCase::plain(62, s_kv, 128, 576, topk));
+        push(
+            &mut v,
+            format!("sparse_bwd/topk_gt_skv/skv{s_kv}/topk{topk}"),
+            false,
+            spec,
+        );
+    }
+    let mut all_invalid = SparseCase::plain(20, 500, 128, 576, 256);
+    all_invalid.empty_every = 1;
+    all_invalid.sink = SinkKind::Random;
+    push(
+        &mut v,
+        "sparse_bwd/all_rows_invalid".into(),
+        true,
+        Spec::new(all_invalid),
+    );
+    for h_q in [1usize, 3, 100] {
+        let mut c = SparseCase::plain(40, 700, h_q, 576, 200);
+        c.sink = SinkKind::Random;
+        c.invalid_frac = 0.1;
+        push(
+            &mut v,
+            format!("sparse_bwd/heads/h{h_q}"),
+            true,
+            Spec::new(c),
+        );
+    }
+    // Heavy reuse: every token selects among the same 96 rows (with repeats once topk > 96).
+    for (topk, d_qk) in [(96usize, 576usize), (200, 512)] {
+        let mut c = SparseCase::plain(213, 4096, 128, d_qk, topk);
+        c.pattern = IndexPattern::Hot;
+        push(
+            &mut v,
+            format!("sparse_bwd/heavy_reuse/topk{topk}/d{d_qk}"),
+            true,
+            Spec::new(c),
+        );
+    }
+    let mut dup = SparseCase::plain(62, 1000, 128, 576, 256);
+    dup.pattern = IndexPattern::Duplicates;
+    push(&mut v, "sparse_bwd/duplicates".into(), true, Spec::new(dup));
+    for d_qk in [576usize, 512] {
+        let mut c = SparseCase::plain(62, 1521, 128, d_qk, 512);
+        c.sink = SinkKind::Random;
+        c.invalid_frac = 0.05;
+        let mut spec = Spec::new(c);
+        spec.deterministic = true;
+        push(
+            &mut v,
+            format!("sparse_bwd/deterministic/d{d_qk}"),
+            true,
+            spec,
+        );
+    }
+    // The named shapes.
+    push(
+        &mut v,
+        "sparse_bwd/shape/sq1024_skv2048_topk512".into(),
+        false,
+        Spec::new(SparseCase::plain(1024, 2048, 128, 576, 512)),
+    );
+    push(
+        &mut v,
+        "sparse_bwd/shape/sq128_skv4096_topk2048".into(),
+        false,
+        Spec::new(SparseCase::plain(128, 4096, 128, 576, 2048)),
+    );
+    v
+}
