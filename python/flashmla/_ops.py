@@ -38,10 +38,14 @@ _F32 = torch.float32
 _BF16 = torch.bfloat16
 
 
-def _run(fn, anchor: Tensor, *args) -> None:
-    """Calls a native op on ``anchor``'s device and torch's current stream there."""
+def _run(fn, anchor: Tensor, *args, **kwargs) -> None:
+    """Calls a native op on ``anchor``'s device and torch's current stream there.
+
+    Temporary tensors passed in ``args``/``kwargs`` may be freed when this returns: torch's caching allocator
+    reuses their memory in stream order on the same stream, after the op's kernels.
+    """
     with _glue.on_device(anchor):
-        fn(*args, _glue.stream_of(anchor))
+        fn(*args, _glue.stream_of(anchor), **kwargs)
 
 
 def _rank_at_least(t: Tensor, name: str, rank: int) -> None:
@@ -165,7 +169,9 @@ def _sparse_bwd_op(
         _glue.desc_opt(attn_sink, "attn_sink"),
         _glue.desc_opt(topk_length, "topk_length"),
     )
-    s_q, s_kv, h_q, d_qk, _d_v, _topk = _native.sparse_bwd_check(*ins, "f32" if d_kv_f32 else "bf16")
+    s_q, s_kv, h_q, d_qk, _d_v, _topk, ws_rows, ws_cols = _native.sparse_bwd_check(
+        *ins, "f32" if d_kv_f32 else "bf16"
+    )
     dev = q.device
     d_q = torch.empty((s_q, h_q, d_qk), dtype=_BF16, device=dev)
     d_kv = torch.empty((s_kv, 1, d_qk), dtype=_F32 if d_kv_f32 else _BF16, device=dev)
@@ -177,7 +183,11 @@ def _sparse_bwd_op(
         _glue.desc(delta, "delta"),
         _glue.desc(d_sink, "d_attn_sink") if attn_sink is not None else None,
     )
-    _run(_native.sparse_bwd, q, *ins, *outs)
+    # A bf16 d_kv is reduced in an f32 workspace first; allocating it here lets torch's caching allocator own it.
+    workspace = None
+    if q.is_cuda and not d_kv_f32 and ws_rows * ws_cols > 0:
+        workspace = _glue.desc(torch.empty((ws_rows, ws_cols), dtype=_F32, device=dev), "workspace")
+    _run(_native.sparse_bwd, q, *ins, *outs, workspace=workspace)
     return d_q, d_kv, delta, d_sink
 
 

@@ -229,8 +229,12 @@ fn bwd_descs(
     })
 }
 
-/// Validates a sparse backward and returns `(s_q, s_kv, h_q, d_qk, d_v, topk)`; `d_kv_dtype` is `"bf16"` or
-/// `"f32"`.
+/// `(s_q, s_kv, h_q, d_qk, d_v, topk, ws_rows, ws_cols)` of [`sparse_bwd_check`].
+type BwdCheck = (usize, usize, usize, usize, usize, usize, usize, usize);
+
+/// Validates a sparse backward and returns `(s_q, s_kv, h_q, d_qk, d_v, topk, ws_rows, ws_cols)`: the dims and
+/// the shape of the f32 workspace a GPU run needs when `d_kv` is bf16 (the caller allocates it so that torch's
+/// allocator owns it); `d_kv_dtype` is `"bf16"` or `"f32"`.
 #[pyfunction]
 #[pyo3(signature = (q, kv, out, d_out, indices, lse, sm_scale, attn_sink=None, topk_length=None, d_kv_dtype="bf16"))]
 #[allow(clippy::too_many_arguments)]
@@ -245,7 +249,7 @@ pub fn sparse_bwd_check(
     attn_sink: Option<RawDesc>,
     topk_length: Option<RawDesc>,
     d_kv_dtype: &str,
-) -> PyResult<(usize, usize, usize, usize, usize, usize)> {
+) -> PyResult<BwdCheck> {
     guard("sparse_bwd", || {
         let d = bwd_descs(
             &q,
@@ -259,7 +263,11 @@ pub fn sparse_bwd_check(
         )?;
         let dims = bwd_op::validate(&d.args(sm_scale, parse_dtype("d_kv", d_kv_dtype)?))?;
         let f = dims.fwd;
-        Ok((f.s_q, f.s_kv, f.h_q, f.d_qk, f.d_v, f.topk))
+        let [ws_rows, ws_cols] =
+            bwd_op::workspace_shape(&dims, &bwd_op::SparseBwdOptions::default());
+        Ok((
+            f.s_q, f.s_kv, f.h_q, f.d_qk, f.d_v, f.topk, ws_rows, ws_cols,
+        ))
     })
 }
 
@@ -267,7 +275,8 @@ pub fn sparse_bwd_check(
 /// picks the variant), `delta [s_q, h_q]` f32 and, with a sink, `d_attn_sink [h_q]` f32.
 #[pyfunction]
 #[pyo3(signature = (
-    q, kv, out, d_out, indices, lse, sm_scale, attn_sink, topk_length, d_q, d_kv, delta, d_attn_sink, stream=0
+    q, kv, out, d_out, indices, lse, sm_scale, attn_sink, topk_length, d_q, d_kv, delta, d_attn_sink, stream=0,
+    workspace=None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn sparse_bwd(
@@ -286,6 +295,7 @@ pub fn sparse_bwd(
     delta: RawDesc,
     d_attn_sink: Option<RawDesc>,
     stream: u64,
+    workspace: Option<RawDesc>,
 ) -> PyResult<()> {
     py.detach(|| {
         guard("sparse_bwd", || {
@@ -360,20 +370,18 @@ pub fn sparse_bwd(
                         topk_length: len.as_ref(),
                         d_kv_dtype: args.d_kv_dtype,
                     };
-                    sparse_bwd_gpu(&gpu_for(device, stream)?, &args, &views)
+                    let ws = device_opt(&Desc::opt("workspace", &workspace)?)?;
+                    bwd_op::sparse_bwd_cuda_with(
+                        &gpu_for(device, stream)?,
+                        &args,
+                        &views,
+                        &bwd_op::SparseBwdOptions::default(),
+                        ws.as_ref(),
+                    )
                 }
             }
         })
     })
-}
-
-/// GPU path of the sparse backward: no kernel yet (`ops::sparse_bwd::sparse_bwd_cuda` will go here).
-fn sparse_bwd_gpu(
-    _gpu: &Gpu,
-    _args: &SparseBwdArgs<'_, DeviceView>,
-    _out: &SparseBwdOutput<DeviceView>,
-) -> Result<()> {
-    Err(no_kernel("sparse_bwd"))
 }
 
 // ---------------------------------------------------------------------------------------------------------------
