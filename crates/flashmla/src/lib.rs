@@ -20,3 +20,8 @@ pub mod validate;
 pub use error::{Error, Result};
 pub use fp8::KvFormat;
 pub use tensor::{DType, DeviceView, HostData, HostTensor, Layout, Location, TensorMeta};
+
+/// The README's examples, compiled as doc tests so they stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
