@@ -307,6 +307,33 @@ pub fn cases() -> Vec<Case> {
             spec,
         );
     }
+    // Small topk makes each probability large (~1/128), so a contribution wrongly kept or dropped shows above the
+    // absolute tolerance; these combine a sink, topk_length, empty rows and duplicate entries, then each alone.
+    for (what, sink, len, dup, empty) in [
+        ("all", true, true, true, 2usize),
+        ("sink", true, false, false, 0),
+        ("topk_length", false, true, false, 0),
+        ("duplicates", false, false, true, 0),
+        ("sink+topk_length", true, true, false, 0),
+    ] {
+        for (h_q, d_qk) in [(64usize, 512usize), (128, 576)] {
+            let mut c = SparseCase::plain(64, 4096, h_q, d_qk, 128);
+            if sink {
+                c.sink = SinkKind::Random;
+            }
+            c.topk_length = len;
+            if dup {
+                c.pattern = IndexPattern::Duplicates;
+            }
+            c.empty_every = if empty > 0 { 32 } else { 0 };
+            push(
+                &mut v,
+                format!("sparse_bwd/small_topk/{what}/h{h_q}/d{d_qk}"),
+                true,
+                Spec::new(c),
+            );
+        }
+    }
     // The named shapes.
     push(
         &mut v,
