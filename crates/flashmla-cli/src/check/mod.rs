@@ -149,10 +149,8 @@ pub fn run(args: &CheckArgs) -> Result<u8, String> {
         });
         let seconds = t0.elapsed().as_secs_f64();
         if !outcome.passed {
-            bar.println(format!(
-                "FAIL {} (seed {seed}): {}",
-                case.name, outcome.detail
-            ));
+            // `suspend`, not `println`: a hidden bar (output not a terminal) would swallow the line.
+            bar.suspend(|| println!("FAIL {} (seed {seed}): {}", case.name, outcome.detail));
         }
         records.push(CaseRecord {
             name: &case.name,
