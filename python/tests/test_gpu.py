@@ -6,6 +6,7 @@ message (so a run lists exactly what is missing). Run on the GPU machine (see do
 ``python -m pytest -q python/tests/test_gpu.py -rs``.
 """
 
+import math
 import time
 
 import pytest
@@ -317,27 +318,54 @@ def test_compile_inductor_gpu():
     torch.testing.assert_close(compiled(case.q, case.kv, case.indices, case.attn_sink), eager)
 
 
-def test_tiny_training_loop():
+def _train_sparse_layer(attention, steps):
+    """Trains a projection + latent KV + sink through one sparse-attention layer towards a teacher's output (a
+    learnable target); returns the loss of every step. Same seed, same data for every ``attention``."""
     torch.manual_seed(0)
     s_q, s_kv, h_q, d_qk, topk, d_model = 128, 1024, 64, 576, 128, 256
+    x = torch.randn(s_q, d_model, device="cuda").to(torch.bfloat16)
+    idx = torch.randint(0, s_kv, (s_q, 1, topk), device="cuda", dtype=torch.int32)
+    with torch.no_grad():
+        teacher = torch.nn.Linear(d_model, h_q * d_qk, device="cuda", dtype=torch.bfloat16)
+        kv_t = (torch.randn(s_kv, 1, d_qk, device="cuda") / 10).to(torch.bfloat16)
+        q_t = teacher(x).view(s_q, h_q, d_qk)
+        target = sparse_mla_reference(q_t.float(), kv_t.float(), idx, d_qk**-0.5)[0]
     proj = torch.nn.Linear(d_model, h_q * d_qk, device="cuda", dtype=torch.bfloat16)
     kv = torch.nn.Parameter((torch.randn(s_kv, 1, d_qk, device="cuda") / 10).to(torch.bfloat16))
     sink = torch.nn.Parameter(torch.zeros(h_q, device="cuda"))
-    x = torch.randn(s_q, d_model, device="cuda").to(torch.bfloat16)
-    idx = torch.randint(0, s_kv, (s_q, 1, topk), device="cuda", dtype=torch.int32)
-    target = torch.randn(s_q, h_q, 512, device="cuda") / 10
-    opt = torch.optim.Adam([*proj.parameters(), kv, sink], lr=1e-2)
+    opt = torch.optim.Adam([*proj.parameters(), kv, sink], lr=3e-3)
     losses = []
-    for _ in range(30):
+    for _ in range(steps):
         opt.zero_grad()
         q = proj(x).view(s_q, h_q, d_qk)
-        out = call_or_skip(flashmla.sparse_mla, q, kv, idx, attn_sink=sink)
+        out = attention(q, kv, idx, sink)
         loss = (out.float() - target).square().mean()
-        call_or_skip(loss.backward)
+        loss.backward()
         opt.step()
         losses.append(loss.item())
-    assert all(map(torch.isfinite, map(torch.tensor, losses)))
-    assert losses[-1] < 0.8 * losses[0], losses
+    return losses
+
+
+def test_tiny_training_loop():
+    """200 Adam steps of a sparse-attention layer with the kernels follow the pure-torch version's loss curve to
+    bf16 precision, and learn (the target is a teacher's output)."""
+    steps = 200
+
+    def ours(q, kv, idx, sink):
+        return call_or_skip(flashmla.sparse_mla, q, kv, idx, attn_sink=sink)
+
+    def torch_version(q, kv, idx, sink):
+        # The pure-torch reference in float32 (autograd through gather and einsum), rounded to bf16 like ours.
+        out = sparse_mla_reference(q.float(), kv.float(), idx, q.shape[-1] ** -0.5, sink)[0]
+        return out.to(torch.bfloat16)
+
+    a = _train_sparse_layer(ours, steps)
+    b = _train_sparse_layer(torch_version, steps)
+    assert all(map(math.isfinite, a)), a
+    assert a[-1] < 0.5 * a[0], f"did not learn: {a[0]} -> {a[-1]}"
+    # bf16 rounding differs between the two paths at every step; the curves must agree to a few bf16 ulps.
+    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    assert worst < 2e-2, f"loss curves differ by {worst:.3g} (relative); ours {a[::40]} torch {b[::40]}"
 
 
 # ------------------------------------------------------------------------------------------------------------
