@@ -44,6 +44,40 @@ pub struct CheckArgs {
     list: bool,
 }
 
+/// The (s_kv, topk) pairs of the sparse grid (the forward issue's list): tails of every size, topk above and
+/// below s_kv, topk 1.
+pub const GRID_PAIRS: [(usize, usize); 12] = [
+    (128, 128),
+    (256, 256),
+    (512, 512),
+    (592, 128),
+    (1840, 256),
+    (1592, 384),
+    (1521, 512),
+    (95, 128),
+    (153, 256),
+    (114, 384),
+    (300, 100),
+    (1000, 1),
+];
+
+/// Compares `got` with the reference under `tol` (SPEC section 6) as one named check of an [`Outcome`].
+pub fn check(
+    name: &str,
+    got: &[f32],
+    want: &[f64],
+    tol: &flashmla::reference::compare::Tolerance,
+) -> (String, Result<String, String>) {
+    let c = flashmla::reference::compare::compare(got, want);
+    let r = c.check(tol).map(|()| {
+        format!(
+            "max_abs {:.2e} max_rel {:.2e} cos {:.1e}",
+            c.max_abs_err, c.max_rel_err, c.cos_diff
+        )
+    });
+    (name.to_string(), r)
+}
+
 /// The verdict of one case.
 pub struct Outcome {
     /// Whether every comparison passed.

@@ -3,12 +3,12 @@
 //! GPU backward and the reference both consume. Every case also checks that `d_kv` rows no valid index
 //! references are exactly zero, and gradients are poisoned before the run.
 
-use super::{Case, Outcome};
+use super::{check, Case, Outcome, GRID_PAIRS};
 use crate::device_ops::SparseBwdOnGpu;
 use flashmla::cuda::Gpu;
 use flashmla::ops::sparse_bwd::SparseBwdOptions;
 use flashmla::ops::sparse_fwd::D_V;
-use flashmla::reference::compare::{compare, Tolerance, BWD_GRAD};
+use flashmla::reference::compare::BWD_GRAD;
 use flashmla::reference::sparse_bwd::{sparse_bwd, SparseBwdProblem, SparseBwdResult};
 use flashmla::testing::{peer_bf16, rng, IndexPattern, SinkKind, SparseCase, SparseValues};
 use flashmla::{DType, HostTensor};
@@ -33,22 +33,6 @@ impl Spec {
             deterministic: false,
         }
     }
-}
-
-fn check(
-    name: &str,
-    got: &[f32],
-    want: &[f64],
-    tol: &Tolerance,
-) -> (String, Result<String, String>) {
-    let c = compare(got, want);
-    let r = c.check(tol).map(|()| {
-        format!(
-            "max_abs {:.2e} max_rel {:.2e} cos {:.1e}",
-            c.max_abs_err, c.max_rel_err, c.cos_diff
-        )
-    });
-    (name.to_string(), r)
 }
 
 /// Rows of `kv` that some valid entry (inside `topk_length`) references.
@@ -203,25 +187,11 @@ fn variant(spec: &mut Spec, k: usize) -> &'static str {
 
 /// The backward grid (the forward's) plus the backward issue's extra cases.
 pub fn cases() -> Vec<Case> {
-    const PAIRS: [(usize, usize); 12] = [
-        (128, 128),
-        (256, 256),
-        (512, 512),
-        (592, 128),
-        (1840, 256),
-        (1592, 384),
-        (1521, 512),
-        (95, 128),
-        (153, 256),
-        (114, 384),
-        (300, 100),
-        (1000, 1),
-    ];
     let mut v = Vec::new();
     let mut k = 0usize;
     for h_q in [64usize, 128] {
         for d_qk in [512usize, 576] {
-            for (s_kv, topk) in PAIRS {
+            for (s_kv, topk) in GRID_PAIRS {
                 for s_q in [1usize, 62, 213] {
                     let mut spec = Spec::new(SparseCase::plain(s_q, s_kv, h_q, d_qk, topk));
                     let what = variant(&mut spec, k);

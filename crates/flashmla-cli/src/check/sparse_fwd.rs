@@ -1,13 +1,11 @@
 //! Sparse prefill forward: the kernel against the f64 reference (SPEC-6 prefill tolerances) on the case grid of
 //! the forward issue, with outputs poisoned before every run. Large problems compare a sample of query rows.
 
-use super::{Case, Outcome};
+use super::{check, Case, Outcome, GRID_PAIRS};
 use crate::device_ops::SparseFwdOnGpu;
 use flashmla::cuda::Gpu;
 use flashmla::ops::sparse_fwd::D_V;
-use flashmla::reference::compare::{
-    compare, Tolerance, PREFILL_LSE, PREFILL_MAX_LOGITS, PREFILL_OUT,
-};
+use flashmla::reference::compare::{PREFILL_LSE, PREFILL_MAX_LOGITS, PREFILL_OUT};
 use flashmla::reference::sparse_fwd::sparse_fwd_rows;
 use flashmla::testing::{IndexPattern, SinkKind, SparseCase};
 
@@ -36,22 +34,6 @@ fn gather_rows(all: &[f32], width: usize, rows: &[usize]) -> Vec<f32> {
     rows.iter()
         .flat_map(|&r| all[r * width..(r + 1) * width].iter().copied())
         .collect()
-}
-
-fn check(
-    name: &str,
-    got: &[f32],
-    want: &[f64],
-    tol: &Tolerance,
-) -> (String, Result<String, String>) {
-    let c = compare(got, want);
-    let r = c.check(tol).map(|()| {
-        format!(
-            "max_abs {:.2e} max_rel {:.2e} cos {:.1e}",
-            c.max_abs_err, c.max_rel_err, c.cos_diff
-        )
-    });
-    (name.to_string(), r)
 }
 
 fn run_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
@@ -134,25 +116,11 @@ fn push(v: &mut Vec<Case>, name: String, quick: bool, spec: Spec) {
 /// The forward grid: h_q {64,128} x d_qk {512,576} x 12 (s_kv, topk) x s_q {1,62,213}, each case with one of six
 /// feature variants in rotation (so every feature meets every shape class), plus the issue's extra cases.
 pub fn cases() -> Vec<Case> {
-    const PAIRS: [(usize, usize); 12] = [
-        (128, 128),
-        (256, 256),
-        (512, 512),
-        (592, 128),
-        (1840, 256),
-        (1592, 384),
-        (1521, 512),
-        (95, 128),
-        (153, 256),
-        (114, 384),
-        (300, 100),
-        (1000, 1),
-    ];
     let mut v = Vec::new();
     let mut k = 0usize;
     for h_q in [64usize, 128] {
         for d_qk in [512usize, 576] {
-            for (s_kv, topk) in PAIRS {
+            for (s_kv, topk) in GRID_PAIRS {
                 for s_q in [1usize, 62, 213] {
                     let mut case = SparseCase::plain(s_q, s_kv, h_q, d_qk, topk);
                     let (what, padded) = variant(&mut case, k);
