@@ -21,10 +21,10 @@ pub mod validate;
 pub use launch::{workspace_shape, SparseBwdOptions};
 pub use validate::{validate, validate_output};
 
+use crate::cuda::Gpu;
 use crate::error::Result;
 use crate::ops::sparse_fwd::{HostInputs, SparseFwdArgs, SparseFwdDims};
 use crate::reference::sparse_bwd::{sparse_bwd, SparseBwdProblem};
-use crate::cuda::Gpu;
 use crate::tensor::{DType, DeviceView, HostTensor, TensorMeta};
 
 /// The dtypes `d_kv` may have.
