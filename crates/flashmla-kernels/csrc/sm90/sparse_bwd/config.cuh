@@ -2,8 +2,11 @@
 // (docs/sparse-bwd.md explains the choices). One CTA serves one (query token, group of 64 heads): it keeps Q and
 // dO of its heads resident, streams the token's topk KV rows in tiles of 64 through ONE shared-memory tile that
 // is refilled as soon as the last product reading it (dQ) has retired, keeps the 64 x d_qk f32 dQ accumulator in
-// registers for the whole token, and reduces each tile's dKV contribution (already summed over its 64 heads by
-// the MMA) into global f32 with 16-byte vector reductions.
+// registers for the whole token, and reduces each tile's dKV contribution (summed over its 64 heads by the MMA)
+// into global f32. When h_q > 64 the two head groups of a token run as a 2-CTA cluster ("pair mode") and add
+// their dKV partials on chip, through distributed shared memory, before the global reduction: each CTA reduces
+// half of the columns of every chunk, so every (token, selected row) costs one 2304-byte row of global adds
+// instead of two.
 #pragma once
 
 #include <cstdint>
@@ -17,15 +20,31 @@ inline constexpr int kMaxHeads = 128;                     // host-checked limit 
 inline constexpr int kTileRows = 64;                      // KV rows per tile: wgmma M of dKV
 inline constexpr int kDv = 512;                           // V width: the first 512 columns of each KV row
 inline constexpr int kConsumers = 2;                      // consumer warpgroups
-inline constexpr int kHalfRows = kTileRows / kConsumers;  // 32: consumer c computes S, dP for tile rows 32c..32c+31
 
 inline constexpr int kWarpgroupThreads = 128;
 inline constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;  // 384: producer WG 0, consumers WG 1, 2
 inline constexpr int kConsumerThreads = kConsumers * kWarpgroupThreads;
 inline constexpr int kConsumerWarps = kConsumerThreads / 32;
 
+// Pair mode (2-CTA cluster, one CTA per head group of a token). For every dKV chunk (64 tile rows x 64 columns f32,
+// one consumer warpgroup's accumulator) CTA rank r keeps columns [32 r, 32 r + 32) of every row and sends the other
+// 32 columns to the peer: each consumer warp exchanges its 16 rows x 32 columns (2 KB) with the warp of the same
+// index in the peer, adds what it receives to the half it kept, and reduces it into global memory. Every warp does
+// the same work, and the exchange of chunk k overlaps the MMAs of chunk k + 1. One slot per consumer warp.
+inline constexpr int kPairCtas = 2;
+inline constexpr int kXSlotRows = 16;                                        // one warp's accumulator rows
+inline constexpr int kXSlotCols = 32;                                        // half of a dKV chunk
+inline constexpr int kXSlotRowBytes = kXSlotCols * 4;                        // 128: f32 half row
+inline constexpr int kXSlotBytes = kXSlotRows * kXSlotRowBytes;              // 2048
+inline constexpr int kXSlotVals = kXSlotRows * kXSlotCols / 32;              // 16 f32 per thread
+inline constexpr int kXChunksPerRow = kXSlotRowBytes / 16;                   // 8 16-byte chunks per slot row
+inline constexpr int kXSlots = kConsumerWarps;                               // one slot per consumer warp
+inline constexpr int kXBytes = kXSlots * kXSlotBytes;                        // 16 KB
+static_assert(kXSlotCols * kPairCtas == kSw128ColsBf16, "the pair splits a 64-column chunk in halves");
+
 // Register split after setmaxnreg: 128 * 40 + 256 * 232 = 64512 <= 65536. Consumer 0 holds the widest dQ slice
-// (5 slabs = 160 f32 at d_qk 576) plus S and dP halves (16 + 16 f32) and the dS A-fragments (8).
+// (5 slabs = 160 f32 at d_qk 576) plus S (32 f32); consumer 1 dQ (128) plus dP (32) and the dS A-fragments (16);
+// during dKV each also holds one 64 x 64 chunk (32) and, in pair mode, the kept half of the previous one (16).
 inline constexpr uint32_t kProducerRegs = 40;
 inline constexpr uint32_t kConsumerRegs = 232;
 static_assert(kWarpgroupThreads * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register file");
@@ -39,10 +58,11 @@ static_assert(kHeadsPerCta == kTileRows, "Q/dO and KV tiles share the gather geo
 
 // Named barriers among the 256 consumer threads (id 0 is __syncthreads, used only before the role split).
 enum class Bar : uint32_t {
-    DsReady = 1,       // both consumers stored their bf16 P and dS halves (fenced for the async proxy)
+    DsReady = 1,       // consumer 1 stored the bf16 dS tile (fenced for the async proxy)
     PdsFree = 2,       // both consumers finished the dKV products of the previous tile (P, dS tiles reusable)
     MmaDone = 3,       // epilogue: every wgmma of both consumers retired (the Q region becomes staging)
     StagingReady = 4,  // epilogue: the bf16 dQ tile is complete in shared memory
+    PReady = 5,        // consumer 0 stored the bf16 P tile (fenced) and its rounding error (in the dS tile)
 };
 
 template <int kDqk>
@@ -63,6 +83,13 @@ struct Config {
     static constexpr int kDqSlabs1 = kDqkSlabs - kDqSlabs0;
     // dKV column chunks (one slab each, 64 x 64 f32): consumer 1 (the narrower dQ) owns the even slabs, consumer 0
     // the odd ones. MMA k-steps per tile then balance: 576: c0 = 20 (dQ) + 4 x 8 = 52, c1 = 16 + 4 x 8 + 4 = 52.
+    // The per-warp slots (pair exchange, solo staging). At d_qk 576 there is no spare shared memory for them: they
+    // alias the last two KV slabs (7 and 8, 16 KB), which the producer therefore refills only after every consumer
+    // warp finished the last chunk of the previous tile (the consumers read those slabs last in S = Q K^T, so the
+    // late refill overlaps S of slabs 0..6). At d_qk 512 they have their own 16 KB.
+    static constexpr bool kXbufInKv = kDqk == 576;
+    static constexpr int kLateSlabs = kXbufInKv ? kXBytes / kSlabBytes : 0;  // KV slabs refilled after the drain
+    static_assert(!kXbufInKv || kLateSlabs * kSlabBytes == kXBytes, "the exchange covers whole KV slabs");
     static constexpr int kStagingRowBytes = kDqk * 2;  // bf16 dQ row staged in the Q region by the epilogue
     static constexpr int kStagingChunksPerRow = kStagingRowBytes / kSw128ChunkBytes;
     static_assert(kStagingChunksPerRow % kSw128ChunksPerRow == 0, "staging swizzle permutes groups of 8 chunks");
@@ -81,9 +108,20 @@ __host__ __device__ constexpr int dkv_chunk_owner(int s) { return (s % 2 == 0) ?
 //                                           K-major A of dQ for the other consumer's rows)
 //   row_idx  [2][64] i32                    KV row of each tile row, -1 when invalid (masking and dKV targets);
 //                                           double-buffered because dKV(i) still reads it while tile i+1 lands
-//   barriers: qdo_full, kv_full[slab], kv_empty
+//   xbuf     [slot][16 rows][128 B] f32     pair mode: the peer's 32 columns of one warp's dKV chunk rows, row-major
+//                                           with the 16-byte chunk index XORed with (row % 8), so both the
+//                                           fragment-order accesses and the row-order reads are conflict-free.
+//                                           Own region at d_qk 512 (first in the plan); KV slabs 7-8 at d_qk 576
+//   barriers: qdo_full, kv_full[slab], kv_empty; pair mode x_full[slot], x_empty[slot], x_drained
 template <int kDqk>
-struct SmemPlan {
+struct XbufRegion {
+    alignas(kSw128AtomBytes) uint8_t xbuf[kXBytes];
+};
+template <>
+struct XbufRegion<576> {};  // empty base: no bytes
+
+template <int kDqk>
+struct SmemPlan : XbufRegion<kDqk> {
     using C = Config<kDqk>;
     alignas(kSw128AtomBytes) uint8_t q[C::kQBytes];
     alignas(kSw128AtomBytes) uint8_t d_out[C::kDoBytes];
@@ -91,9 +129,22 @@ struct SmemPlan {
     alignas(kSw128AtomBytes) uint8_t p[C::kTileBf16Bytes];
     alignas(kSw128AtomBytes) uint8_t ds[C::kTileBf16Bytes];
     int32_t row_idx[2][kTileRows];
-    uint64_t qdo_full;               // producer -> consumers: Q and dO landed (128 arrivals + cp.async)
-    uint64_t kv_full[C::kDqkSlabs];  // producer -> consumers: slab s of the current tile landed (128 + cp.async)
+    uint64_t qdo_full;               // producer -> consumers: Q and dO landed and fenced (128 arrivals)
+    uint64_t kv_full[C::kDqkSlabs];  // producer -> consumers: slab s of the current tile landed, fenced (128)
     uint64_t kv_empty;               // consumers -> producer: tile released (one arrival per consumer warp)
+    uint64_t x_full[kXSlots];        // pair: the peer's 2 KB of a chunk landed in slot s (1 arrival + tx bytes)
+    uint64_t x_empty[kXSlots];       // pair: the peer may write its next chunk into ITS slot s (1 remote arrival)
+    uint64_t x_drained;              // pair: every consumer warp consumed the last chunk of a tile (producer waits
+                                     // at d_qk 576 before refilling the KV slabs the slots alias)
+
+    // Base of the exchange slots.
+    __device__ __forceinline__ uint8_t* xbuf_base() {
+        if constexpr (C::kXbufInKv) {
+            return kv + (C::kDqkSlabs - C::kLateSlabs) * C::kSlabBytes;
+        } else {
+            return this->xbuf;
+        }
+    }
 };
 
 // Dynamic shared memory a launch requests: the plan plus slack to round the base up to 1024 bytes.
@@ -106,7 +157,7 @@ static_assert(kSmemBytes<576> <= kMaxSmemPerBlock, "d_qk 576 plan exceeds 227 KB
 static_assert(kSmemBytes<512> <= kMaxSmemPerBlock, "d_qk 512 plan exceeds 227 KB");
 // launch.rs requests these exact sizes (SMEM_BYTES_D576 / SMEM_BYTES_D512); keep both in step.
 static_assert(kSmemBytes<576> == 231424, "update launch.rs SMEM_BYTES_D576");
-static_assert(kSmemBytes<512> == 215040, "update launch.rs SMEM_BYTES_D512");
+static_assert(kSmemBytes<512> == 231424, "update launch.rs SMEM_BYTES_D512");
 
 // The small kernels of the family.
 inline constexpr int kSmallThreads = 256;           // every auxiliary kernel: 8 warps

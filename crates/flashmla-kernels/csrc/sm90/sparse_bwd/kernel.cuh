@@ -1,26 +1,37 @@
 // Sparse MLA prefill backward for sm_90a (SPEC section 2): the main kernel. docs/sparse-bwd.md has the design:
-// shared-memory plan, warp roles, barrier protocol, masking, how d_kv is reduced. The small kernels of the family
+// shared-memory plan, warp roles, barrier protocols, masking, how d_kv is reduced. The small kernels of the family
 // (delta pre-pass, accumulator zeroing, d_kv finalisation, sink gradient) are in aux.cuh.
 //
 // One CTA = one query token t x one group of 64 heads; 3 warpgroups:
 //   WG 0 (producer): loads Q [64 x d_qk] and dO [64 x 512] of its heads once, then gathers the token's selected KV
 //                    rows, 64 per tile, into ONE shared tile, slab (64 columns) by slab, with cp.async (16-byte
 //                    chunks straight into the 128B-swizzled layout; invalid rows zero-filled without being read).
-//                    Tile i+1 is gathered as soon as both consumers' dQ(i) retired, i.e. during dKV(i).
+//                    Each slab is one cp.async group: the producer waits for it, issues the generic->async proxy
+//                    fence itself and then arrives on the slab's barrier, so the consumers never fence. Tile i+1 is
+//                    gathered as soon as both consumers' dQ(i) retired, i.e. during dKV(i).
 //   WG 1, 2 (consumers c = 0, 1), per tile:
-//     S_c = Q K_c^T, dP_c = dO V_c^T     over tile rows [32c, 32c + 32)            (wgmma 64x32, K = d_qk / 512)
-//     P = exp2(S * sm_scale * log2e - lse2'), 0 for invalid rows; dS' = sm_scale * P * (dP - delta)
-//     P, dS' -> bf16: own half as register A fragments, both into shared tiles
-//     dQ[:, own slabs] += dS' K          (own rows from registers, the other consumer's from shared memory)
+//     c = 0: S = Q K^T, c = 1: dP = dO V^T, each over all 64 tile rows           (wgmma 64x64, K = d_qk / 512)
+//     c = 0: P = exp2(S * sm_scale * log2e - lse2'), 0 for invalid rows -> bf16 P tile (+ its rounding error)
+//     c = 1: dS' = sm_scale * P * (dP - delta) -> bf16 dS tile, and register A fragments
+//     dQ[:, own slabs] += dS' K          (c = 1 from registers, c = 0 from the dS tile)
 //     -> release the KV tile
 //     dKV[:, slab s] = dS'^T Q[:, s] + P^T dO[:, s] for the slabs s this consumer owns (wgmma 64x64, K = heads),
-//     then red.global.add.v4.f32 of the 64 x 64 f32 chunk into the accumulator rows (valid rows only).
+//     then the 64 x 64 f32 chunk is reduced into the accumulator rows (valid rows only) through a 2 KB slot per
+//     warp, four rows x 128 contiguous bytes per red.global.add.v4.f32 warp instruction:
+//       solo mode (h_q <= 64): the warp stages its own rows, one 32-column half at a time;
+//       pair mode (h_q > 64, 2-CTA cluster, one CTA per head group): CTA rank r keeps columns [32 r, 32 r + 32);
+//                          each warp st.async's the other half of its rows to the same warp of the peer, adds
+//                          the peer's half of its kept columns, and reduces: one add per (token, row) instead of
+//                          two. The exchange of chunk k overlaps the MMAs of chunk k + 1.
 //   Epilogue: dQ (already scaled by sm_scale) -> bf16, staged through the Q region, coalesced 16-byte stores.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
+#include "common/cluster.cuh"
 #include "common/cp_async.cuh"
+#include "common/cp_async_group.cuh"
 #include "common/mbarrier.cuh"
 #include "common/pipeline.cuh"
 #include "common/red_global.cuh"
@@ -78,9 +89,34 @@ __device__ __forceinline__ void load_tile_indices(const int32_t* idx_row, int ti
     }
 }
 
+// Issues the 16-byte copies of KV slab `slab` of the current tile (4 rows per thread) and closes them into one
+// cp.async group.
 template <int kDqk>
+__device__ __forceinline__ void issue_kv_slab(uint32_t kv_base, const uint16_t* const (&src)[kPassesPerTile],
+                                              const bool (&ok)[kPassesPerTile], int slab) {
+    using C = Config<kDqk>;
+#pragma unroll
+    for (int k = 0; k < kPassesPerTile; ++k) {
+        cp_async_16_zfill(kv_base + slab * C::kSlabBytes + k * kRowsPerPass * kSw128RowBytes,
+                          src[k] + slab * kSw128ColsBf16, ok[k]);
+    }
+    cp_async_commit_group();
+}
+
+// Waits until this thread's copies of the group `pending` groups before the newest landed, fences them for the async
+// proxy (the consumers' wgmma) and arrives on `bar` (release: also publishes row_idx).
+__device__ __forceinline__ void publish_group(uint64_t* bar, int pending) {
+    cp_async_wait_group_n(pending);
+    fence_proxy_async_shared();
+    MBarrier::arrive(bar);
+}
+
+template <int kDqk, bool kPair>
 __device__ __forceinline__ void producer(const SparseBwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
+    // d_qk 576: the last KV slabs double as the exchange / staging slots, refilled after the drain.
+    constexpr int kLate = C::kLateSlabs;
+    constexpr int kEarly = C::kDqkSlabs - kLate;
     if (w.n_tiles == 0) return;  // consumers wait for nothing
 
     const int t = static_cast<int>(threadIdx.x);  // 0..127: the producer is warpgroup 0
@@ -92,7 +128,8 @@ __device__ __forceinline__ void producer(const SparseBwdParams& p, SmemPlan<kDqk
     // exists whenever a CTA runs; kv may be empty).
     const uint16_t* const dummy_src = p.q;
 
-    // Q [64 heads x d_qk] and dO [64 heads x 512] of the group (rows past h_q zero-filled).
+    // Q [64 heads x d_qk] and dO [64 heads x 512] of the group (rows past h_q zero-filled): one cp.async group,
+    // published together with tile 0.
     {
         const uint32_t q_base = smem_addr(sm.q) + thread_off;
         const uint32_t do_base = smem_addr(sm.d_out) + thread_off;
@@ -115,8 +152,7 @@ __device__ __forceinline__ void producer(const SparseBwdParams& p, SmemPlan<kDqk
                 cp_async_16_zfill(do_base + slab * C::kSlabBytes + row_off, do_src + slab * kSw128ColsBf16, ok);
             }
         }
-        MBarrier::arrive_on_cp_async(&sm.qdo_full);
-        MBarrier::arrive(&sm.qdo_full);
+        cp_async_commit_group();
     }
 
     // KV tiles. Indices of tile i + 1 are loaded while tile i is waited for and issued.
@@ -146,20 +182,23 @@ __device__ __forceinline__ void producer(const SparseBwdParams& p, SmemPlan<kDqk
             for (int k = 0; k < kPassesPerTile; ++k) sm.row_idx[i & 1][k * kRowsPerPass + row_in_pass] = row[k];
         }
 #pragma unroll
-        for (int slab = 0; slab < C::kDqkSlabs; ++slab) {
+        for (int slab = 0; slab < kEarly; ++slab) issue_kv_slab<kDqk>(kv_base, src, ok, slab);
+        // Q / dO are the group before this tile's kEarly slab groups (tile 0 only).
+        if (i == 0) publish_group(&sm.qdo_full, kEarly);
 #pragma unroll
-            for (int k = 0; k < kPassesPerTile; ++k) {
-                cp_async_16_zfill(kv_base + slab * C::kSlabBytes + k * kRowsPerPass * kSw128RowBytes,
-                                  src[k] + slab * kSw128ColsBf16, ok[k]);
+        for (int slab = 0; slab < kEarly; ++slab) publish_group(&sm.kv_full[slab], kEarly - 1 - slab);
+        if constexpr (kLate > 0) {
+            // The late slabs hold the exchange / staging slots until every consumer warp finished the last chunk of
+            // the previous tile (x_drained completes once per tile; tile 0 passes at once).
+            MBarrier::wait(&sm.x_drained, pos.empty_parity);
+#pragma unroll
+            for (int slab = kEarly; slab < C::kDqkSlabs; ++slab) issue_kv_slab<kDqk>(kv_base, src, ok, slab);
+#pragma unroll
+            for (int slab = kEarly; slab < C::kDqkSlabs; ++slab) {
+                publish_group(&sm.kv_full[slab], C::kDqkSlabs - 1 - slab);
             }
-            // Completes once all 128 threads arrived and every copy they issued so far (slabs <= slab) landed.
-            // The first arrival also publishes row_idx (release).
-            MBarrier::arrive_on_cp_async(&sm.kv_full[slab]);
-            MBarrier::arrive(&sm.kv_full[slab]);
         }
     }
-    // Leave no copy of this thread in flight when it exits (the consumers wait for them anyway).
-    asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -177,6 +216,10 @@ __device__ __forceinline__ float lse2_with_sink(float lse, const float* sink) {
     return m + log1pf(exp2f(-fabsf(a - b))) * kLog2e;  // -inf sink: exp2(-inf) = 0, lse2' = a
 }
 
+// The two bf16 halves of a bf16x2 word as f32 (exact).
+__device__ __forceinline__ float bf16x2_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16x2_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+
 // dQ accumulator slice of one consumer: 4 slabs (one m64n256 accumulator) or 5 (plus one m64n64).
 template <int kSlabs>
 struct DqAcc;
@@ -191,25 +234,212 @@ struct DqAcc<5> {
 };
 
 // Shapes of the consumer's register tiles.
-inline constexpr int kSRegs = kHeadsPerCta * kHalfRows / kWarpgroupThreads;  // 16: S or dP half, 64 x 32 f32
-inline constexpr int kSBlocks = kSRegs / 4;                                    // 4 n8 blocks
-inline constexpr int kHalfSteps = kHalfRows / 16;                              // 2 k-steps of 16 rows per half
+inline constexpr int kSdRegs = kHeadsPerCta * kTileRows / kWarpgroupThreads;  // 32: S or dP, 64 x 64 f32
+inline constexpr int kSdBlocks = kSdRegs / 4;                                    // 8 n8 blocks
+inline constexpr int kSteps = kTileRows / 16;                                    // 4 k-steps of 16 tile rows
 inline constexpr int kChunkRegs = kTileRows * kSw128ColsBf16 / kWarpgroupThreads;  // 32: dKV chunk 64 x 64 f32
 inline constexpr int kChunkBlocks = kChunkRegs / 4;                                // 8 n8 blocks
 inline constexpr int kN256Slabs = 4;                                               // slabs per m64n256 accumulator
 inline constexpr uint32_t kUnusedLbo = 16;  // K-major SW128 operands ignore LBO
 inline constexpr uint32_t kKStepMnBytes = 16 * kSw128RowBytes;  // MN-major operands: 16 K rows = 2048 bytes
 
-template <int kDqk, int kCw, bool kDet>
+// Pair mode: the exchange of one dKV chunk (config.cuh). CTA rank r keeps columns [32 r, 32 r + 32) of the chunk
+// (the accumulator's n8 blocks 4r .. 4r + 3) and sends the other half of every row to the peer; consumer warp w
+// (of consumer c) exchanges with warp w of consumer c in the peer through slot 4c + w of each CTA. Nothing of it
+// is kept in registers across the tile loop (consumer 0 holds 160 dQ accumulators at d_qk 576): the addresses
+// are recomputed per chunk; the peer's shared::cluster addresses are the local ones plus a constant (mapa
+// translates the whole shared window).
+struct PairLink {
+    uint32_t slot;        // own slot: the peer's half of this warp's rows lands here
+    uint32_t full;        // own x_full[slot]
+    uint32_t empty;       // own x_empty[slot] (completes when the peer released ITS slot for our next chunk)
+    uint32_t peer_delta;  // shared::cluster address of a byte in the peer = its local address + peer_delta
+    uint32_t rank;        // cluster rank = the column half kept
+};
+
+template <int kDqk>
+__device__ __forceinline__ PairLink pair_link(SmemPlan<kDqk>& sm, int consumer, int warp) {
+    PairLink l;
+    const int slot = kConsumerWarps / kConsumers * consumer + warp;
+    l.rank = cluster_ctarank();
+    l.slot = smem_addr(sm.xbuf_base()) + slot * kXSlotBytes;
+    l.full = smem_addr(&sm.x_full[slot]);
+    l.empty = smem_addr(&sm.x_empty[slot]);
+    l.peer_delta = mapa_shared(l.slot, l.rank ^ 1u) - l.slot;
+    return l;
+}
+
+// Slot addressing. Slot row rl holds 32 f32 columns of accumulator row 16 w + rl (128 bytes); its 16-byte chunk c
+// sits at position c ^ (rl % 8). With g = lane / 4, q = lane % 4:
+//   fragment order (local n8 block jj in [0, 4), row half rr): row g + 8 rr, chunk (2 jj + (q >> 1)) ^ g, 8-byte
+//     half q & 1, i.e. (frag_base ^ (jj << 5)) + rr * 1024, frag_base = slot + 128 g + 16 ((q >> 1) ^ g) + 8 (q & 1)
+//     ((2 jj + h) ^ g == 2 jj ^ (h ^ g) since 2 jj and h share no bit; the XOR touches bits 5-6 only, which no
+//     other term of frag_base sets: slots are 128-byte aligned);
+//   row order (pass k in [0, 4), lanes 8 l3 .. 8 l3 + 7): row 4 k + l3, chunk c = lane % 8, i.e.
+//     (row_base ^ ((k & 1) << 6)) + 512 k with row_base = slot + 128 l3 + 16 (c ^ l3).
+// The lane is read with a volatile asm in every call, so the compiler cannot hoist these addresses out of the tile
+// loop (it would, and then spill them).
+inline constexpr int kXRowPasses = kXSlotRows * kXChunksPerRow / 32;  // 4: four rows x 128 bytes per instruction
+__device__ __forceinline__ uint32_t lane_id_volatile() {
+    uint32_t l;
+    asm volatile("mov.u32 %0, %%laneid;" : "=r"(l));
+    return l;
+}
+__device__ __forceinline__ uint32_t pair_frag_base(uint32_t slot, uint32_t lane) {
+    const uint32_t g = lane / 4;
+    const uint32_t q = lane % 4;
+    return slot + g * kXSlotRowBytes + (((q >> 1) ^ g) << 4) + 8 * (q & 1);
+}
+__device__ __forceinline__ uint32_t pair_frag_addr(uint32_t frag_base, int jj, int rr) {
+    return (frag_base ^ (static_cast<uint32_t>(jj) << 5)) + rr * 8 * kXSlotRowBytes;
+}
+__device__ __forceinline__ uint32_t pair_row_base(uint32_t slot, uint32_t lane) {
+    const uint32_t l3 = lane / kXChunksPerRow;
+    const uint32_t c = lane % kXChunksPerRow;
+    return slot + l3 * kXSlotRowBytes + ((c ^ l3) << 4);
+}
+__device__ __forceinline__ uint32_t pair_row_addr(uint32_t row_base, int k) {
+    return (row_base ^ (static_cast<uint32_t>(k & 1) << 6)) + k * 4 * kXSlotRowBytes;
+}
+static_assert(kXSlotRowBytes == 128 && kXChunksPerRow == 8 && kXRowPasses == 4, "slot addressing above");
+
+// Reads a slot (16 rows x 32 f32 columns, complete) back row by row (lane l: row 4k + l / 8, 16-byte chunk l % 8)
+// and adds it into the accumulator rows ridx_warp[0..16), columns [col, col + 32): four rows x 128 contiguous
+// bytes per warp instruction (the microbenchmarked pattern: ~1.3-1.6x the adds/s of 16 rows x 32 bytes). Rows
+// with an invalid index (< 0) form no address.
+template <bool kDet>
+__device__ __forceinline__ void reduce_slot_rows(const SparseBwdParams& p, uint32_t slot, uint32_t lane,
+                                                 const int32_t* ridx_warp, int col) {
+    const uint32_t rb = pair_row_base(slot, lane);
+    const int64_t col0 = col + 4 * (lane % kXChunksPerRow);
+    float4 v[kXRowPasses];
+#pragma unroll
+    for (int k = 0; k < kXRowPasses; ++k) v[k] = ld_shared_v4_f32(pair_row_addr(rb, k));
+#pragma unroll
+    for (int k = 0; k < kXRowPasses; ++k) {
+        const int r = ridx_warp[4 * k + lane / kXChunksPerRow];
+        if (r < 0) continue;
+        if constexpr (kDet) {
+            int64_t* d = reinterpret_cast<int64_t*>(p.dkv_acc) + static_cast<int64_t>(r) * p.dkv_acc_stride + col0;
+            red_add_s64(d, to_fixed_point(v[k].x));
+            red_add_s64(d + 1, to_fixed_point(v[k].y));
+            red_add_s64(d + 2, to_fixed_point(v[k].z));
+            red_add_s64(d + 3, to_fixed_point(v[k].w));
+        } else {
+            red_add_v4_f32(p.dkv_acc + static_cast<int64_t>(r) * p.dkv_acc_stride + col0, v[k]);
+        }
+    }
+}
+
+// Pair mode, sender side of chunk `round`: waits until the peer released its slot (its permission for the tile's
+// first chunk, or its reduction of our previous chunk), then st.async's the 16 values per thread of the half the
+// peer keeps into it, in fragment order; returns the half this CTA keeps in `kept`.
+__device__ __forceinline__ void pair_send(const PairLink& l, const float (&acc)[kChunkRegs], uint32_t parity,
+                                          float (&kept)[kXSlotVals]) {
+    const uint32_t lane = lane_id_volatile();
+    const bool hi = l.rank != 0;  // keeps n8 blocks 4..7, sends 0..3
+    mbarrier_wait_parity(l.empty, parity);
+    const uint32_t fb = pair_frag_base(l.slot, lane);
+    const uint32_t peer_full = l.full + l.peer_delta;
+#pragma unroll
+    for (int jj = 0; jj < kChunkBlocks / 2; ++jj) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            const int lo_i = 4 * jj + 2 * rr;            // block jj: columns [0, 32)
+            const int hi_i = 4 * (jj + 4) + 2 * rr;      // block jj + 4: columns [32, 64)
+            const float s0 = hi ? acc[lo_i] : acc[hi_i];
+            const float s1 = hi ? acc[lo_i + 1] : acc[hi_i + 1];
+            kept[4 * jj + 2 * rr] = hi ? acc[hi_i] : acc[lo_i];
+            kept[4 * jj + 2 * rr + 1] = hi ? acc[hi_i + 1] : acc[lo_i + 1];
+            st_async_v2_f32(pair_frag_addr(fb, jj, rr) + l.peer_delta, s0, s1, peer_full);
+        }
+    }
+}
+
+// Pair mode, receiver side of chunk `round`: arms x_full for the peer's 2 KB, waits, adds the kept half into the
+// slot, reads it back row by row (lane l: row 4k + l / 8, 16-byte chunk l % 8) and reduces four rows x 128 bytes
+// per instruction into columns [64 slab + 32 rank, + 32); then releases the slot to the peer, except after the
+// tile's last chunk: then it reports the drain locally (`drained`, d_qk 576) and the release waits for the next
+// tile's permission.
+template <bool kDet>
+__device__ __forceinline__ void pair_reduce(const SparseBwdParams& p, const PairLink& l,
+                                            const float (&kept)[kXSlotVals], const int32_t* ridx_warp, int slab,
+                                            uint32_t parity, bool last, uint64_t* drained) {
+    const uint32_t lane = lane_id_volatile();
+    if (lane == 0) mbarrier_arrive_expect_tx(l.full, kXSlotBytes);
+    mbarrier_wait_parity(l.full, parity);
+    // Read all of the peer's values first, then write the sums: two shared-memory round trips per chunk instead of
+    // one per pair (these run while the next chunk's wgmma saturates shared memory, so each round trip is long).
+    const uint32_t fb = pair_frag_base(l.slot, lane);
+    float2 peer[kXSlotVals / 2];
+#pragma unroll
+    for (int jj = 0; jj < kChunkBlocks / 2; ++jj) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) peer[2 * jj + rr] = ld_shared_v2_f32(pair_frag_addr(fb, jj, rr));
+    }
+#pragma unroll
+    for (int jj = 0; jj < kChunkBlocks / 2; ++jj) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            st_shared_v2_f32(pair_frag_addr(fb, jj, rr), peer[2 * jj + rr].x + kept[4 * jj + 2 * rr],
+                             peer[2 * jj + rr].y + kept[4 * jj + 2 * rr + 1]);
+        }
+    }
+    __syncwarp();
+    reduce_slot_rows<kDet>(p, l.slot, lane, ridx_warp, slab * kSw128ColsBf16 + kXSlotCols * static_cast<int>(l.rank));
+    __syncwarp();  // every lane's slot reads done (their values were consumed by the reductions)
+    if (lane == 0) {
+        if (!last) {
+            mbarrier_arrive_remote_relaxed(l.empty + l.peer_delta);
+        } else if (drained != nullptr) {
+            MBarrier::arrive(drained);
+        }
+    }
+}
+
+// Solo mode (one head group): reduces a 64 x 64 f32 chunk through this warp's slot, one 32-column half at a
+// time: the warp writes its 16 rows x 32 columns in fragment order, then reads them back in row order for
+// row-contiguous reductions (reduce_slot_rows). Only this warp touches the slot. After the tile's last chunk it
+// reports the drain (`drained`, d_qk 576, where the slots alias KV slabs 7-8).
+template <bool kDet>
+__device__ __forceinline__ void solo_reduce(const SparseBwdParams& p, uint32_t slot, const float (&acc)[kChunkRegs],
+                                            const int32_t* ridx_warp, int slab, bool last, uint64_t* drained) {
+    const uint32_t lane = lane_id_volatile();
+    const uint32_t fb = pair_frag_base(slot, lane);
+#pragma unroll
+    for (int h = 0; h < kPairCtas; ++h) {
+        __syncwarp();  // the previous half's (or chunk's) row reads of the slot are done
+#pragma unroll
+        for (int jj = 0; jj < kChunkBlocks / 2; ++jj) {
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                const int i0 = 4 * (jj + 4 * h) + 2 * rr;
+                st_shared_v2_f32(pair_frag_addr(fb, jj, rr), acc[i0], acc[i0 + 1]);
+            }
+        }
+        __syncwarp();
+        reduce_slot_rows<kDet>(p, slot, lane, ridx_warp, slab * kSw128ColsBf16 + kXSlotCols * h);
+    }
+    __syncwarp();
+    if (last && drained != nullptr && lane == 0) MBarrier::arrive(drained);
+}
+
+template <int kDqk, int kCw, bool kDet, bool kPair>
 __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
-    constexpr int kOther = kCw ^ 1;
     constexpr int kDqSlab0 = kCw == 0 ? 0 : C::kDqSlabs0;
     constexpr int kDqSlabs = kCw == 0 ? C::kDqSlabs0 : C::kDqSlabs1;
     static_assert(kDqSlabs == 4 || kDqSlabs == 5, "dQ slices are 4 or 5 slabs");
+    // dKV chunks (slabs) of this consumer: odd slabs for c = 0, even for c = 1 (dkv_chunk_owner).
+    constexpr int kFirstChunk = kCw == 0 ? 1 : 0;
+    constexpr int kChunks = (C::kDqkSlabs - kFirstChunk + 1) / 2;
+    constexpr int kVChunks = (C::kDvSlabs - kFirstChunk + 1) / 2;  // chunks with a dO term (the rest: RoPE)
+    static_assert(kChunks - kVChunks <= 1, "at most the RoPE slab lacks the dO term");
+    static_assert(dkv_chunk_owner(kFirstChunk) == kCw, "chunk ownership");
 
     const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * (1 + kCw);  // 0..127 in this warpgroup
     const int lane = t % 32;
+    const int warp = t / 32;  // 0..3 in this warpgroup: accumulator rows [16 warp, 16 warp + 16)
     const AccFrag f = AccFrag::of_thread(t);
     // The two accumulator rows this thread owns: heads (S, dP, dQ) and tile rows (dKV) alike.
     const int rows[2] = {f.row0, f.row1()};
@@ -246,154 +476,163 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
         for (int k = 0; k < 32; ++k) dq.b[k] = 0.f;
     }
 
-    if (w.n_tiles > 0) {
-        MBarrier::wait(&sm.qdo_full, 0);
-        fence_proxy_async_shared();  // cp.async (generic proxy) wrote Q, dO; wgmma reads them (async proxy)
-    }
+    // Q and dO landed and were fenced for the async proxy by the producer.
+    if (w.n_tiles > 0) MBarrier::wait(&sm.qdo_full, 0);
     const uint64_t desc_q = make_wgmma_desc_sw128(q_addr, kUnusedLbo, kSw128AtomBytes);
     const uint64_t desc_do = make_wgmma_desc_sw128(do_addr, kUnusedLbo, kSw128AtomBytes);
-    const uint64_t desc_k = make_wgmma_desc_sw128(kv_addr + kCw * kHalfRows * kSw128RowBytes, kUnusedLbo,
-                                                  kSw128AtomBytes);
+    const uint64_t desc_k = make_wgmma_desc_sw128(kv_addr, kUnusedLbo, kSw128AtomBytes);  // all 64 tile rows
 
     for (int i = 0; i < w.n_tiles; ++i) {
         const Ring pos = Ring::of(i);
         const int32_t* ridx = sm.row_idx[i & 1];
 
-        // ---- S = Q K^T and dP = dO V^T over this consumer's 32 tile rows, slab by slab as the gather lands.
-        float s[kSRegs];
-        float dp[kSRegs];
+        // ---- Consumer 0: S = Q K^T, consumer 1: dP = dO V^T, each over all 64 tile rows (m64n64: every operand
+        // byte read from shared memory feeds twice the MMA work of the m64n32 halves), slab by slab as the gather
+        // lands (the producer fenced each slab before its barrier completed). Fragment (row h, column n) of either
+        // accumulator is head h, tile row n, so both consumers' threads hold the same elements.
+        float sd[kSdRegs];
+        {
+            constexpr int kSlabs = kCw == 0 ? C::kDqkSlabs : C::kDvSlabs;
+            const uint64_t desc_a = kCw == 0 ? desc_q : desc_do;
 #pragma unroll
-        for (int slab = 0; slab < C::kDqkSlabs; ++slab) {
-            MBarrier::wait(&sm.kv_full[slab], pos.full_parity);
-            fence_proxy_async_shared();
-            wgmma_fence();
+            for (int slab = 0; slab < kSlabs; ++slab) {
+                MBarrier::wait(&sm.kv_full[slab], pos.full_parity);
+                wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < C::kStepsPerSlab; ++kk) {
-                // d columns [64 slab + 16 kk, +16): 32-byte step kk inside the slab's 128-byte rows.
-                const uint32_t off = slab * C::kSlabBytes + kk * 32;
-                const bool acc = slab > 0 || kk > 0;
-                wgmma_m64n32k16_ss_kk(s, wgmma_desc_advance(desc_q, off), wgmma_desc_advance(desc_k, off), acc);
-                if (slab < C::kDvSlabs) {
-                    wgmma_m64n32k16_ss_kk(dp, wgmma_desc_advance(desc_do, off), wgmma_desc_advance(desc_k, off),
-                                          acc);
+                for (int kk = 0; kk < C::kStepsPerSlab; ++kk) {
+                    // d columns [64 slab + 16 kk, +16): 32-byte step kk inside the slab's 128-byte rows.
+                    const uint32_t off = slab * C::kSlabBytes + kk * 32;
+                    wgmma_m64n64k16_ss_kkb(sd, wgmma_desc_advance(desc_a, off), wgmma_desc_advance(desc_k, off),
+                                           slab > 0 || kk > 0);
                 }
             }
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_fence_regs(sd);
         }
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_regs(s);
-        wgmma_fence_regs(dp);
 
-        // ---- P and dS' = sm_scale * P * (dP - delta). Column n of S is tile row 32 c + n; invalid rows (bad
-        // index, tail) get P = 0 by a select, so nothing from a zero-filled row (or an inf/NaN logit) leaks.
-        uint32_t p_pk[kSBlocks][2];   // bf16x2 of P per n8 block j and row rr
-        uint32_t ds_pk[kSBlocks][2];  // bf16x2 of dS'
+        // ---- P (consumer 0) and dS' = sm_scale * P * (dP - delta) (consumer 1). Column n of S is tile row n;
+        // invalid rows (bad index, tail) get P = 0 by a select, so nothing from a zero-filled row (or an inf/NaN
+        // logit) leaks. P goes to its tile as bf16 (the dKV operand) and, so that dS' is computed from P at
+        // f32-like precision, its bf16 rounding error goes into the dS tile, which consumer 1 then overwrites
+        // element by element with dS' (each thread reads and writes the same positions).
+        // Byte offset of this thread's bf16x2 of n8 block j, row half rr in the P / dS tiles (SW128, 128-byte rows):
+        // row r = rows[rr], chunk j ^ (r % 8) = j ^ g, byte 4 q, i.e. frag_base(rr) ^ (j << 4) with frag_base(rr) =
+        // 128 r + 16 g + 4 q (bits 4-6 hold only g). From volatile reads, so the compiler does not hoist 16 offsets
+        // out of the tile loop into registers.
+        const uint32_t lane_v = lane_id_volatile();
+        const uint32_t frag_base0 = static_cast<uint32_t>(rows[0]) * kSw128RowBytes + ((lane_v / 4) << 4) + 4 * (lane_v % 4);
+        auto tile_off = [&](int j, int rr) {
+            return (frag_base0 + rr * 8 * kSw128RowBytes) ^ (static_cast<uint32_t>(j) << 4);
+        };
+        uint32_t pa[kSteps][4];  // consumer 1: dS' as register A fragments of dQ
+        if (i > 0) named_barrier_sync(Bar::PdsFree, kConsumerThreads);  // both consumers' dKV(i - 1) retired
+        if constexpr (kCw == 0) {
 #pragma unroll
-        for (int j = 0; j < kSBlocks; ++j) {
-            const int2 rid = *reinterpret_cast<const int2*>(ridx + kCw * kHalfRows + f.col(j));
-            const bool va = rid.x >= 0;
-            const bool vb = rid.y >= 0;
+            for (int j = 0; j < kSdBlocks; ++j) {
+                const int2 rid = *reinterpret_cast<const int2*>(ridx + f.col(j));
+                const bool va = rid.x >= 0;
+                const bool vb = rid.y >= 0;
 #pragma unroll
-            for (int rr = 0; rr < 2; ++rr) {
-                const float p0 = va ? exp2f(fmaf(s[4 * j + 2 * rr], p.sm_scale_log2, -lse2[rr])) : 0.f;
-                const float p1 = vb ? exp2f(fmaf(s[4 * j + 2 * rr + 1], p.sm_scale_log2, -lse2[rr])) : 0.f;
-                const float d0 = p.sm_scale * p0 * (dp[4 * j + 2 * rr] - delta[rr]);
-                const float d1 = p.sm_scale * p1 * (dp[4 * j + 2 * rr + 1] - delta[rr]);
-                p_pk[j][rr] = pack_bf16x2(p0, p1);
-                ds_pk[j][rr] = pack_bf16x2(d0, d1);
+                for (int rr = 0; rr < 2; ++rr) {
+                    const float p0 = va ? exp2f(fmaf(sd[4 * j + 2 * rr], p.sm_scale_log2, -lse2[rr])) : 0.f;
+                    const float p1 = vb ? exp2f(fmaf(sd[4 * j + 2 * rr + 1], p.sm_scale_log2, -lse2[rr])) : 0.f;
+                    const uint32_t hi = pack_bf16x2(p0, p1);
+                    const uint32_t lo = pack_bf16x2(p0 - bf16x2_lo(hi), p1 - bf16x2_hi(hi));
+                    const uint32_t off = tile_off(j, rr);
+                    st_shared_u32(p_addr + off, hi);
+                    st_shared_u32(ds_addr + off, lo);
+                }
             }
-        }
-        // dS' of this consumer's rows as register A fragments (smem_layout.cuh): k-step kb covers n8 blocks 2kb, 2kb+1.
-        uint32_t pa[kHalfSteps][4];
+            fence_proxy_async_shared();  // P: generic stores -> dKV's wgmma reads (async proxy)
+            named_barrier_sync(Bar::PReady, kConsumerThreads);
+        } else {
+            named_barrier_sync(Bar::PReady, kConsumerThreads);
+            uint32_t ds_pk[kSdBlocks][2];
 #pragma unroll
-        for (int kb = 0; kb < kHalfSteps; ++kb) {
-            pa[kb][0] = ds_pk[2 * kb][0];
-            pa[kb][1] = ds_pk[2 * kb][1];
-            pa[kb][2] = ds_pk[2 * kb + 1][0];
-            pa[kb][3] = ds_pk[2 * kb + 1][1];
-        }
-
-        // ---- Publish P and dS' halves. The tiles are free once both consumers' dKV(i - 1) retired.
-        if (i > 0) named_barrier_sync(Bar::PdsFree, kConsumerThreads);
+            for (int j = 0; j < kSdBlocks; ++j) {
 #pragma unroll
-        for (int j = 0; j < kSBlocks; ++j) {
-            // Column 32 c + 8 j + 2 q: chunk 4 c + j of the 128-byte row, byte 4 q inside it.
-            const int chunk = kCw * (kHalfRows / 8) + j;
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr) {
-                const uint32_t off = sw128_chunk_offset(rows[rr], chunk) + 4 * f.quad;
-                st_shared_u32(p_addr + off, p_pk[j][rr]);
-                st_shared_u32(ds_addr + off, ds_pk[j][rr]);
+                for (int rr = 0; rr < 2; ++rr) {
+                    const uint32_t off = tile_off(j, rr);
+                    const uint32_t hi = ld_shared_u32(p_addr + off);
+                    const uint32_t lo = ld_shared_u32(ds_addr + off);
+                    const float p0 = bf16x2_lo(hi) + bf16x2_lo(lo);
+                    const float p1 = bf16x2_hi(hi) + bf16x2_hi(lo);
+                    const float d0 = p.sm_scale * p0 * (sd[4 * j + 2 * rr] - delta[rr]);
+                    const float d1 = p.sm_scale * p1 * (sd[4 * j + 2 * rr + 1] - delta[rr]);
+                    ds_pk[j][rr] = pack_bf16x2(d0, d1);
+                    st_shared_u32(ds_addr + off, ds_pk[j][rr]);
+                }
             }
+            // Register A fragments (smem_layout.cuh): k-step kb covers n8 blocks 2kb, 2kb + 1.
+#pragma unroll
+            for (int kb = 0; kb < kSteps; ++kb) {
+                pa[kb][0] = ds_pk[2 * kb][0];
+                pa[kb][1] = ds_pk[2 * kb][1];
+                pa[kb][2] = ds_pk[2 * kb + 1][0];
+                pa[kb][3] = ds_pk[2 * kb + 1][1];
+            }
+            fence_proxy_async_shared();  // dS': generic stores -> dQ / dKV wgmma reads (async proxy)
         }
-        fence_proxy_async_shared();  // generic P/dS' stores -> wgmma reads (async proxy)
+        named_barrier_sync(Bar::DsReady, kConsumerThreads);
 
-        // ---- dQ[:, own slabs] += dS' K over all 64 tile rows: own rows from registers first, then, once the
-        // other consumer published its half, its rows from shared memory. K read MN-major (LBO = next slab).
+        // ---- dQ[:, own slabs] += dS' K over all 64 tile rows: consumer 1 from its registers, consumer 0 from the
+        // dS tile (K-major A, +32 bytes per 16-row k-step). K read MN-major (LBO = next slab).
         const uint32_t k_slab0 = kv_addr + kDqSlab0 * C::kSlabBytes;
         wgmma_fence();
 #pragma unroll
-        for (int kb = 0; kb < kHalfSteps; ++kb) {
-            const int row0 = kCw * kHalfRows + kb * 16;
+        for (int kb = 0; kb < kSteps; ++kb) {
+            const int row0 = kb * 16;
             const uint64_t desc_b = make_wgmma_desc_sw128(k_slab0 + row0 * kSw128RowBytes, C::kSlabBytes,
                                                           kSw128AtomBytes);
-            wgmma_m64n256k16_rs_mn(dq.a, pa[kb], desc_b, true);
-            if constexpr (kDqSlabs == 5) {
-                wgmma_m64n64k16_rs_mn(dq.b, pa[kb], wgmma_desc_advance(desc_b, kN256Slabs * C::kSlabBytes), true);
-            }
-        }
-        named_barrier_sync(Bar::DsReady, kConsumerThreads);
-#pragma unroll
-        for (int kb = 0; kb < kHalfSteps; ++kb) {
-            const int row0 = kOther * kHalfRows + kb * 16;
-            const uint64_t desc_a = make_wgmma_desc_sw128(ds_addr + row0 * 2, kUnusedLbo, kSw128AtomBytes);
-            const uint64_t desc_b = make_wgmma_desc_sw128(k_slab0 + row0 * kSw128RowBytes, C::kSlabBytes,
-                                                          kSw128AtomBytes);
-            wgmma_m64n256k16_ss_kmn(dq.a, desc_a, desc_b, true);
-            if constexpr (kDqSlabs == 5) {
-                wgmma_m64n64k16_ss_kmn(dq.b, desc_a, wgmma_desc_advance(desc_b, kN256Slabs * C::kSlabBytes),
-                                       true);
+            if constexpr (kCw == 1) {
+                wgmma_m64n256k16_rs_mn(dq.a, pa[kb], desc_b, true);
+                if constexpr (kDqSlabs == 5) {
+                    wgmma_m64n64k16_rs_mn(dq.b, pa[kb], wgmma_desc_advance(desc_b, kN256Slabs * C::kSlabBytes),
+                                          true);
+                }
+            } else {
+                const uint64_t desc_a = make_wgmma_desc_sw128(ds_addr + row0 * 2, kUnusedLbo, kSw128AtomBytes);
+                wgmma_m64n256k16_ss_kmn(dq.a, desc_a, desc_b, true);
+                if constexpr (kDqSlabs == 5) {
+                    wgmma_m64n64k16_ss_kmn(dq.b, desc_a, wgmma_desc_advance(desc_b, kN256Slabs * C::kSlabBytes),
+                                           true);
+                }
             }
         }
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_regs(dq.a);
         if constexpr (kDqSlabs == 5) wgmma_fence_regs(dq.b);
-        wgmma_fence_regs(pa[0]);
-        wgmma_fence_regs(pa[1]);
+        if constexpr (kCw == 1) {
+#pragma unroll
+            for (int kb = 0; kb < kSteps; ++kb) wgmma_fence_regs(pa[kb]);
+        }
 
         // ---- Release the KV tile (S, dP, dQ of this warp retired): one arrival per consumer warp.
         __syncwarp();
         if (lane == 0) MBarrier::arrive(&sm.kv_empty);
 
+        // ---- Pair mode: allow the peer to send this tile's first chunk into our slot. When the slots alias KV
+        // slabs (d_qk 576) that needs both consumers' KV readers of this tile retired: kv_empty's phase i.
+        if constexpr (kPair) {
+            const PairLink l = pair_link(sm, kCw, warp);
+            if constexpr (C::kXbufInKv) MBarrier::wait(&sm.kv_empty, pos.full_parity);
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive_remote_relaxed(l.empty + l.peer_delta);
+        }
+
         // ---- dKV chunks this consumer owns: dKV[:, slab s] = dS'^T Q[:, s] + P^T dO[:, s] (K = 64 heads; A is
         // the transpose of the stored [head][row] tiles, B the stored [head][d] slabs: both MN-major).
         // Accumulator rows are tile rows rows[0], rows[1]; invalid rows form no address and write nothing.
-        //   f32 (default): lanes q and q ^ 1 swap halves so that each holds 4 consecutive columns of one row
-        //                  (even q row rows[0], odd q row rows[1], columns 8 j + 4 (q >> 1)): one 16-byte
-        //                  red.global.add.v4.f32 per n8 block.
+        //   f32 (default): reductions of 16 bytes (4 consecutive columns of one row).
         //   kDet:          each value -> signed 64-bit fixed point (2^-32 units) and red.global.add.u64: integer
         //                  adds commute, so the sum is the same bits in any order.
-        const bool odd = (f.quad & 1) != 0;
-        const int kv_row = ridx[odd ? rows[1] : rows[0]];
-        const bool red_ok = kv_row >= 0;
-        float* const dst = p.dkv_acc + static_cast<int64_t>(red_ok ? kv_row : 0) * p.dkv_acc_stride +
-                           4 * (f.quad >> 1);
-        int64_t* dst_fx[2];
-        bool row_ok[2];
-        if constexpr (kDet) {
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr) {
-                const int r = ridx[rows[rr]];
-                row_ok[rr] = r >= 0;
-                dst_fx[rr] = reinterpret_cast<int64_t*>(p.dkv_acc) +
-                             static_cast<int64_t>(row_ok[rr] ? r : 0) * p.dkv_acc_stride + 2 * f.quad;
-            }
-        }
-#pragma unroll
-        for (int slab = 0; slab < C::kDqkSlabs; ++slab) {
-            if (dkv_chunk_owner(slab) != kCw) continue;  // compile-time after unrolling
-            float acc[kChunkRegs];
+        // The V chunks (with the dO term) run in a rolled loop (code size); the RoPE chunk (slab 8, d_qk 576,
+        // consumer 1) comes after it with its own straight-line code, so no branch ever sits between MMAs on one
+        // accumulator. `k` counts this consumer's chunks in the tile.
+        float acc[kChunkRegs];
+        auto issue = [&](auto with_do, int slab) {
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < kHeadsPerCta / 16; ++ks) {
@@ -403,7 +642,7 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
                                                               C::kSlabBytes, kSw128AtomBytes);
                 wgmma_m64n64k16_ss_mnmn(acc, desc_a, desc_b, ks > 0);
             }
-            if (slab < C::kDvSlabs) {
+            if constexpr (decltype(with_do)::value) {
 #pragma unroll
                 for (int ks = 0; ks < kHeadsPerCta / 16; ++ks) {
                     const uint64_t desc_a = make_wgmma_desc_sw128(p_addr + ks * kKStepMnBytes, C::kSlabBytes,
@@ -414,30 +653,55 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
                 }
             }
             wgmma_commit();
+        };
+        auto retire = [&]() {
             wgmma_wait<0>();
             wgmma_fence_regs(acc);
-            if constexpr (kDet) {
-#pragma unroll
-                for (int j = 0; j < kChunkBlocks; ++j) {
-#pragma unroll
-                    for (int rr = 0; rr < 2; ++rr) {
-                        if (!row_ok[rr]) continue;
-                        int64_t* d = dst_fx[rr] + slab * kSw128ColsBf16 + 8 * j;
-                        red_add_s64(d, to_fixed_point(acc[4 * j + 2 * rr]));
-                        red_add_s64(d + 1, to_fixed_point(acc[4 * j + 2 * rr + 1]));
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int j = 0; j < kChunkBlocks; ++j) {
-                    const float sx = odd ? acc[4 * j + 0] : acc[4 * j + 2];
-                    const float sy = odd ? acc[4 * j + 1] : acc[4 * j + 3];
-                    const float rx = __shfl_xor_sync(0xffffffffu, sx, 1);
-                    const float ry = __shfl_xor_sync(0xffffffffu, sy, 1);
-                    const float4 v = odd ? make_float4(rx, ry, acc[4 * j + 2], acc[4 * j + 3])
-                                         : make_float4(acc[4 * j + 0], acc[4 * j + 1], rx, ry);
-                    if (red_ok) red_add_v4_f32(dst + slab * kSw128ColsBf16 + 8 * j, v);
-                }
+        };
+        if constexpr (kPair) {
+            // Software pipeline over the chunks: the exchange and reduction of chunk k - 1 run while the tensor
+            // cores compute chunk k. Round n = i * kChunks + k of every slot barrier is chunk k of tile i.
+            float kept[kXSlotVals];
+            const uint32_t round0 = static_cast<uint32_t>(i * kChunks);
+            uint64_t* const drained = C::kXbufInKv ? &sm.x_drained : nullptr;
+            const int32_t* const ridx_warp = ridx + kXSlotRows * warp;
+            issue(std::true_type{}, kFirstChunk);
+            retire();
+            pair_send(pair_link(sm, kCw, warp), acc, round0 & 1u, kept);
+#pragma unroll 1
+            for (int k = 1; k < kVChunks; ++k) {
+                issue(std::true_type{}, kFirstChunk + 2 * k);
+                pair_reduce<kDet>(p, pair_link(sm, kCw, warp), kept, ridx_warp, kFirstChunk + 2 * (k - 1),
+                                  (round0 + k - 1) & 1u, false, drained);
+                retire();
+                pair_send(pair_link(sm, kCw, warp), acc, (round0 + k) & 1u, kept);
+            }
+            if constexpr (kVChunks < kChunks) {
+                issue(std::false_type{}, kFirstChunk + 2 * kVChunks);
+                pair_reduce<kDet>(p, pair_link(sm, kCw, warp), kept, ridx_warp, kFirstChunk + 2 * (kVChunks - 1),
+                                  (round0 + kVChunks - 1) & 1u, false, drained);
+                retire();
+                pair_send(pair_link(sm, kCw, warp), acc, (round0 + kVChunks) & 1u, kept);
+            }
+            pair_reduce<kDet>(p, pair_link(sm, kCw, warp), kept, ridx_warp, kFirstChunk + 2 * (kChunks - 1),
+                              (round0 + kChunks - 1) & 1u, true, drained);
+        } else {
+            // Solo: each chunk is staged through this warp's own slot (no exchange). At d_qk 576 the slots alias KV
+            // slabs 7-8, free only once both consumers' KV readers of this tile retired (kv_empty's phase i).
+            if constexpr (C::kXbufInKv) MBarrier::wait(&sm.kv_empty, pos.full_parity);
+            const uint32_t slot = smem_addr(sm.xbuf_base()) + (kConsumerWarps / kConsumers * kCw + warp) * kXSlotBytes;
+            uint64_t* const drained = C::kXbufInKv ? &sm.x_drained : nullptr;
+            const int32_t* const ridx_warp = ridx + kXSlotRows * warp;
+#pragma unroll 1
+            for (int k = 0; k < kVChunks; ++k) {
+                issue(std::true_type{}, kFirstChunk + 2 * k);
+                retire();
+                solo_reduce<kDet>(p, slot, acc, ridx_warp, kFirstChunk + 2 * k, k + 1 == kChunks, drained);
+            }
+            if constexpr (kVChunks < kChunks) {
+                issue(std::false_type{}, kFirstChunk + 2 * kVChunks);
+                retire();
+                solo_reduce<kDet>(p, slot, acc, ridx_warp, kFirstChunk + 2 * kVChunks, true, drained);
             }
         }
     }
@@ -472,9 +736,9 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
     const int ct = static_cast<int>(threadIdx.x) - kWarpgroupThreads;  // 0..255 over both consumers
     const bool vec16 = (p.flags & kFlagDqVec16) != 0;
     uint16_t* d_q_tok = p.d_q + static_cast<int64_t>(w.token) * p.d_q_stride_t;
-    constexpr int kChunks = kHeadsPerCta * C::kStagingChunksPerRow;
+    constexpr int kChunksDq = kHeadsPerCta * C::kStagingChunksPerRow;
 #pragma unroll 4
-    for (int id = ct; id < kChunks; id += kConsumerThreads) {
+    for (int id = ct; id < kChunksDq; id += kConsumerThreads) {
         const int row = id / C::kStagingChunksPerRow;
         const int chunk = id % C::kStagingChunksPerRow;
         if (row < w.heads) {
@@ -491,13 +755,16 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// The kernel body (instantiated by sparse_bwd.cu per d_qk, f32 or fixed-point d_kv reduction). `smem` is the
-// dynamic shared memory.
-template <int kDqk, bool kDet>
+// The kernel body (instantiated by sparse_bwd.cu per d_qk, f32 or fixed-point d_kv reduction, solo or pair mode).
+// `smem` is the dynamic shared memory. Pair mode must be launched as clusters of 2 CTAs along x with
+// num_head_groups == 2, so that cluster rank == head group.
+template <int kDqk, bool kDet, bool kPair>
 __device__ __forceinline__ void sparse_bwd_main(const SparseBwdParams& p, uint8_t* smem) {
     using Plan = SmemPlan<kDqk>;
     using C = Config<kDqk>;
+    // Uniform over a cluster: the grid is exactly s_q * num_head_groups and a cluster is one token.
     if (static_cast<int64_t>(blockIdx.x) >= static_cast<int64_t>(p.s_q) * p.num_head_groups) return;
+    if (kPair && p.num_head_groups != kPairCtas) __trap();  // launched for the wrong head count
 
     // Round the plan's base up to 1024 bytes (SW128 operand tiles); the launch requested the slack.
     const uint32_t raw = smem_addr(smem);
@@ -510,21 +777,40 @@ __device__ __forceinline__ void sparse_bwd_main(const SparseBwdParams& p, uint8_
 #pragma unroll
         for (int s = 0; s < C::kDqkSlabs; ++s) MBarrier::init(&sm.kv_full[s], kWarpgroupThreads);
         MBarrier::init(&sm.kv_empty, kConsumerWarps);
+        MBarrier::init(&sm.x_drained, kXSlots);  // every consumer warp once per tile
+        if constexpr (kPair) {
+#pragma unroll
+            for (int s = 0; s < kXSlots; ++s) {
+                MBarrier::init(&sm.x_full[s], 1);   // the warp's arrive_expect_tx (+ the peer's bytes)
+                MBarrier::init(&sm.x_empty[s], 1);  // the peer's warp, remotely
+            }
+            fence_mbarrier_init_cluster();
+        }
     }
-    __syncthreads();
+    // Pair mode: the peer's barriers must be initialised before any remote arrival or st.async reaches them.
+    if constexpr (kPair) {
+        cluster_sync();
+    } else {
+        __syncthreads();
+    }
 
     const CtaWork w = cta_work(p);
     const int wg = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
     if (wg == 0) {
         setmaxnreg_dec<kProducerRegs>();
-        producer<kDqk>(p, sm, w);
+        producer<kDqk, kPair>(p, sm, w);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
         if (wg == 1) {
-            consumer<kDqk, 0, kDet>(p, sm, w);
+            consumer<kDqk, 0, kDet, kPair>(p, sm, w);
         } else {
-            consumer<kDqk, 1, kDet>(p, sm, w);
+            consumer<kDqk, 1, kDet, kPair>(p, sm, w);
         }
+    }
+    // Pair mode: neither CTA may exit while the other could still touch its shared memory.
+    if constexpr (kPair) {
+        __syncwarp();
+        cluster_sync();
     }
 }
 

@@ -6,8 +6,11 @@
 //! 1. `sparse_bwd_zero_acc`: zero the f32 `d_kv` accumulator (skipped when accumulating into an f32
 //!    `d_kv` in place);
 //! 2. `sparse_bwd_delta`: `delta = rowsum(d_out * out)` (written to the `delta` output);
-//! 3. `sparse_bwd_main_d{576,512}`: one CTA of 384 threads per (query token, group of 64 heads):
-//!    writes `d_q` once and adds each tile's `d_kv` rows into the accumulator with vector reductions;
+//! 3. `sparse_bwd_main[_pair][_det]_d{576,512}`: one CTA of 384 threads per (query token, group of
+//!    64 heads): writes `d_q` once and adds each tile's `d_kv` rows into the accumulator with vector
+//!    reductions. With two head groups (`64 < h_q <= 128`) the `_pair` kernel runs the two groups of
+//!    a token as a 2-CTA cluster that sums their `d_kv` partials through distributed shared memory
+//!    first, so each (token, selected row) is added once;
 //! 4. `sparse_bwd_finalize`: accumulator -> `d_kv` (bf16 cast, or f32 copy/add), only when the
 //!    accumulator is the workspace;
 //! 5. `sparse_bwd_sink_grad`: `d_attn_sink`, deterministic, only with `attn_sink`.
@@ -51,8 +54,11 @@ pub const DELTA_ROWS_PER_CTA: usize = 32;
 /// Dynamic shared memory of the d_qk = 576 main kernel (`kSmemBytes<576>`, static_asserted in
 /// config.cuh).
 pub const SMEM_BYTES_D576: u32 = 231_424;
-/// Dynamic shared memory of the d_qk = 512 main kernel (`kSmemBytes<512>`).
-pub const SMEM_BYTES_D512: u32 = 215_040;
+/// Dynamic shared memory of the d_qk = 512 main kernel (`kSmemBytes<512>`, with its own 16 KB of
+/// pair-exchange slots).
+pub const SMEM_BYTES_D512: u32 = 231_424;
+/// CTAs per cluster of the pair kernels (`kPairCtas`): the two head groups of one token.
+pub const PAIR_CTAS: u32 = 2;
 /// Gathers, vector reductions and vector stores move 16-byte chunks.
 pub const CHUNK_ALIGN_BYTES: u64 = 16;
 /// `flags` bit: `out` rows are 16-byte aligned (`kFlagOutVec16`).
@@ -194,10 +200,6 @@ pub struct SparseBwdOptions {
     /// Add this call's `d_kv` to the contents of an f32 `d_kv` instead of overwriting it (gradient
     /// accumulation across calls). Unsupported with a bf16 `d_kv`.
     pub accumulate_d_kv: bool,
-    /// Launch the main kernel in 2-CTA clusters when `h_q > 64`, so that the two head groups of a
-    /// token are co-scheduled and their `d_kv` adds to the same rows meet in L2. The kernel itself
-    /// does not depend on it.
-    pub pair_cluster: bool,
     /// Bitwise-reproducible `d_kv`: contributions are reduced as 64-bit fixed point (2^-32 units,
     /// range +-2^31; integer adds commute) in a workspace twice the size of an f32 `d_kv`, then
     /// converted. Costs about twice the reduction traffic (8 bytes per value, 4x the instructions).
@@ -267,18 +269,35 @@ pub fn workspace_shape(dims: &SparseBwdDims, options: &SparseBwdOptions) -> [usi
     [dims.fwd.s_kv, words * dims.fwd.d_qk]
 }
 
-/// Main kernel symbol and dynamic shared memory for a `d_qk` (f32 or fixed-point reduction).
-pub fn main_kernel_for(d_qk: usize, deterministic: bool) -> Result<(&'static str, u32)> {
-    match (d_qk, deterministic) {
-        (576, false) => Ok(("sparse_bwd_main_d576", SMEM_BYTES_D576)),
-        (512, false) => Ok(("sparse_bwd_main_d512", SMEM_BYTES_D512)),
-        (576, true) => Ok(("sparse_bwd_main_det_d576", SMEM_BYTES_D576)),
-        (512, true) => Ok(("sparse_bwd_main_det_d512", SMEM_BYTES_D512)),
-        _ => Err(Error::unsupported(
-            format!("sparse_bwd kernel for d_qk = {d_qk}"),
-            "the sm_90a kernel is built for d_qk 512 and 576",
-        )),
-    }
+/// Main kernel symbol and dynamic shared memory for a `d_qk` (f32 or fixed-point reduction; `pair`:
+/// the 2-CTA cluster kernel for two head groups).
+pub fn main_kernel_for(
+    d_qk: usize,
+    deterministic: bool,
+    pair: bool,
+) -> Result<(&'static str, u32)> {
+    let name = match (d_qk, deterministic, pair) {
+        (576, false, false) => "sparse_bwd_main_d576",
+        (512, false, false) => "sparse_bwd_main_d512",
+        (576, true, false) => "sparse_bwd_main_det_d576",
+        (512, true, false) => "sparse_bwd_main_det_d512",
+        (576, false, true) => "sparse_bwd_main_pair_d576",
+        (512, false, true) => "sparse_bwd_main_pair_d512",
+        (576, true, true) => "sparse_bwd_main_pair_det_d576",
+        (512, true, true) => "sparse_bwd_main_pair_det_d512",
+        _ => {
+            return Err(Error::unsupported(
+                format!("sparse_bwd kernel for d_qk = {d_qk}"),
+                "the sm_90a kernel is built for d_qk 512 and 576",
+            ))
+        }
+    };
+    let smem = if d_qk == 576 {
+        SMEM_BYTES_D576
+    } else {
+        SMEM_BYTES_D512
+    };
+    Ok((name, smem))
 }
 
 /// Stride of dimension `dim`, or 0 when the dimension has one entry (its stride never moves a
@@ -329,7 +348,8 @@ pub fn lower(
     options: &SparseBwdOptions,
 ) -> Result<SparseBwdPlan> {
     let f = &dims.fwd;
-    let (main_kernel, smem) = main_kernel_for(f.d_qk, options.deterministic)?;
+    let pair = f.h_q.div_ceil(HEADS_PER_CTA) == PAIR_CTAS as usize;
+    let (main_kernel, smem) = main_kernel_for(f.d_qk, options.deterministic, pair)?;
     if f.h_q > MAX_HEADS {
         return Err(Error::unsupported(
             format!("sparse_bwd on the GPU with h_q = {}", f.h_q),
@@ -518,7 +538,7 @@ pub fn lower(
                     f.s_q,
                 )
             })?;
-        let cluster = (options.pair_cluster && num_head_groups == 2).then_some((2, 1, 1));
+        let cluster = pair.then_some((PAIR_CTAS, 1, 1));
         launches.push(Launch {
             stage: Stage::Main,
             kernel: main_kernel,
@@ -751,11 +771,11 @@ mod tests {
         assert_eq!(p.accumulator, Accumulator::Workspace);
         assert!(p.needs_workspace());
         let main = launch_of(&p, Main);
-        assert_eq!(main.kernel, "sparse_bwd_main_d576");
+        assert_eq!(main.kernel, "sparse_bwd_main_pair_d576");
         assert_eq!(main.cfg.grid, (8192, 1, 1));
         assert_eq!(main.cfg.block, (384, 1, 1));
         assert_eq!(main.cfg.shared_mem_bytes, SMEM_BYTES_D576);
-        assert_eq!(main.cfg.cluster, None);
+        assert_eq!(main.cfg.cluster, Some((2, 1, 1)));
         assert_eq!(launch_of(&p, Delta).cfg.grid, (4096 * 128 / 32, 1, 1));
         // 32768 * 576 / 4 float4 stores, one per thread.
         assert_eq!(launch_of(&p, ZeroAcc).cfg.grid, (18432, 1, 1));
@@ -864,13 +884,12 @@ mod tests {
         let det = SparseBwdOptions {
             deterministic: true,
             accumulate_d_kv: true,
-            ..Default::default()
         };
         let mut p = plan(&c, &det).unwrap();
         use Stage::*;
         // Even an aligned f32 d_kv goes through the (int64) workspace, zeroed, then added into d_kv.
         assert_eq!(stages(&p), [ZeroAcc, Delta, Main, Finalize]);
-        assert_eq!(launch_of(&p, Main).kernel, "sparse_bwd_main_det_d576");
+        assert_eq!(launch_of(&p, Main).kernel, "sparse_bwd_main_pair_det_d576");
         assert_eq!(p.workspace_shape, [1000, 2 * 576]);
         assert_eq!(workspace_shape(&c.dims, &det), [1000, 1152]);
         let f = p.params.flags;
@@ -913,13 +932,14 @@ mod tests {
     fn head_counts_round_up_to_groups_and_clusters_pair_them() {
         for (h_q, groups) in [(1, 1), (64, 1), (65, 2), (100, 2), (128, 2)] {
             let c = case(3, h_q, 512, 10, 7, DType::Bf16);
-            let o = SparseBwdOptions {
-                pair_cluster: true,
-                ..Default::default()
-            };
-            let p = plan(&c, &o).unwrap();
+            let p = plan(&c, &SparseBwdOptions::default()).unwrap();
             let main = launch_of(&p, Stage::Main);
-            assert_eq!(main.kernel, "sparse_bwd_main_d512");
+            let want = if groups == 2 {
+                "sparse_bwd_main_pair_d512"
+            } else {
+                "sparse_bwd_main_d512"
+            };
+            assert_eq!(main.kernel, want, "h_q {h_q}");
             assert_eq!(main.cfg.shared_mem_bytes, SMEM_BYTES_D512);
             assert_eq!(
                 (main.cfg.grid.0, p.params.num_head_groups),
