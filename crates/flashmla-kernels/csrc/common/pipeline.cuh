@@ -33,6 +33,15 @@ __device__ __forceinline__ void named_barrier_sync(Id id, uint32_t num_threads) 
     asm volatile("bar.sync %0, %1;" ::"r"(static_cast<uint32_t>(id)), "r"(num_threads) : "memory");
 }
 
+// The same, for a barrier whose participants reach it from different static code paths (e.g. one call site per
+// warpgroup role). bar.sync is barrier.sync.aligned, which promises that every blocking participant of a barrier
+// generation executes the same instruction (compute-sanitizer synccheck reports a divergent barrier otherwise);
+// this is the unaligned barrier.sync.
+template <class Id>
+__device__ __forceinline__ void named_barrier_sync_unaligned(Id id, uint32_t num_threads) {
+    asm volatile("barrier.sync %0, %1;" ::"r"(static_cast<uint32_t>(id)), "r"(num_threads) : "memory");
+}
+
 // Register reallocation between warpgroups (sm_90a). Takes effect only when the kernel has a register cap at
 // entry (__launch_bounds__(threads, 1)); every warp of the warpgroup must execute it.
 template <uint32_t kRegs>

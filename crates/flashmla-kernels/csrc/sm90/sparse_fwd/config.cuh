@@ -11,73 +11,112 @@ namespace flashmla::sparse_fwd {
 
 inline constexpr int kHeadsPerCta = 64;        // wgmma M; heads beyond h_q in the last group are zero rows
 inline constexpr int kMaxHeads = 128;          // host-checked limit on h_q
-inline constexpr int kTileRows = 64;           // KV rows gathered per pipeline stage
+inline constexpr int kTileRows = 64;           // KV rows gathered per pipeline stage (the N of S = Q K^T)
 inline constexpr int kStages = 2;              // KV ring depth; 3 would not fit next to Q at d_qk = 576
 inline constexpr int kDv = 512;                // V width: the first 512 columns of each KV row
-inline constexpr int kConsumers = 2;           // consumer warpgroups
-inline constexpr int kHalfRows = kTileRows / kConsumers;  // 32: each consumer computes S for its half of a tile
-inline constexpr int kDvPerConsumer = kDv / kConsumers;   // 256: each consumer owns these output columns
+inline constexpr int kConsumers = 2;           // consumer warpgroups, each owning half of the output columns
+inline constexpr int kDvPerConsumer = kDv / kConsumers;  // 256
 
 inline constexpr int kWarpgroupThreads = 128;
-inline constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;  // 384: producer WG 0, consumers WG 1, 2
+inline constexpr int kWarpsPerWarpgroup = kWarpgroupThreads / 32;
+inline constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;  // 384
 inline constexpr int kConsumerThreads = kConsumers * kWarpgroupThreads;
-inline constexpr int kConsumerWarps = kConsumerThreads / 32;
 
-// Register split after setmaxnreg: 128 * 40 + 256 * 232 = 64512 <= 65536. The producer only computes addresses;
-// a consumer holds a 64 x 256 f32 accumulator (128 registers) plus S, P and softmax state.
-inline constexpr uint32_t kProducerRegs = 40;
-inline constexpr uint32_t kConsumerRegs = 232;
-static_assert(kWarpgroupThreads * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register file");
+// Warpgroup roles (warpgroup index = threadIdx.x / 128).
+//   Producer: loads Q once, gathers KV tiles into the ring.
+//   Score:    S = Q K^T for every tile, the online softmax, P (bf16) for both consumers; O[:, 0:256] += P V.
+//   Value:    O[:, 256:512] += P V with the P the score warpgroup published.
+enum class Role : int { Producer = 0, Score = 1, Value = 2 };
+
+// Register split after setmaxnreg. __launch_bounds__(384, 1) gives every thread 168 registers at launch, and
+// setmaxnreg.inc only draws on registers other warpgroups of the CTA released with setmaxnreg.dec, so the three
+// budgets must fit in 3 x 168 = 504 per thread slot (asking for more deadlocks the increasing warpgroup).
+// The producer only computes addresses; the score warpgroup holds its O half (128), S (32), the P fragments
+// (16), the Q rope fragments (16) and the softmax state; the value warpgroup holds its O half and addresses.
+inline constexpr uint32_t kRegsAtLaunch = (65536u / kThreads) & ~7u;  // 168
+inline constexpr uint32_t kProducerRegs = 48;
+inline constexpr uint32_t kScoreRegs = 256;
+inline constexpr uint32_t kValueRegs = 200;
+static_assert(kProducerRegs + kScoreRegs + kValueRegs <= 3 * kRegsAtLaunch, "setmaxnreg pool of the CTA");
 
 // Producer gather geometry: 8 consecutive threads copy one 128-byte slab row (8 x 16-byte chunks), so the 128
-// producer threads cover 16 rows per pass; a 64-row tile takes 4 passes, 2 per consumer half.
+// producer threads cover 16 rows per pass; a 64-row tile takes 4 passes.
 inline constexpr int kThreadsPerRow = kSw128ChunksPerRow;                  // 8
 inline constexpr int kRowsPerPass = kWarpgroupThreads / kThreadsPerRow;    // 16
 inline constexpr int kPassesPerTile = kTileRows / kRowsPerPass;            // 4
-inline constexpr int kPassesPerHalf = kPassesPerTile / kConsumers;         // 2
 static_assert(kHeadsPerCta == kTileRows, "Q and KV tiles share the gather geometry");
 
-// Named barriers among the 256 consumer threads (id 0 is __syncthreads, used only before the role split).
+// Column groups of a KV stage. Each has its own full/empty barrier pair so a group is refilled as soon as its
+// last reader is done (docs/sparse-fwd.md, "Pipeline"):
+//   Left  = slabs 0..3 (V columns 0..255):   read by QK and by the score warpgroup's PV; released by it.
+//   Right = slabs 4..7 (V columns 256..511): read by QK and by the value warpgroup's PV; released by it.
+//   Rope  = slabs 8.. (d_qk 576 only):       read by QK only; released by the score warpgroup after QK.
+inline constexpr int kGroupLeft = 0;
+inline constexpr int kGroupRight = 1;
+inline constexpr int kGroupRope = 2;
+inline constexpr int kMaxGroups = 3;
+inline constexpr int kDvSlabs = kDv / kSw128ColsBf16;                      // 8
+inline constexpr int kSlabsPerHalf = kDvPerConsumer / kSw128ColsBf16;      // 4
+
+// Named barriers among the 256 consumer threads (id 0 is __syncthreads, used only before the role split). Both
+// warpgroups block on each (a full rendezvous for every exchange through shared memory), each from its own code
+// path, hence the unaligned barrier.sync (named_barrier_sync_unaligned).
 enum class Bar : uint32_t {
-    RowMaxReady = 1,   // both consumers published their tile row maxima in red[]
-    PReady = 2,        // both consumers stored their bf16 P half (and fenced it for the async proxy)
-    RowSumReady = 3,   // epilogue: both consumers published their row-sum partials in red[]
-    StagingReady = 4,  // epilogue: the bf16 output tile is complete in shared memory
+    Handoff = 1,        // per tile i: P(i) and alpha(i) are published and QK(i + 1) is queued; the value
+                        // warpgroup has finished PV(i - 1)
+    EpilogueScale = 2,  // epilogue: the score warpgroup published 1 / row sum
+    StagingReady = 3,   // epilogue: the bf16 output tile is complete in shared memory
 };
 
 template <int kDqk>
 struct Config {
     static_assert(kDqk == 512 || kDqk == 576, "d_qk must be 512 or 576");
     static constexpr int kDqkSlabs = kDqk / kSw128ColsBf16;           // 8 or 9 slabs of 64 columns
-    static constexpr int kDvSlabs = kDv / kSw128ColsBf16;             // 8
+    static constexpr int kRopeSlabs = kDqkSlabs - kDvSlabs;           // 1 or 0
+    static constexpr int kGroups = kRopeSlabs > 0 ? 3 : 2;
     static constexpr int kSlabBytes = kTileRows * kSw128RowBytes;     // 8192: one 64-row slab
-    static constexpr int kQBytes = kDqkSlabs * kSlabBytes;            // 72 KB (576) / 64 KB (512)
-    static constexpr int kStageBytes = kDqkSlabs * kSlabBytes;        // one KV tile, same geometry as Q
+    // Q columns 0..511 live in shared memory; the rope columns (512..575) are register A fragments of the
+    // score warpgroup, which frees the 8 KB that the second P buffer needs at d_qk 576.
+    static constexpr int kQSmemBytes = kDvSlabs * kSlabBytes;         // 64 KB
+    static constexpr int kStageBytes = kDqkSlabs * kSlabBytes;        // one KV tile: 72 KB (576) / 64 KB (512)
     static constexpr int kPBytes = kSlabBytes;                        // P: 64 heads x 64 kv rows bf16
-    static constexpr int kQkSteps = kDqk / 16;                        // wgmma k-steps of S = Q K^T
+    static constexpr int kKStepsPerSlab = kSw128ColsBf16 / 16;        // 4 wgmma k-steps per 64-column slab
+    static constexpr int kRopeSteps = kRopeSlabs * kKStepsPerSlab;    // 4 or 0
+    static constexpr int kRopeFragSteps = kRopeSteps > 0 ? kRopeSteps : 1;  // register array extent (>= 1)
     static constexpr int kStagingRowBytes = kDv * 2;                  // bf16 output row (1024 B)
     static constexpr int kStagingChunksPerRow = kStagingRowBytes / 16;
-    static_assert(kHeadsPerCta * kStagingRowBytes <= kQBytes, "the output tile is staged in the Q region");
+    static_assert(kHeadsPerCta * kStagingRowBytes <= kQSmemBytes, "the output tile is staged in the Q region");
 };
 
+// First slab and slab count of a column group.
+__host__ __device__ constexpr int group_first_slab(int group) {
+    return group == kGroupLeft ? 0 : group == kGroupRight ? kSlabsPerHalf : kDvSlabs;
+}
+template <int kDqk>
+__host__ __device__ constexpr int group_slabs(int group) {
+    return group == kGroupRope ? Config<kDqk>::kRopeSlabs : kSlabsPerHalf;
+}
+
 // The shared-memory plan, one per d_qk. Every operand tile is 1024-byte aligned (the SW128 period).
-//   q       [slab][64 heads][128 B]          Q tile; after the last QK it stages the bf16 output tile
-//   kv      [stage][slab][64 rows][128 B]    gathered KV rows (K for QK; slabs 0..7 are V for PV)
-//   p       [64 heads][128 B]                bf16 P of the current tile, both consumers' halves
-//   red     [consumer][64]                   per-row maxima of the current tile; in the epilogue, row sums
-//   valid   [stage][64]                      1 if tile row r holds a real KV row (index valid and in range)
-//   barriers: q_full, kv_full[stage][half], kv_empty[stage]
+//   q          [slab][64 heads][128 B]         Q columns 0..511; after the last QK it stages the bf16 output
+//   kv         [stage][slab][64 rows][128 B]   gathered KV rows (K for QK; slabs 0..7 are V for PV)
+//   p          [stage][64 heads][128 B]        bf16 P of tile i in p[i % 2] (read by the value warpgroup)
+//   row_scale  [stage][64]                     alpha of tile i (rescale of O before adding tile i)
+//   row_inv    [64]                            epilogue: 1 / softmax denominator (0 for rows with nothing valid)
+//   barriers:  q_full, kv_full[stage][group], kv_empty[stage][group]
+// Only the score and value warpgroups touch p, row_scale and row_inv with ordinary loads and stores, always
+// separated by bar.sync rendezvous; the producer writes only q and kv, through cp.async.
 template <int kDqk>
 struct SmemPlan {
     using C = Config<kDqk>;
-    alignas(kSw128AtomBytes) uint8_t q[C::kQBytes];
+    alignas(kSw128AtomBytes) uint8_t q[C::kQSmemBytes];
     alignas(kSw128AtomBytes) uint8_t kv[kStages][C::kStageBytes];
-    alignas(kSw128AtomBytes) uint8_t p[C::kPBytes];
-    float red[kConsumers][kHeadsPerCta];
-    uint8_t valid[kStages][kTileRows];
-    uint64_t q_full;                       // producer -> consumers: Q landed (128 arrivals + cp.async)
-    uint64_t kv_full[kStages][kConsumers]; // producer -> consumers: rows of one half landed (128 + cp.async)
-    uint64_t kv_empty[kStages];            // consumers -> producer: stage released (one arrival per warp)
+    alignas(kSw128AtomBytes) uint8_t p[kStages][C::kPBytes];
+    float row_scale[kStages][kHeadsPerCta];
+    float row_inv[kHeadsPerCta];
+    uint64_t q_full;                        // producer -> consumers: Q landed (128 arrivals + cp.async)
+    uint64_t kv_full[kStages][kMaxGroups];  // producer -> consumers: a column group landed (128 + cp.async)
+    uint64_t kv_empty[kStages][kMaxGroups]; // consumers -> producer: a column group released (one per warp)
 };
 
 // Dynamic shared memory a launch requests: the plan plus slack to round the base up to 1024 bytes (the
@@ -91,6 +130,6 @@ static_assert(kSmemBytes<576> <= kMaxSmemPerBlock, "d_qk 576 plan exceeds 227 KB
 static_assert(kSmemBytes<512> <= kMaxSmemPerBlock, "d_qk 512 plan exceeds 227 KB");
 // launch.rs requests these exact sizes (SMEM_BYTES_D576 / SMEM_BYTES_D512); keep both in step.
 static_assert(kSmemBytes<576> == 231424, "update launch.rs SMEM_BYTES_D576");
-static_assert(kSmemBytes<512> == 206848, "update launch.rs SMEM_BYTES_D512");
+static_assert(kSmemBytes<512> == 215040, "update launch.rs SMEM_BYTES_D512");
 
 }  // namespace flashmla::sparse_fwd

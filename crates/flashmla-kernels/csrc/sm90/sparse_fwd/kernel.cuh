@@ -1,17 +1,18 @@
 // Sparse MLA prefill forward for sm_90a (SPEC section 1). docs/sparse-fwd.md has the design: shared-memory
-// plan, warp roles, barrier protocol, masking.
+// plan, warp roles, pipeline schedule, barrier protocol, masking.
 //
 // One CTA = one query token x one group of 64 heads; 3 warpgroups:
-//   WG 0 (producer): loads Q once, then gathers the token's selected KV rows, 64 per tile, into a 2-stage ring
-//                    with cp.async (16-byte chunks placed straight into the 128B-swizzled layout; invalid rows are
-//                    zero-filled without being read), completing on mbarriers.
-//   WG 1, 2 (consumers c = 0, 1): consumer c computes S = Q K^T for tile rows [32c, 32c + 32) (wgmma 64x32,
-//                    K = d_qk), masks invalid rows to -inf, exchanges row maxima with the other consumer through
-//                    shared memory, forms P = exp2(S - m) (logits pre-scaled by sm_scale * log2 e), publishes its
-//                    bf16 P half, and accumulates O[:, 256c, 256c + 256) += P V over all 64 tile rows (wgmma
-//                    64x256: its own P half from registers, the other half from shared memory).
-// The epilogue merges the two consumers' row sums, applies the sink, writes out (staged through the Q region
-// for 16-byte stores), max_logits and lse.
+//   Producer: loads Q columns 0..511 once, then gathers the token's selected KV rows, 64 per tile, into a 2-stage
+//             ring with cp.async (16-byte chunks placed straight into the 128B-swizzled layout; invalid rows are
+//             zero-filled without being read). Each stage is filled and released per column group (rope, left,
+//             right), completing on mbarriers.
+//   Score:    per tile, S = Q K^T (wgmma 64x64, K = d_qk; the rope columns of Q come from registers), masks
+//             invalid rows to -inf (validity derived from the indices themselves), online softmax, publishes bf16
+//             P and the row scales, and accumulates O[:, 0:256] += P V with P from registers.
+//   Value:    accumulates O[:, 256:512] += P V with P from shared memory.
+// Tensor-core order per tile (steady state): QK(i+1), PV_value(i), PV_score(i+1), ... so the softmax of tile
+// i + 1 runs while the value warpgroup's PV of tile i occupies the tensor cores.
+// The epilogue applies the sink, writes out (staged through the Q region for 16-byte stores), max_logits, lse.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +30,11 @@ namespace flashmla::sparse_fwd {
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
 inline constexpr float kInf = __builtin_huge_valf();
+// Lazy rescaling: the reference max that P is computed against is only raised when a row's running max exceeds
+// it by more than this (base-2 logits), so P <= 2^8 (exact enough in bf16, far from overflow in f32) and O is
+// rarely rescaled. lse and the output use the same reference, so the result does not depend on it.
+inline constexpr float kRescaleThreshold = 8.0f;
+inline constexpr uint32_t kFullMask = 0xffffffffu;
 
 using Ring = RingPos<kStages>;
 
@@ -56,6 +62,21 @@ __device__ __forceinline__ CtaWork cta_work(const SparseFwdParams& p) {
     return w;
 }
 
+// Index entry `j` of the token's row, or -1 (invalid) at and past topk_eff, which is never read.
+__device__ __forceinline__ int load_index(const int32_t* idx_row, int j, int topk_eff) {
+    return j < topk_eff ? __ldg(idx_row + j) : -1;
+}
+
+// An index selects a KV row iff 0 <= i < s_kv (s_kv clamped to i32::MAX on the host, which keeps this exact).
+__device__ __forceinline__ bool index_valid(int idx, int s_kv) { return idx >= 0 && idx < s_kv; }
+
+// One elected arrival per warp on an "empty" barrier, after the warp's last use of the guarded data. The
+// __syncwarp orders every lane's earlier accesses before lane 0's (release) arrival.
+__device__ __forceinline__ void release_by_warp(uint64_t* bar, int lane) {
+    __syncwarp();
+    if (lane == 0) MBarrier::arrive(bar);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Producer warpgroup.
 //
@@ -63,14 +84,34 @@ __device__ __forceinline__ CtaWork cta_work(const SparseFwdParams& p) {
 // pass, so pass k handles tile row 16k + t/8. The swizzle phase of a row only depends on row % 8 = (t / 8) % 8,
 // so every destination is one per-thread base plus compile-time offsets.
 
-// Index-row entries the thread's 4 rows of tile `tile` refer to; -1 (invalid) past topk_eff, which is never read.
+// Index-row entries of the thread's 4 rows of tile `tile`.
 __device__ __forceinline__ void load_tile_indices(const int32_t* idx_row, int tile, int topk_eff, int row_in_pass,
                                                   int (&idx)[kPassesPerTile]) {
 #pragma unroll
     for (int k = 0; k < kPassesPerTile; ++k) {
-        const int j = tile * kTileRows + k * kRowsPerPass + row_in_pass;
-        idx[k] = j < topk_eff ? __ldg(idx_row + j) : -1;
+        idx[k] = load_index(idx_row, tile * kTileRows + k * kRowsPerPass + row_in_pass, topk_eff);
     }
+}
+
+// Copies the slabs of column group `kGroup` of the thread's 4 rows into a stage and arrives on its full barrier
+// (which completes once all 128 threads arrived and every copy issued so far has landed).
+template <int kDqk, int kGroup>
+__device__ __forceinline__ void gather_group(SmemPlan<kDqk>& sm, const Ring& pos, uint32_t stage_base,
+                                             const uint16_t* const (&src)[kPassesPerTile],
+                                             const bool (&ok)[kPassesPerTile]) {
+    using C = Config<kDqk>;
+    MBarrier::wait(&sm.kv_empty[pos.stage][kGroup], pos.empty_parity);
+    constexpr int kFirst = group_first_slab(kGroup);
+#pragma unroll
+    for (int k = 0; k < kPassesPerTile; ++k) {
+#pragma unroll
+        for (int slab = kFirst; slab < kFirst + group_slabs<kDqk>(kGroup); ++slab) {
+            cp_async_16_zfill(stage_base + slab * C::kSlabBytes + k * kRowsPerPass * kSw128RowBytes,
+                              src[k] + slab * kSw128ColsBf16, ok[k]);
+        }
+    }
+    MBarrier::arrive_on_cp_async(&sm.kv_full[pos.stage][kGroup]);
+    MBarrier::arrive(&sm.kv_full[pos.stage][kGroup]);
 }
 
 template <int kDqk>
@@ -87,7 +128,7 @@ __device__ __forceinline__ void producer(const SparseFwdParams& p, SmemPlan<kDqk
     // whenever a CTA runs (s_q >= 1, h_q >= 1); kv may be empty (s_kv = 0).
     const uint16_t* const dummy_src = p.q;
 
-    // Q [64 heads x d_qk] -> sm.q (rows past h_q zero-filled).
+    // Q [64 heads x columns 0..511] -> sm.q (rows past h_q zero-filled). The rope columns go to registers.
     {
         const uint32_t q_base = smem_addr(sm.q) + thread_off;
         const uint16_t* q_tok = p.q + static_cast<int64_t>(w.token) * p.q_stride_t;
@@ -98,7 +139,7 @@ __device__ __forceinline__ void producer(const SparseFwdParams& p, SmemPlan<kDqk
             const uint16_t* row = ok ? q_tok + static_cast<int64_t>(w.head0 + r) * p.q_stride_h : dummy_src;
             const uint16_t* src = row + chunk_elems;
 #pragma unroll
-            for (int slab = 0; slab < C::kDqkSlabs; ++slab) {
+            for (int slab = 0; slab < kDvSlabs; ++slab) {
                 cp_async_16_zfill(q_base + slab * C::kSlabBytes + k * kRowsPerPass * kSw128RowBytes,
                                   src + slab * kSw128ColsBf16, ok);
             }
@@ -107,41 +148,30 @@ __device__ __forceinline__ void producer(const SparseFwdParams& p, SmemPlan<kDqk
         MBarrier::arrive(&sm.q_full);
     }
 
-    // KV tiles. Indices of tile i + 1 are loaded while tile i's copies are issued.
+    // KV tiles, one column group at a time in the order the groups are released (rope right after QK, left after
+    // the score warpgroup's PV, right after the value warpgroup's PV). Indices of tile i + 1 are loaded while
+    // tile i's copies are issued.
     const int32_t* idx_row = p.indices + static_cast<int64_t>(w.token) * p.indices_stride_t;
     int idx_next[kPassesPerTile];
     load_tile_indices(idx_row, 0, w.topk_eff, row_in_pass, idx_next);
     const uint32_t kv_base = smem_addr(sm.kv[0]) + thread_off;
     for (int i = 0; i < w.n_tiles; ++i) {
-        int idx[kPassesPerTile];
+        const uint16_t* src[kPassesPerTile];
+        bool ok[kPassesPerTile];
 #pragma unroll
-        for (int k = 0; k < kPassesPerTile; ++k) idx[k] = idx_next[k];
+        for (int k = 0; k < kPassesPerTile; ++k) {
+            // Invalid: any value < 0 or >= s_kv (including the -1 of the tail). Never dereferenced.
+            ok[k] = index_valid(idx_next[k], p.s_kv);
+            const uint16_t* row = ok[k] ? p.kv + static_cast<int64_t>(idx_next[k]) * p.kv_stride_t : dummy_src;
+            src[k] = row + chunk_elems;
+        }
         if (i + 1 < w.n_tiles) load_tile_indices(idx_row, i + 1, w.topk_eff, row_in_pass, idx_next);
 
         const Ring pos = Ring::of(i);
-        MBarrier::wait(&sm.kv_empty[pos.stage], pos.empty_parity);
         const uint32_t stage_base = kv_base + pos.stage * C::kStageBytes;
-#pragma unroll
-        for (int half = 0; half < kConsumers; ++half) {
-#pragma unroll
-            for (int pp = 0; pp < kPassesPerHalf; ++pp) {
-                const int k = half * kPassesPerHalf + pp;
-                const int r = k * kRowsPerPass + row_in_pass;
-                // Invalid: any value < 0 or >= s_kv (including the -1 of the tail). Never dereferenced.
-                const bool ok = idx[k] >= 0 && idx[k] < p.s_kv;
-                const uint16_t* row = ok ? p.kv + static_cast<int64_t>(idx[k]) * p.kv_stride_t : dummy_src;
-                const uint16_t* src = row + chunk_elems;
-#pragma unroll
-                for (int slab = 0; slab < C::kDqkSlabs; ++slab) {
-                    cp_async_16_zfill(stage_base + slab * C::kSlabBytes + k * kRowsPerPass * kSw128RowBytes,
-                                      src + slab * kSw128ColsBf16, ok);
-                }
-                if (chunk == 0) sm.valid[pos.stage][r] = ok ? 1 : 0;
-            }
-            // Completes once all 128 threads arrived and every copy issued so far has landed.
-            MBarrier::arrive_on_cp_async(&sm.kv_full[pos.stage][half]);
-            MBarrier::arrive(&sm.kv_full[pos.stage][half]);
-        }
+        if constexpr (C::kRopeSlabs > 0) gather_group<kDqk, kGroupRope>(sm, pos, stage_base, src, ok);
+        gather_group<kDqk, kGroupLeft>(sm, pos, stage_base, src, ok);
+        gather_group<kDqk, kGroupRight>(sm, pos, stage_base, src, ok);
     }
 }
 
@@ -149,12 +179,12 @@ __device__ __forceinline__ void producer(const SparseFwdParams& p, SmemPlan<kDqk
 // Consumer warpgroups.
 
 __device__ __forceinline__ float quad_max(float v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 1));
+    return fmaxf(v, __shfl_xor_sync(kFullMask, v, 2));
 }
 __device__ __forceinline__ float quad_sum(float v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+    v += __shfl_xor_sync(kFullMask, v, 1);
+    return v + __shfl_xor_sync(kFullMask, v, 2);
 }
 
 __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
@@ -183,204 +213,45 @@ __device__ __forceinline__ void store_out_chunk(uint16_t* dst, uint4 v, bool vec
     }
 }
 
-// Shapes of the consumer's register tiles.
-inline constexpr int kSRegs = kHeadsPerCta * kHalfRows / kWarpgroupThreads;      // 16: S half, 64 x 32 f32
-inline constexpr int kORegs = kHeadsPerCta * kDvPerConsumer / kWarpgroupThreads;  // 128: O part, 64 x 256 f32
-inline constexpr int kPvSteps = kHalfRows / 16;                                    // 2 k-steps of 16 rows per half
+// Shapes of the consumers' register tiles.
+inline constexpr int kSRegs = kHeadsPerCta * kTileRows / kWarpgroupThreads;       // 32: S, 64 x 64 f32
+inline constexpr int kORegs = kHeadsPerCta * kDvPerConsumer / kWarpgroupThreads;  // 128: O half, 64 x 256 f32
+inline constexpr int kPvSteps = kTileRows / 16;                                    // 4 k-steps of 16 kv rows
+inline constexpr int kSBlocks = kSRegs / 4;                                        // 8 n8 blocks of S
+inline constexpr uint32_t kUnusedLbo = 16;  // K-major SW128 operands ignore LBO
 
+// Validity of the 64 rows of a tile as a bit mask (bit n = tile row n), derived from the index row itself (the
+// same test the producer applies), so no flag crosses from the producer to the consumers. Lane l holds the raw
+// entries for rows l and l + 32, loaded a tile ahead.
+struct TileIndices {
+    int lo;
+    int hi;
+    static __device__ __forceinline__ TileIndices load(const int32_t* idx_row, int tile, int topk_eff, int lane) {
+        return {load_index(idx_row, tile * kTileRows + lane, topk_eff),
+                load_index(idx_row, tile * kTileRows + 32 + lane, topk_eff)};
+    }
+};
+struct TileMask {
+    uint32_t lo;  // rows 0..31
+    uint32_t hi;  // rows 32..63
+    static __device__ __forceinline__ TileMask of(const TileIndices& ix, int s_kv) {
+        return {__ballot_sync(kFullMask, index_valid(ix.lo, s_kv)), __ballot_sync(kFullMask, index_valid(ix.hi, s_kv))};
+    }
+};
+
+// Both consumers stage their scaled O half (bf16) into the Q region, row-major 64 x 1024 B with the chunk swizzle
+// chunk ^ (row % 8) (conflict-free for the fragment writes and the row-chunk reads), then copy it out with
+// coalesced 16-byte stores. Called after every wgmma read of Q has completed.
 template <int kDqk>
-__device__ __forceinline__ void consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w,
-                                         const int cw) {
+__device__ __forceinline__ void stage_and_store_output(const SparseFwdParams& p, SmemPlan<kDqk>& sm,
+                                                       const CtaWork& w, const AccFrag& f, int consumer,
+                                                       const float (&o)[kORegs], const float (&inv)[2]) {
     using C = Config<kDqk>;
-    const int other = cw ^ 1;
-    const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * (1 + cw);  // 0..127 in this warpgroup
-    const int lane = t % 32;
-    const AccFrag f = AccFrag::of_thread(t);
-    const int rows[2] = {f.row0, f.row1()};
-
     const uint32_t q_addr = smem_addr(sm.q);
-    const uint32_t kv_addr = smem_addr(sm.kv[0]);
-    const uint32_t p_addr = smem_addr(sm.p);
-    constexpr uint32_t kUnusedLbo = 16;  // K-major SW128 operands ignore LBO
-    const uint64_t desc_q = make_wgmma_desc_sw128(q_addr, kUnusedLbo, kSw128AtomBytes);
-
-    float o[kORegs];
-#pragma unroll
-    for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
-    float row_max[2] = {-kInf, -kInf};  // running max of the base-2 logits (identical in both consumers)
-    float row_sum[2] = {0.f, 0.f};      // this thread's partial sum of P over its own columns
-
-    if (w.n_tiles > 0) MBarrier::wait(&sm.q_full, 0);
-
-    for (int i = 0; i < w.n_tiles; ++i) {
-        const Ring pos = Ring::of(i);
-        const uint32_t stage_addr = kv_addr + pos.stage * C::kStageBytes;
-
-        // ---- S = Q K^T over this consumer's 32 tile rows.
-        MBarrier::wait(&sm.kv_full[pos.stage][cw], pos.full_parity);
-        fence_proxy_async_shared();  // cp.async (generic proxy) wrote the tile; wgmma reads it (async proxy)
-        float s[kSRegs];
-#pragma unroll
-        for (int k = 0; k < kSRegs; ++k) s[k] = 0.f;
-        const uint64_t desc_k =
-            make_wgmma_desc_sw128(stage_addr + cw * kHalfRows * kSw128RowBytes, kUnusedLbo, kSw128AtomBytes);
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < C::kQkSteps; ++ks) {
-            // k-step ks covers d columns [16 ks, 16 ks + 16): slab ks / 4, 32-byte step ks % 4 inside its rows.
-            const uint32_t off = (ks / 4) * C::kSlabBytes + (ks % 4) * 32;
-            wgmma_m64n32k16_ss_kk(s, wgmma_desc_advance(desc_q, off), wgmma_desc_advance(desc_k, off), ks > 0);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_regs(s);
-
-        // ---- Mask and scale: column n of S is tile row 32 cw + n. Invalid rows (bad index, tail) -> -inf.
-        const uint8_t* vflags = sm.valid[pos.stage] + cw * kHalfRows;
-        float mx[2] = {-kInf, -kInf};
-#pragma unroll
-        for (int j = 0; j < kSRegs / 4; ++j) {
-            const uint32_t v = *reinterpret_cast<const uint16_t*>(vflags + f.col(j));
-            const bool va = (v & 0xFFu) != 0;
-            const bool vb = (v >> 8) != 0;
-            s[4 * j + 0] = va ? s[4 * j + 0] * p.sm_scale_log2 : -kInf;
-            s[4 * j + 1] = vb ? s[4 * j + 1] * p.sm_scale_log2 : -kInf;
-            s[4 * j + 2] = va ? s[4 * j + 2] * p.sm_scale_log2 : -kInf;
-            s[4 * j + 3] = vb ? s[4 * j + 3] * p.sm_scale_log2 : -kInf;
-            mx[0] = fmaxf(mx[0], fmaxf(s[4 * j + 0], s[4 * j + 1]));
-            mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
-        }
-        mx[0] = quad_max(mx[0]);
-        mx[1] = quad_max(mx[1]);
-
-        // ---- Row maxima of the whole 64-row tile: exchange halves with the other consumer.
-        if (f.quad == 0) {
-            sm.red[cw][rows[0]] = mx[0];
-            sm.red[cw][rows[1]] = mx[1];
-        }
-        named_barrier_sync(Bar::RowMaxReady, kConsumerThreads);
-        float alpha[2];
-        float m_use[2];
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            // Same operands in both consumers (max is exact and commutative), so both get the same new max.
-            const float m_new = fmaxf(row_max[rr], fmaxf(mx[rr], sm.red[other][rows[rr]]));
-            m_use[rr] = m_new == -kInf ? 0.f : m_new;  // a row with nothing valid yet: keep exp2 away from NaN
-            alpha[rr] = exp2f(row_max[rr] - m_use[rr]);
-            row_max[rr] = m_new;
-        }
-
-        // ---- P = exp2(S - m); row-sum partials; rescale O when some row's max moved.
-        float psum[2] = {0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < kSRegs / 4; ++j) {
-            s[4 * j + 0] = exp2f(s[4 * j + 0] - m_use[0]);
-            s[4 * j + 1] = exp2f(s[4 * j + 1] - m_use[0]);
-            s[4 * j + 2] = exp2f(s[4 * j + 2] - m_use[1]);
-            s[4 * j + 3] = exp2f(s[4 * j + 3] - m_use[1]);
-            psum[0] += s[4 * j + 0] + s[4 * j + 1];
-            psum[1] += s[4 * j + 2] + s[4 * j + 3];
-        }
-        row_sum[0] = row_sum[0] * alpha[0] + psum[0];
-        row_sum[1] = row_sum[1] * alpha[1] + psum[1];
-        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-            for (int j = 0; j < kORegs / 4; ++j) {
-                o[4 * j + 0] *= alpha[0];
-                o[4 * j + 1] *= alpha[0];
-                o[4 * j + 2] *= alpha[1];
-                o[4 * j + 3] *= alpha[1];
-            }
-        }
-
-        // ---- P half to bf16: as register A fragments (own rows of V) and into sm.p for the other consumer.
-        // PV also reads V rows of the other half: observe their barrier too (complete by now in practice), so
-        // the single proxy fence below covers both those cp.async writes and this thread's P stores.
-        MBarrier::wait(&sm.kv_full[pos.stage][other], pos.full_parity);
-        uint32_t pa[kPvSteps][4];
-#pragma unroll
-        for (int kb = 0; kb < kPvSteps; ++kb) {
-            pa[kb][0] = pack_bf16x2(s[8 * kb + 0], s[8 * kb + 1]);
-            pa[kb][1] = pack_bf16x2(s[8 * kb + 2], s[8 * kb + 3]);
-            pa[kb][2] = pack_bf16x2(s[8 * kb + 4], s[8 * kb + 5]);
-            pa[kb][3] = pack_bf16x2(s[8 * kb + 6], s[8 * kb + 7]);
-        }
-#pragma unroll
-        for (int j = 0; j < kSRegs / 4; ++j) {
-            // P column 32 cw + 8 j + 2 q: chunk 4 cw + j of the 128-byte row, byte 4 q inside it.
-            const int pchunk = cw * (kHalfRows / 8) + j;
-            st_shared_u32(p_addr + sw128_chunk_offset(rows[0], pchunk) + 4 * f.quad, pa[j / 2][(j % 2) * 2 + 0]);
-            st_shared_u32(p_addr + sw128_chunk_offset(rows[1], pchunk) + 4 * f.quad, pa[j / 2][(j % 2) * 2 + 1]);
-        }
-        fence_proxy_async_shared();  // generic writes (P stores, other half's cp.async) -> wgmma reads (async)
-
-        // ---- O[:, 256 cw, 256 cw + 256) += P V over all 64 tile rows: own P half from registers first, then,
-        // once the other consumer published its half, the rest from sm.p.
-        const uint32_t v_addr = stage_addr + cw * (kDvPerConsumer / kSw128ColsBf16) * C::kSlabBytes;
-        wgmma_fence();
-#pragma unroll
-        for (int kb = 0; kb < kPvSteps; ++kb) {
-            const int row0 = cw * kHalfRows + kb * 16;
-            const uint64_t desc_v = make_wgmma_desc_sw128(v_addr + row0 * kSw128RowBytes, C::kSlabBytes,
-                                                          kSw128AtomBytes);
-            wgmma_m64n256k16_rs_mn(o, pa[kb], desc_v, true);
-        }
-        named_barrier_sync(Bar::PReady, kConsumerThreads);
-#pragma unroll
-        for (int kb = 0; kb < kPvSteps; ++kb) {
-            const int row0 = other * kHalfRows + kb * 16;
-            const uint64_t desc_p = make_wgmma_desc_sw128(p_addr + (row0 * 2), kUnusedLbo, kSw128AtomBytes);
-            const uint64_t desc_v = make_wgmma_desc_sw128(v_addr + row0 * kSw128RowBytes, C::kSlabBytes,
-                                                          kSw128AtomBytes);
-            wgmma_m64n256k16_ss_kmn(o, desc_p, desc_v, true);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_regs(o);
-        wgmma_fence_regs(pa[0]);
-        wgmma_fence_regs(pa[1]);
-
-        // ---- Release the stage: one arrival per consumer warp.
-        __syncwarp();
-        if (lane == 0) MBarrier::arrive(&sm.kv_empty[pos.stage]);
-    }
-
-    // ---- Epilogue. Row sums: quad, then across consumers (red[] is free: the last maxima were read before
-    // the last PReady, which both consumers have passed).
-    float lsum[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};
-    if (f.quad == 0) {
-        sm.red[cw][rows[0]] = lsum[0];
-        sm.red[cw][rows[1]] = lsum[1];
-    }
-    named_barrier_sync(Bar::RowSumReady, kConsumerThreads);
-
-    float inv[2];
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-        const int head = w.head0 + rows[rr];
-        const bool exists = rows[rr] < w.heads;
-        const float l = sm.red[0][rows[rr]] + sm.red[1][rows[rr]];
-        const float m = row_max[rr];
-        const bool empty = m == -kInf;  // no valid entry: out 0, lse +inf, max_logits -inf
-        float denom = l;
-        if (p.attn_sink != nullptr && exists && !empty) {
-            // The sink is one more logit with a zero value vector: it only enlarges the denominator.
-            const float sink = __ldg(p.attn_sink + static_cast<int64_t>(head) * p.attn_sink_stride);
-            denom += exp2f(sink * kLog2e - m);
-        }
-        inv[rr] = empty ? 0.f : 1.f / denom;
-        if (cw == 0 && f.quad == 0 && exists) {
-            const int64_t tok = w.token;
-            p.max_logits[tok * p.max_logits_stride_t + head * p.max_logits_stride_h] = empty ? -kInf : m * kLn2;
-            p.lse[tok * p.lse_stride_t + head * p.lse_stride_h] = empty ? kInf : (m + log2f(l)) * kLn2;
-        }
-    }
-
-    // O tile (bf16) -> Q region, row-major 64 x 1024 B with the chunk swizzle chunk ^ (row % 8) (conflict-free
-    // for both the fragment writes and the row-chunk reads). Every wgmma read of Q completed before RowSumReady.
+    const int rows[2] = {f.row0, f.row1()};
 #pragma unroll
     for (int j = 0; j < kORegs / 4; ++j) {
-        const int chunk = cw * (kDvPerConsumer / 8) + j;  // column 256 cw + 8 j + 2 q
+        const int chunk = consumer * (kDvPerConsumer / 8) + j;  // column 256 c + 8 j + 2 q
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
             const uint32_t addr = q_addr + rows[rr] * C::kStagingRowBytes +
@@ -388,7 +259,7 @@ __device__ __forceinline__ void consumer(const SparseFwdParams& p, SmemPlan<kDqk
             st_shared_u32(addr, pack_bf16x2(o[4 * j + 2 * rr] * inv[rr], o[4 * j + 2 * rr + 1] * inv[rr]));
         }
     }
-    named_barrier_sync(Bar::StagingReady, kConsumerThreads);
+    named_barrier_sync_unaligned(Bar::StagingReady, kConsumerThreads);
 
     const int ct = static_cast<int>(threadIdx.x) - kWarpgroupThreads;  // 0..255 over both consumers
     const bool vec16 = (p.flags & kFlagOutVec16) != 0;
@@ -406,11 +277,342 @@ __device__ __forceinline__ void consumer(const SparseFwdParams& p, SmemPlan<kDqk
     }
 }
 
+// V operand of PV (MN-major): rows 16 kb.. of the 4 slabs starting at `first_slab` of a stage.
+template <int kDqk>
+__device__ __forceinline__ uint64_t v_desc(uint32_t stage_addr, int first_slab, int kb) {
+    using C = Config<kDqk>;
+    return make_wgmma_desc_sw128(stage_addr + first_slab * C::kSlabBytes + kb * 16 * kSw128RowBytes, C::kSlabBytes,
+                                 kSw128AtomBytes);
+}
+
+// Issues the k-steps of S = Q K^T that read column group `kGroup` of a stage, after waiting for it to land.
+// The rope group takes A from the Q rope fragments in registers; the others read Q from shared memory.
+template <int kDqk, int kGroup, bool kFirstGroup>
+__device__ __forceinline__ void qk_group(SmemPlan<kDqk>& sm, const Ring& pos, uint64_t desc_q, uint64_t desc_k,
+                                         const uint32_t (&q_rope)[Config<kDqk>::kRopeFragSteps][4],
+                                         float (&s)[kSRegs]) {
+    using C = Config<kDqk>;
+    MBarrier::wait(&sm.kv_full[pos.stage][kGroup], pos.full_parity);
+    fence_proxy_async_shared();  // cp.async (generic proxy) wrote the group; wgmma reads it (async proxy)
+    constexpr int kFirstSlab = group_first_slab(kGroup);
+    constexpr int kSteps = group_slabs<kDqk>(kGroup) * C::kKStepsPerSlab;
+#pragma unroll
+    for (int ks = 0; ks < kSteps; ++ks) {
+        // k-step ks of the group covers d columns [64 kFirstSlab + 16 ks, + 16): slab kFirstSlab + ks / 4,
+        // 32-byte step ks % 4 inside its rows.
+        const uint32_t off = (kFirstSlab + ks / C::kKStepsPerSlab) * C::kSlabBytes + (ks % C::kKStepsPerSlab) * 32;
+        const bool acc = !(kFirstGroup && ks == 0);
+        if constexpr (kGroup == kGroupRope) {
+            wgmma_m64n64k16_rs_kk(s, q_rope[ks], wgmma_desc_advance(desc_k, off), acc);
+        } else {
+            wgmma_m64n64k16_ss_kk(s, wgmma_desc_advance(desc_q, off), wgmma_desc_advance(desc_k, off), acc);
+        }
+    }
+}
+
+// S = Q K^T of one tile: all column groups in the producer's fill order, one commit group.
+template <int kDqk>
+__device__ __forceinline__ void issue_qk(SmemPlan<kDqk>& sm, const Ring& pos, uint64_t desc_q,
+                                         const uint32_t (&q_rope)[Config<kDqk>::kRopeFragSteps][4],
+                                         float (&s)[kSRegs]) {
+    using C = Config<kDqk>;
+    const uint64_t desc_k =
+        make_wgmma_desc_sw128(smem_addr(sm.kv[pos.stage]), kUnusedLbo, kSw128AtomBytes);
+    wgmma_fence();  // s was read and written by the softmax since the last QK
+    if constexpr (C::kRopeSlabs > 0) {
+        qk_group<kDqk, kGroupRope, true>(sm, pos, desc_q, desc_k, q_rope, s);
+        qk_group<kDqk, kGroupLeft, false>(sm, pos, desc_q, desc_k, q_rope, s);
+    } else {
+        qk_group<kDqk, kGroupLeft, true>(sm, pos, desc_q, desc_k, q_rope, s);
+    }
+    qk_group<kDqk, kGroupRight, false>(sm, pos, desc_q, desc_k, q_rope, s);
+    wgmma_commit();
+}
+
+// Score warpgroup (WG 1). Per tile i (stage i % 2), with QK(i) issued one iteration earlier:
+//   wait QK(i) -> release rope group -> mask, online softmax (lazy rescale), P -> publish P(i) and alpha(i)
+//   -> issue PV(i) on O[:, 0:256] (A = P from registers) -> issue QK(i + 1) -> Handoff rendezvous (the value
+//   warpgroup then issues its PV(i), which runs during this warpgroup's next softmax) -> wait PV(i) -> release
+//   the left group.
+template <int kDqk>
+__device__ __forceinline__ void score_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
+    using C = Config<kDqk>;
+    const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Score);
+    const int lane = t % 32;
+    const AccFrag f = AccFrag::of_thread(t);
+    const int rows[2] = {f.row0, f.row1()};
+    const float scale = p.sm_scale_log2;  // > 0 (validated), so max and scaling commute
+
+    const uint64_t desc_q = make_wgmma_desc_sw128(smem_addr(sm.q), kUnusedLbo, kSw128AtomBytes);
+    const int32_t* idx_row = p.indices + static_cast<int64_t>(w.token) * p.indices_stride_t;
+
+    float o[kORegs];
+#pragma unroll
+    for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+    float s[kSRegs];
+#pragma unroll
+    for (int i = 0; i < kSRegs; ++i) s[i] = 0.f;
+    float m_run[2] = {-kInf, -kInf};  // running max of the base-2 logits (max_logits)
+    float m_ref[2] = {-kInf, -kInf};  // reference P, O and l are relative to (lazy: m_run - 8 < m_ref <= m_run)
+    float row_sum[2] = {0.f, 0.f};    // this thread's partial sum of P over its columns, relative to m_ref
+
+    // Rope columns of Q (512..575) as register A fragments: a[0] = (row0, c, c+1), a[1] = (row0+8, c, c+1),
+    // a[2] = (row0, c+8, c+9), a[3] = (row0+8, c+8, c+9) with c = 512 + 16 ks + 2 quad (smem_layout.cuh).
+    uint32_t q_rope[C::kRopeFragSteps][4];
+#pragma unroll
+    for (int ks = 0; ks < C::kRopeFragSteps; ++ks) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) q_rope[ks][e] = 0u;
+    }
+
+    TileMask mask{0u, 0u};
+    TileIndices ix_next{-1, -1};
+    if (w.n_tiles > 0) {
+        if constexpr (C::kRopeSteps > 0) {
+            const uint16_t* q_tok = p.q + static_cast<int64_t>(w.token) * p.q_stride_t;
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                if (rows[rr] < w.heads) {
+                    const uint16_t* q_row = q_tok + static_cast<int64_t>(w.head0 + rows[rr]) * p.q_stride_h;
+#pragma unroll
+                    for (int ks = 0; ks < C::kRopeSteps; ++ks) {
+                        // 4-byte loads: q rows are 16-byte aligned (host-checked) and the column is even.
+                        const uint32_t* src = reinterpret_cast<const uint32_t*>(q_row + kDv + 16 * ks + 2 * f.quad);
+                        q_rope[ks][rr] = __ldg(src);
+                        q_rope[ks][2 + rr] = __ldg(src + 4);  // columns + 8
+                    }
+                }
+            }
+        }
+        mask = TileMask::of(TileIndices::load(idx_row, 0, w.topk_eff, lane), p.s_kv);
+        if (w.n_tiles > 1) ix_next = TileIndices::load(idx_row, 1, w.topk_eff, lane);
+        MBarrier::wait(&sm.q_full, 0);
+        issue_qk<kDqk>(sm, Ring::of(0), desc_q, q_rope, s);
+    }
+
+    for (int i = 0; i < w.n_tiles; ++i) {
+        const Ring pos = Ring::of(i);
+        const bool has_next = i + 1 < w.n_tiles;
+        const uint32_t stage_addr = smem_addr(sm.kv[pos.stage]);
+
+        // ---- S(i) landed (PV(i - 1) was waited for last iteration). Rope columns are no longer needed.
+        wgmma_wait<0>();
+        wgmma_fence_regs(s);
+        wgmma_fence_regs(o);
+        if constexpr (C::kRopeSlabs > 0) release_by_warp(&sm.kv_empty[pos.stage][kGroupRope], lane);
+
+        // ---- Mask: column n of S is tile row n. Invalid rows (bad index, tail) -> -inf (a select, not an add,
+        // so an inf in Q cannot turn into NaN). Their K and V rows were zero-filled by the producer. The mask is
+        // warp-uniform, so fully valid tiles (the common case) skip it.
+        if (mask.lo != kFullMask || mask.hi != kFullMask) {
+            const uint32_t v_lo = mask.lo >> (2 * f.quad);
+            const uint32_t v_hi = mask.hi >> (2 * f.quad);
+#pragma unroll
+            for (int j = 0; j < kSBlocks; ++j) {
+                const uint32_t v = j < kSBlocks / 2 ? v_lo : v_hi;
+                const uint32_t bit = 1u << (8 * (j % (kSBlocks / 2)));
+                const bool va = (v & bit) != 0;         // column 8 j + 2 q
+                const bool vb = (v & (bit << 1)) != 0;  // column 8 j + 2 q + 1
+                s[4 * j + 0] = va ? s[4 * j + 0] : -kInf;
+                s[4 * j + 1] = vb ? s[4 * j + 1] : -kInf;
+                s[4 * j + 2] = va ? s[4 * j + 2] : -kInf;
+                s[4 * j + 3] = vb ? s[4 * j + 3] : -kInf;
+            }
+        }
+
+        // ---- Online softmax with a lazily raised reference max. Row maxima as trees (short dependency chains).
+        float alpha[2];
+        float m_exp[2];
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            float t[kSBlocks];
+#pragma unroll
+            for (int j = 0; j < kSBlocks; ++j) t[j] = fmaxf(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]);
+#pragma unroll
+            for (int w2 = kSBlocks / 2; w2 >= 1; w2 /= 2) {
+#pragma unroll
+                for (int j = 0; j < w2; ++j) t[j] = fmaxf(t[j], t[j + w2]);
+            }
+            m_run[rr] = fmaxf(m_run[rr], quad_max(t[0]) * scale);
+            alpha[rr] = 1.f;
+            if (m_run[rr] > m_ref[rr] + kRescaleThreshold) {  // also the first valid entry (m_ref = -inf)
+                alpha[rr] = exp2f(m_ref[rr] - m_run[rr]);     // 0 when m_ref = -inf
+                m_ref[rr] = m_run[rr];
+            }
+            m_exp[rr] = m_ref[rr] == -kInf ? 0.f : m_ref[rr];  // no valid entry yet: keep exp2 away from NaN
+        }
+        if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) {  // PV(i - 1) has completed
+#pragma unroll
+            for (int j = 0; j < kORegs / 4; ++j) {
+                o[4 * j + 0] *= alpha[0];
+                o[4 * j + 1] *= alpha[0];
+                o[4 * j + 2] *= alpha[1];
+                o[4 * j + 3] *= alpha[1];
+            }
+        }
+
+        // ---- P = exp2(S - m) in two halves of 32 kv rows; each half's PV k-steps on O[:, 0:256] (A = P from
+        // registers, B = the left group) are queued as soon as it is packed, so the tensor cores start while
+        // the second half is exponentiated. One commit group for the whole PV(i).
+        uint32_t pa[kPvSteps][4];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+#pragma unroll
+            for (int j = half * kSBlocks / 2; j < (half + 1) * kSBlocks / 2; ++j) {
+                s[4 * j + 0] = exp2f(fmaf(s[4 * j + 0], scale, -m_exp[0]));
+                s[4 * j + 1] = exp2f(fmaf(s[4 * j + 1], scale, -m_exp[0]));
+                s[4 * j + 2] = exp2f(fmaf(s[4 * j + 2], scale, -m_exp[1]));
+                s[4 * j + 3] = exp2f(fmaf(s[4 * j + 3], scale, -m_exp[1]));
+            }
+#pragma unroll
+            for (int kb = half * kPvSteps / 2; kb < (half + 1) * kPvSteps / 2; ++kb) {
+                pa[kb][0] = pack_bf16x2(s[8 * kb + 0], s[8 * kb + 1]);
+                pa[kb][1] = pack_bf16x2(s[8 * kb + 2], s[8 * kb + 3]);
+                pa[kb][2] = pack_bf16x2(s[8 * kb + 4], s[8 * kb + 5]);
+                pa[kb][3] = pack_bf16x2(s[8 * kb + 6], s[8 * kb + 7]);
+            }
+            wgmma_fence();  // o (rescale) and this half's P fragments were written by ordinary instructions
+#pragma unroll
+            for (int kb = half * kPvSteps / 2; kb < (half + 1) * kPvSteps / 2; ++kb) {
+                wgmma_m64n256k16_rs_mn(o, pa[kb], v_desc<kDqk>(stage_addr, 0, kb), true);
+            }
+        }
+        wgmma_commit();
+
+        // ---- Off the tensor cores' path: row-sum partials, then alpha(i) and P(i) (bf16) for the value
+        // warpgroup.
+        float psum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < kSBlocks; ++j) {
+            psum[0] += s[4 * j + 0] + s[4 * j + 1];
+            psum[1] += s[4 * j + 2] + s[4 * j + 3];
+        }
+        row_sum[0] = row_sum[0] * alpha[0] + psum[0];
+        row_sum[1] = row_sum[1] * alpha[1] + psum[1];
+        if (f.quad == 0) {
+            sm.row_scale[pos.stage][rows[0]] = alpha[0];
+            sm.row_scale[pos.stage][rows[1]] = alpha[1];
+        }
+        const uint32_t p_addr = smem_addr(sm.p[pos.stage]);
+#pragma unroll
+        for (int j = 0; j < kSBlocks; ++j) {
+            // P column 8 j + 2 q: chunk j of the 128-byte row, byte 4 q inside it.
+            st_shared_u32(p_addr + sw128_chunk_offset(rows[0], j) + 4 * f.quad, pa[j / 2][(j % 2) * 2 + 0]);
+            st_shared_u32(p_addr + sw128_chunk_offset(rows[1], j) + 4 * f.quad, pa[j / 2][(j % 2) * 2 + 1]);
+        }
+        fence_proxy_async_shared();  // generic P stores -> the value warpgroup's wgmma reads (async proxy)
+
+        // ---- QK(i + 1) queued behind PV(i), then the Handoff: the value warpgroup queues its PV(i) behind
+        // QK(i + 1), where it overlaps the next softmax. The wait for PV(i) stays in the same branch as the issue
+        // of QK(i + 1): ptxas serialises every wgmma of the kernel when it cannot match them.
+        if (has_next) {
+            issue_qk<kDqk>(sm, Ring::of(i + 1), desc_q, q_rope, s);
+            // Next tile's validity (indices loaded a tile ago); prefetch the one after.
+            mask = TileMask::of(ix_next, p.s_kv);
+            if (i + 2 < w.n_tiles) ix_next = TileIndices::load(idx_row, i + 2, w.topk_eff, lane);
+            named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
+            wgmma_wait<1>();  // PV(i) done, QK(i + 1) may still run
+        } else {
+            named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
+            wgmma_wait<0>();
+        }
+        // The left group and the P fragments are free.
+        wgmma_fence_regs(pa[0]);
+        wgmma_fence_regs(pa[1]);
+        wgmma_fence_regs(pa[2]);
+        wgmma_fence_regs(pa[3]);
+        release_by_warp(&sm.kv_empty[pos.stage][kGroupLeft], lane);
+    }
+
+    // ---- Epilogue. Row sums over the quad; 1 / denominator for both consumers; max_logits and lse.
+    float inv[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const float l = quad_sum(row_sum[rr]);
+        const int head = w.head0 + rows[rr];
+        const bool exists = rows[rr] < w.heads;
+        const bool empty = m_run[rr] == -kInf;  // no valid entry: out 0, lse +inf, max_logits -inf
+        float denom = l;
+        if (p.attn_sink != nullptr && exists && !empty) {
+            // The sink is one more logit with a zero value vector: it only enlarges the denominator.
+            const float sink = __ldg(p.attn_sink + static_cast<int64_t>(head) * p.attn_sink_stride);
+            denom += exp2f(sink * kLog2e - m_ref[rr]);
+        }
+        inv[rr] = empty ? 0.f : 1.f / denom;
+        if (f.quad == 0) {
+            sm.row_inv[rows[rr]] = inv[rr];
+            if (exists) {
+                const int64_t tok = w.token;
+                p.max_logits[tok * p.max_logits_stride_t + head * p.max_logits_stride_h] =
+                    empty ? -kInf : m_run[rr] * kLn2;
+                p.lse[tok * p.lse_stride_t + head * p.lse_stride_h] =
+                    empty ? kInf : (m_ref[rr] + log2f(l)) * kLn2;
+            }
+        }
+    }
+    named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
+    stage_and_store_output<kDqk>(p, sm, w, f, 0, o, inv);
+}
+
+// Value warpgroup (WG 2). Per tile i: Handoff rendezvous -> rescale O[:, 256:512] by alpha(i) -> O += P(i) V
+// (A = P from shared memory, B = the right group) -> wait -> release the right group.
+template <int kDqk>
+__device__ __forceinline__ void value_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
+    const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Value);
+    const int lane = t % 32;
+    const AccFrag f = AccFrag::of_thread(t);
+    const int rows[2] = {f.row0, f.row1()};
+
+    float o[kORegs];
+#pragma unroll
+    for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+
+    // The output is staged in the Q region, which the producer filled with cp.async: observe that directly.
+    if (w.n_tiles > 0) MBarrier::wait(&sm.q_full, 0);
+
+    for (int i = 0; i < w.n_tiles; ++i) {
+        const Ring pos = Ring::of(i);
+        const uint32_t stage_addr = smem_addr(sm.kv[pos.stage]);
+        named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
+        MBarrier::wait(&sm.kv_full[pos.stage][kGroupRight], pos.full_parity);  // complete: QK(i) read it
+        fence_proxy_async_shared();
+
+        const float alpha[2] = {sm.row_scale[pos.stage][rows[0]], sm.row_scale[pos.stage][rows[1]]};
+        if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) {  // PV(i - 1) has completed
+#pragma unroll
+            for (int j = 0; j < kORegs / 4; ++j) {
+                o[4 * j + 0] *= alpha[0];
+                o[4 * j + 1] *= alpha[0];
+                o[4 * j + 2] *= alpha[1];
+                o[4 * j + 3] *= alpha[1];
+            }
+        }
+
+        const uint32_t p_addr = smem_addr(sm.p[pos.stage]);
+        wgmma_fence();
+#pragma unroll
+        for (int kb = 0; kb < kPvSteps; ++kb) {
+            // A = P[:, 16 kb .. 16 kb + 16): K-major, 32 bytes per 16-column step inside the 128-byte rows.
+            const uint64_t desc_p = make_wgmma_desc_sw128(p_addr + kb * 32, kUnusedLbo, kSw128AtomBytes);
+            wgmma_m64n256k16_ss_kmn(o, desc_p, v_desc<kDqk>(stage_addr, kSlabsPerHalf, kb), true);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_regs(o);
+        release_by_warp(&sm.kv_empty[pos.stage][kGroupRight], lane);
+    }
+
+    named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
+    const float inv[2] = {sm.row_inv[rows[0]], sm.row_inv[rows[1]]};
+    stage_and_store_output<kDqk>(p, sm, w, f, 1, o, inv);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // The kernel body (instantiated by sparse_fwd.cu per d_qk). `smem` is the dynamic shared memory.
 template <int kDqk>
 __device__ __forceinline__ void sparse_fwd(const SparseFwdParams& p, uint8_t* smem) {
     using Plan = SmemPlan<kDqk>;
+    using C = Config<kDqk>;
     if (static_cast<int64_t>(blockIdx.x) >= static_cast<int64_t>(p.s_q) * p.num_head_groups) return;
 
     // Round the plan's base up to 1024 bytes (SW128 operand tiles); the launch requested the slack.
@@ -424,20 +626,25 @@ __device__ __forceinline__ void sparse_fwd(const SparseFwdParams& p, uint8_t* sm
 #pragma unroll
         for (int st = 0; st < kStages; ++st) {
 #pragma unroll
-            for (int h = 0; h < kConsumers; ++h) MBarrier::init(&sm.kv_full[st][h], kWarpgroupThreads);
-            MBarrier::init(&sm.kv_empty[st], kConsumerWarps);
+            for (int g = 0; g < C::kGroups; ++g) {
+                MBarrier::init(&sm.kv_full[st][g], kWarpgroupThreads);
+                MBarrier::init(&sm.kv_empty[st][g], kWarpsPerWarpgroup);  // one releasing warpgroup per group
+            }
         }
     }
     __syncthreads();
 
     const CtaWork w = cta_work(p);
-    const int wg = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
-    if (wg == 0) {
+    const Role role = static_cast<Role>(threadIdx.x / kWarpgroupThreads);
+    if (role == Role::Producer) {
         setmaxnreg_dec<kProducerRegs>();
         producer<kDqk>(p, sm, w);
+    } else if (role == Role::Score) {
+        setmaxnreg_inc<kScoreRegs>();
+        score_consumer<kDqk>(p, sm, w);
     } else {
-        setmaxnreg_inc<kConsumerRegs>();
-        consumer<kDqk>(p, sm, w, wg - 1);
+        setmaxnreg_inc<kValueRegs>();
+        value_consumer<kDqk>(p, sm, w);
     }
 }
 

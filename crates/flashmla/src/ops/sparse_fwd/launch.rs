@@ -1,6 +1,8 @@
 //! GPU path of the sparse prefill forward: checks the limits of the sm_90a kernel
 //! (`csrc/sm90/sparse_fwd/`, design in `docs/sparse-fwd.md`), lowers validated arguments to its
-//! [`SparseFwdParams`] and launches one CTA of 384 threads per (query token, group of 64 heads).
+//! [`SparseFwdParams`] and launches one CTA of 384 threads per (query token, group of 64 heads):
+//! a producer warpgroup gathering KV tiles, a score warpgroup (Q K^T, softmax, half of P V) and a
+//! value warpgroup (the other half of P V).
 //!
 //! Kernel limits checked here (beyond [`super::validate`]): `h_q <= 128`; `q` and `kv` rows 16-byte
 //! aligned (the gather copies 16-byte chunks); `indices`, `topk_length`, `attn_sink`, `max_logits`
@@ -23,13 +25,13 @@ pub const HEADS_PER_CTA: usize = 64;
 pub const MAX_HEADS: usize = 128;
 /// KV rows per pipeline tile (`kTileRows`).
 pub const TILE_ROWS: usize = 64;
-/// Threads per CTA (`kThreads`): one producer and two consumer warpgroups.
+/// Threads per CTA (`kThreads`): producer, score and value warpgroups.
 pub const THREADS_PER_CTA: u32 = 384;
 /// Dynamic shared memory of the d_qk = 576 kernel (`kSmemBytes<576>`, static_asserted in
 /// config.cuh).
 pub const SMEM_BYTES_D576: u32 = 231_424;
 /// Dynamic shared memory of the d_qk = 512 kernel (`kSmemBytes<512>`).
-pub const SMEM_BYTES_D512: u32 = 206_848;
+pub const SMEM_BYTES_D512: u32 = 215_040;
 /// The gather and the vector output path move 16-byte chunks (8 bf16).
 pub const CHUNK_ALIGN_BYTES: u64 = 16;
 /// `flags` bit: `out` rows are 16-byte aligned (`kFlagOutVec16` in params.h).
