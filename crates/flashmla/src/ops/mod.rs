@@ -3,5 +3,6 @@
 
 pub mod decode;
 pub mod kv_quant;
+mod layout;
 pub mod sparse_bwd;
 pub mod sparse_fwd;

@@ -13,8 +13,9 @@
 use super::{SparseFwdArgs, SparseFwdDims, SparseFwdOutput};
 use crate::cuda::{Gpu, LaunchConfig};
 use crate::error::{Error, Result};
+use crate::ops::layout::{rows_aligned, stride_param};
 use crate::tensor::{DType, DeviceView, Location, TensorMeta};
-use crate::validate::{expect_location, expect_offsets_fit, to_i32, to_i64};
+use crate::validate::{expect_location, expect_offsets_fit, to_i32};
 use std::mem::{offset_of, size_of};
 
 /// Kernel family (`csrc/sm90/sparse_fwd/`).
@@ -128,29 +129,6 @@ pub fn kernel_for(d_qk: usize) -> Result<(&'static str, u32)> {
             "the sm_90a kernel is built for d_qk 512 and 576",
         )),
     }
-}
-
-/// Stride of dimension `dim`, or 0 when the dimension has one entry (its stride never moves a
-/// pointer, and may be anything, e.g. from a sliced framework tensor).
-fn stride_of(t: &DeviceView, dim: usize) -> usize {
-    if t.shape()[dim] <= 1 {
-        0
-    } else {
-        t.strides()[dim]
-    }
-}
-
-/// `t`'s base address and every used stride are multiples of `align` bytes.
-fn rows_aligned(t: &DeviceView, align: u64) -> bool {
-    let elem = t.dtype().size_bytes() as u64;
-    let rank = t.shape().len();
-    t.ptr() % align == 0
-        && (0..rank.saturating_sub(1)).all(|d| (stride_of(t, d) as u64 * elem) % align == 0)
-}
-
-/// `i64` stride parameter for dimension `dim` of `t`.
-fn stride_param(arg: &str, t: &DeviceView, dim: usize) -> Result<i64> {
-    to_i64(&format!("{arg}.strides[{dim}]"), stride_of(t, dim))
 }
 
 /// Checks the kernel's limits and builds its parameters and launch geometry (pure: no GPU needed).
