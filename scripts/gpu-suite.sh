@@ -12,8 +12,9 @@ if [ -z "$bin" ]; then
 fi
 dir="${RESULTS_DIR:-bench/results}"
 mkdir -p "$dir"
-stamp="$(date -u +%Y-%m-%d)-$("$bin" --version | awk '{print $2}')"
-commit="$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
+# `flashmla --version` prints "flashmla 0.1.0 (commit <hash>)": name the files by the binary's own commit.
+commit="$("$bin" --version | sed -n 's/.*(commit \(.*\))/\1/p')"
+stamp="$(date -u +%Y-%m-%d)"
 "$bin" info
 status=0
 "$bin" check --suite "${SUITE:-full}" --json "$dir/check-$stamp-$commit.json" || status=$?

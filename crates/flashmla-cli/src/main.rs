@@ -20,7 +20,7 @@ use std::process::ExitCode;
 #[derive(Parser)]
 #[command(
     name = "flashmla",
-    version,
+    version = concat!(env!("CARGO_PKG_VERSION"), " (commit ", env!("FLASHMLA_GIT_COMMIT"), ")"),
     about = "Multi-head Latent Attention kernels for Hopper GPUs"
 )]
 struct Cli {
