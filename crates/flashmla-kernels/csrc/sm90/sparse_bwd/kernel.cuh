@@ -502,7 +502,7 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
                 for (int kk = 0; kk < C::kStepsPerSlab; ++kk) {
                     // d columns [64 slab + 16 kk, +16): 32-byte step kk inside the slab's 128-byte rows.
                     const uint32_t off = slab * C::kSlabBytes + kk * 32;
-                    wgmma_m64n64k16_ss_kkb(sd, wgmma_desc_advance(desc_a, off), wgmma_desc_advance(desc_k, off),
+                    wgmma_m64n64k16_ss_kk(sd, wgmma_desc_advance(desc_a, off), wgmma_desc_advance(desc_k, off),
                                            slab > 0 || kk > 0);
                 }
             }
