@@ -115,11 +115,16 @@ def sparse_mla_backward_reference(
     attn_sink: Optional[Tensor] = None,
     topk_length: Optional[Tensor] = None,
     chunk: int = 256,
+    magnitudes: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """SPEC section 2 written out (not autograd), in float32 or q's dtype when wider.
 
     Returns ``(d_q [s_q, h_q, d_qk], d_kv [s_kv, 1, d_qk], delta [s_q, h_q], d_attn_sink [h_q] or None)``.
     Uses the given ``out`` and ``lse`` as the kernels do (``lse = +inf`` marks a token without entries).
+
+    With ``magnitudes=True``, ``d_q`` and ``d_kv`` are instead the sums of the absolute values of their products
+    (``sum |ds| |k|`` and ``sum |ds| |q| + |p| |d_out|``, scaled as the gradients are): times ``2**-8`` they bound
+    what rounding the MMA operands ``P`` and ``dS`` to bf16 (as the GPU backward does) can change.
     """
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     q, kv, out, d_out, lse = (x.to(dt) for x in (q, kv, out, d_out, lse))
@@ -150,9 +155,12 @@ def sparse_mla_backward_reference(
             p = torch.where(torch.isposinf(l_prime)[..., None], zero, p)
         dp = torch.einsum("thc,tjc->thj", d_out[t0:t1], rows[..., :d_v])
         ds = p * (dp - delta[t0:t1, :, None])
+        qc, gc = q[t0:t1], d_out[t0:t1]
+        if magnitudes:
+            p, ds, rows, qc, gc = p.abs(), ds.abs(), rows.abs(), qc.abs(), gc.abs()
         d_q[t0:t1] = sm_scale * torch.einsum("thj,tjd->thd", ds, rows)
-        contrib = sm_scale * torch.einsum("thj,thd->tjd", ds, q[t0:t1])
-        contrib[..., :d_v] += torch.einsum("thj,thc->tjc", p, d_out[t0:t1])
+        contrib = sm_scale * torch.einsum("thj,thd->tjd", ds, qc)
+        contrib[..., :d_v] += torch.einsum("thj,thc->tjc", p, gc)
         safe = torch.where(valid, idx[:, 0, :].long(), torch.zeros_like(idx[:, 0, :]).long())
         contrib = torch.where(valid[..., None], contrib, zero)
         d_kv.index_add_(0, safe.reshape(-1), contrib.reshape(-1, d_qk))

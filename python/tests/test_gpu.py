@@ -128,9 +128,15 @@ def check_backward(case, d_kv_f32=False):
         case.q.to(F32), case.kv.to(F32), out, d_out, case.indices, lse, case.sm_scale,
         None if case.attn_sink is None else case.attn_sink.to(F32), case.topk_length,
     )
+    # The kernel rounds the MMA operands P and dS to bf16; errors are judged net of the bound that puts on each
+    # element (2^-8 times the sum of the absolute products), which only matters for tokens with few entries.
+    mag = sparse_mla_backward_reference(
+        case.q.to(F32), case.kv.to(F32), out, d_out, case.indices, lse, case.sm_scale,
+        None if case.attn_sink is None else case.attn_sink.to(F32), case.topk_length, magnitudes=True,
+    )
     ctx = case.describe()
-    assert_spec_close("d_q", d_q, ref[0], TOL_BWD, ctx)
-    assert_spec_close("d_kv", d_kv, ref[1], TOL_BWD, ctx)
+    assert_spec_close("d_q", d_q, ref[0], TOL_BWD, ctx, allowance=mag[0] / 256)
+    assert_spec_close("d_kv", d_kv, ref[1], TOL_BWD, ctx, allowance=mag[1] / 256)
     assert_spec_close("delta", delta, ref[2], (1e-5, 1e-4, None), ctx)
     if case.attn_sink is not None:
         assert_spec_close("d_attn_sink", d_sink, ref[3], (1e-4, 1e-3, None), ctx)

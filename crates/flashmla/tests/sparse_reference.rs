@@ -832,3 +832,128 @@ fn fwd_rows_sample_a_70000_token_problem() {
     assert_close_f64("70000 tokens out", &full.out, &want.out, F64_ABS, F64_REL);
     assert_close_f64("70000 tokens lse", &full.lse, &want.lse, F64_ABS, F64_REL);
 }
+
+/// `sparse_bwd_operand_rounding` bounds what rounding the MMA operands P and dS' to bf16 does (an
+/// emulation of the GPU backward's numerics) on a case where that rounding exceeds the plain SPEC rule
+/// (few valid entries per token, so large probabilities), and judging net of it still catches a single
+/// dropped contribution.
+#[test]
+fn bwd_operand_rounding_bounds_bf16_operands_and_still_catches_a_dropped_entry() {
+    use flashmla::reference::compare::{compare, compare_with_allowance};
+    use flashmla::reference::sparse_bwd::sparse_bwd_operand_rounding;
+    use flashmla::testing::{peer_bf16, rng, SparseCase};
+    let bf = |x: f64| half::bf16::from_f64(x).to_f64();
+
+    let mut c = SparseCase::plain(16, 512, 128, 576, 16);
+    c.topk_length = true;
+    let v = c.generate(11).unwrap().values().unwrap();
+    let (h_q, d_qk, topk) = (v.h_q, v.d_qk, v.topk);
+    let d_out = peer_bf16(&mut rng(12), v.s_q * h_q * 512);
+    let f = sparse_fwd::<f64>(&v.problem()).unwrap();
+    let out: Vec<f32> = f.out.iter().map(|&a| bf(a) as f32).collect();
+    let lse: Vec<f32> = f.lse.iter().map(|&a| a as f32).collect();
+    let problem = SparseBwdProblem {
+        fwd: v.problem(),
+        out: &out,
+        d_out: &d_out,
+        lse: &lse,
+    };
+    let exact = sparse_bwd::<f64>(&problem).unwrap();
+    let bound = sparse_bwd_operand_rounding(&problem).unwrap();
+
+    // The emulation, written out naively: exact products except for bf16 P and dS'.
+    let (mut d_q, mut d_kv) = (vec![0f64; exact.d_q.len()], vec![0f64; exact.d_kv.len()]);
+    let scale = v.sm_scale as f64;
+    let len = v.topk_length.as_ref().unwrap();
+    let mut largest = (0.0f64, 0usize, 0usize, 0usize); // (|P|, t, h, row) of the largest probability
+    for (t, &len_t) in len.iter().enumerate() {
+        for j in 0..(len_t.max(0) as usize).min(topk) {
+            let Ok(r) = usize::try_from(v.indices[t * topk + j]) else {
+                continue;
+            };
+            if r >= v.s_kv {
+                continue;
+            }
+            let k = &v.kv[r * d_qk..(r + 1) * d_qk];
+            for h in 0..h_q {
+                let th = t * h_q + h;
+                let q = &v.q[th * d_qk..(th + 1) * d_qk];
+                let g = &d_out[th * 512..(th + 1) * 512];
+                let o = &out[th * 512..(th + 1) * 512];
+                let dot = |a: &[f32], b: &[f32]| {
+                    a.iter()
+                        .zip(b)
+                        .map(|(x, y)| *x as f64 * *y as f64)
+                        .sum::<f64>()
+                };
+                let p = (scale * dot(q, k) - lse[th] as f64).exp();
+                let ds = scale * p * (dot(g, &k[..512]) - dot(g, o));
+                let (pb, dsb) = (bf(p), bf(ds));
+                for col in 0..d_qk {
+                    d_q[th * d_qk + col] += dsb * k[col] as f64;
+                    d_kv[r * d_qk + col] +=
+                        dsb * q[col] as f64 + if col < 512 { pb * g[col] as f64 } else { 0.0 };
+                }
+                if p > largest.0 {
+                    largest = (p, t, h, r);
+                }
+            }
+        }
+    }
+    let f32s = |x: &[f64]| x.iter().map(|&a| a as f32).collect::<Vec<f32>>();
+    let (emu_q, emu_kv) = (f32s(&d_q), f32s(&d_kv));
+    // The case is one where the plain rule is not enough...
+    assert!(
+        compare(&emu_kv, &exact.d_kv).check(&BWD_GRAD).is_err(),
+        "this case should exceed the plain SPEC tolerance"
+    );
+    // ...the bound holds element by element (f32 storage of the emulation aside)...
+    for (name, emu, want, b) in [
+        ("d_q", &d_q, &exact.d_q, &bound.d_q),
+        ("d_kv", &d_kv, &exact.d_kv, &bound.d_kv),
+    ] {
+        for i in 0..want.len() {
+            assert!(
+                (emu[i] - want[i]).abs() <= b[i] * (1.0 + 1e-9) + 1e-12,
+                "{name}[{i}]: emulated {} exact {} bound {}",
+                emu[i],
+                want[i],
+                b[i]
+            );
+        }
+    }
+    compare_with_allowance(&emu_q, &exact.d_q, &bound.d_q)
+        .check(&BWD_GRAD)
+        .unwrap();
+    compare_with_allowance(&emu_kv, &exact.d_kv, &bound.d_kv)
+        .check(&BWD_GRAD)
+        .unwrap();
+    // ...and dropping the contribution of one (token, head) entry to its row is caught.
+    let (_, t, h, r) = largest;
+    let th = t * h_q + h;
+    let q = &v.q[th * d_qk..(th + 1) * d_qk];
+    let g = &d_out[th * 512..(th + 1) * 512];
+    let k = &v.kv[r * d_qk..(r + 1) * d_qk];
+    let dot = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| *x as f64 * *y as f64)
+            .sum::<f64>()
+    };
+    let p = (scale * dot(q, k) - lse[th] as f64).exp();
+    let ds = scale * p * (dot(g, &k[..512]) - dot(g, &out[th * 512..(th + 1) * 512]));
+    let mut dropped = d_kv.clone();
+    for col in 0..d_qk {
+        dropped[r * d_qk + col] -= bf(ds) * q[col] as f64
+            + if col < 512 {
+                bf(p) * g[col] as f64
+            } else {
+                0.0
+            };
+    }
+    assert!(
+        compare_with_allowance(&f32s(&dropped), &exact.d_kv, &bound.d_kv)
+            .check(&BWD_GRAD)
+            .is_err()
+    );
+}

@@ -8,8 +8,10 @@ use crate::device_ops::SparseBwdOnGpu;
 use flashmla::cuda::Gpu;
 use flashmla::ops::sparse_bwd::SparseBwdOptions;
 use flashmla::ops::sparse_fwd::D_V;
-use flashmla::reference::compare::BWD_GRAD;
-use flashmla::reference::sparse_bwd::{sparse_bwd, SparseBwdProblem, SparseBwdResult};
+use flashmla::reference::compare::{compare_with_allowance, BWD_GRAD};
+use flashmla::reference::sparse_bwd::{
+    sparse_bwd, sparse_bwd_operand_rounding, SparseBwdProblem, SparseBwdResult,
+};
 use flashmla::testing::{peer_bf16, rng, IndexPattern, SinkKind, SparseCase, SparseValues};
 use flashmla::{DType, HostTensor};
 
@@ -62,6 +64,26 @@ fn widen(r: SparseBwdResult<f32>) -> SparseBwdResult<f64> {
     }
 }
 
+/// [`check`] with [`BWD_GRAD`], net of a per-element allowance when one is given.
+fn check_grad(
+    name: &str,
+    got: &[f32],
+    want: &[f64],
+    allowance: Option<&[f64]>,
+) -> (String, Result<String, String>) {
+    let Some(allowance) = allowance else {
+        return check(name, got, want, &BWD_GRAD);
+    };
+    let c = compare_with_allowance(got, want, allowance);
+    let r = c.check(&BWD_GRAD).map(|()| {
+        format!(
+            "max_abs {:.2e} (net of operand rounding {:.2e}) max_rel {:.2e} cos {:.1e}",
+            c.max_abs_err, c.max_net_abs_err, c.max_rel_err, c.cos_diff
+        )
+    });
+    (name.to_string(), r)
+}
+
 fn run_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
     let c = &spec.case;
     let inp = c.generate(seed)?;
@@ -88,14 +110,33 @@ fn run_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
         d_out: &d_out_values,
         lse: &fwd.lse,
     };
-    let want = if c.s_q * c.h_q * c.topk <= F64_LIMIT {
+    let small = c.s_q * c.h_q * c.topk <= F64_LIMIT;
+    let want = if small {
         sparse_bwd::<f64>(&problem)?
     } else {
         widen(sparse_bwd::<f32>(&problem)?)
     };
+    // Where the f64 reference runs, d_q and d_kv are judged net of the bf16 rounding of the P / dS'
+    // MMA operands (a per-element bound; it only matters for tokens with few valid entries, i.e. large
+    // probabilities). The larger cases use the plain SPEC rule.
+    let rounding = if small {
+        Some(sparse_bwd_operand_rounding(&problem)?)
+    } else {
+        None
+    };
     let mut checks = vec![
-        check("d_q", &got.d_q, &want.d_q, &BWD_GRAD),
-        check("d_kv", &got.d_kv, &want.d_kv, &BWD_GRAD),
+        check_grad(
+            "d_q",
+            &got.d_q,
+            &want.d_q,
+            rounding.as_ref().map(|r| &r.d_q[..]),
+        ),
+        check_grad(
+            "d_kv",
+            &got.d_kv,
+            &want.d_kv,
+            rounding.as_ref().map(|r| &r.d_kv[..]),
+        ),
         check("delta", &got.delta, &want.delta, &BWD_GRAD),
     ];
     if let (Some(g), Some(w)) = (&got.d_attn_sink, &want.d_attn_sink) {

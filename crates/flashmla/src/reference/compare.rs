@@ -109,6 +109,9 @@ pub struct Comparison {
     pub max_rel_err: f64,
     /// `1 - 2 sum(a r) / sum(a^2 + r^2)` over the positions where both are finite (0 when both are 0).
     pub cos_diff: f64,
+    /// Largest absolute error net of the allowance ([`compare_with_allowance`]); equal to
+    /// `max_abs_err` without one.
+    pub max_net_abs_err: f64,
     /// Positions where one side is `+inf`, `-inf` or NaN and the other is not the same.
     pub nonfinite_mismatches: usize,
     /// The first such position.
@@ -116,6 +119,8 @@ pub struct Comparison {
     /// Elements not dominated in both errors by another one, sorted by `abs_err` ascending (so
     /// `rel_err` descending). Some element fails a tolerance iff one of these does.
     frontier: Vec<ElementError>,
+    /// Whether errors were judged net of an allowance.
+    with_allowance: bool,
 }
 
 /// The four classes whose positions must match: finite, `+inf`, `-inf`, NaN.
@@ -133,15 +138,40 @@ fn class(x: f64) -> u8 {
 
 /// Measures `got` against the reference `want` (f32 or f64) element by element.
 pub fn compare<W: Copy + Into<f64>>(got: &[f32], want: &[W]) -> Comparison {
+    compare_inner(got, want, None)
+}
+
+/// Like [`compare`], but the error of element `i` is judged net of `allowance[i]` (`>= 0`): an
+/// element passes a tolerance when `max(0, |a - r| - allowance[i])` is within `abs` or, divided by
+/// `|r| + 1e-6`, within `rel`. For errors a kernel makes by design and that can be bounded per element
+/// from the inputs, such as the bf16 rounding of tensor-core operands (see
+/// [`crate::reference::sparse_bwd::sparse_bwd_operand_rounding`]). `max_abs_err`, `max_rel_err` and
+/// `cos_diff` stay the raw figures; `max_net_abs_err` is the largest net error. An allowance shorter
+/// than `want` counts as 0 past its end.
+pub fn compare_with_allowance<W: Copy + Into<f64>>(
+    got: &[f32],
+    want: &[W],
+    allowance: &[f64],
+) -> Comparison {
+    compare_inner(got, want, Some(allowance))
+}
+
+fn compare_inner<W: Copy + Into<f64>>(
+    got: &[f32],
+    want: &[W],
+    allowance: Option<&[f64]>,
+) -> Comparison {
     let mut c = Comparison {
         got_len: got.len(),
         want_len: want.len(),
         max_abs_err: 0.0,
         max_rel_err: 0.0,
         cos_diff: 0.0,
+        max_net_abs_err: 0.0,
         nonfinite_mismatches: 0,
         first_nonfinite_mismatch: None,
         frontier: Vec::new(),
+        with_allowance: allowance.is_some(),
     };
     let (mut dot, mut norms) = (0.0f64, 0.0f64);
     for (index, (&a, &r)) in got.iter().zip(want).enumerate() {
@@ -167,12 +197,18 @@ pub fn compare<W: Copy + Into<f64>>(got: &[f32], want: &[W]) -> Comparison {
         c.max_rel_err = c.max_rel_err.max(rel_err);
         dot += a64 * r;
         norms += a64 * a64 + r * r;
+        let allowed = allowance
+            .and_then(|al| al.get(index))
+            .copied()
+            .unwrap_or(0.0);
+        let net = (abs_err - allowed).max(0.0);
+        c.max_net_abs_err = c.max_net_abs_err.max(net);
         c.insert(ElementError {
             index,
             got: a,
             want: r,
-            abs_err,
-            rel_err,
+            abs_err: net,
+            rel_err: net / (r.abs() + REL_EPS),
         });
     }
     c.cos_diff = if norms > 0.0 {
@@ -259,6 +295,14 @@ impl fmt::Display for Comparison {
             f,
             "{} elements, max abs err {:.3e}, max rel err {:.3e}, cos_diff {:.3e}",
             self.got_len, self.max_abs_err, self.max_rel_err, self.cos_diff
-        )
+        )?;
+        if self.with_allowance {
+            write!(
+                f,
+                " (errors judged net of the per-element allowance; largest net {:.3e})",
+                self.max_net_abs_err
+            )?;
+        }
+        Ok(())
     }
 }

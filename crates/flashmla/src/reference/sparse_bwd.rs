@@ -128,27 +128,11 @@ fn d_out_row<'a>(p: &SparseBwdProblem<'a>, t: usize, h: usize) -> &'a [f32] {
     &p.d_out[start..start + d_v]
 }
 
-/// Runs the backward.
-///
-/// Parallel passes, all deterministic (every output element is summed in a fixed order, whatever
-/// the thread count):
-/// 1. over `(t, h)`: `delta` and the statistics every entry needs (`lse`, `exp(lse - lse')`);
-/// 2. over tokens: `d_q`;
-/// 3. over KV rows: `d_kv[r]` sums its contributions in `(t, j)` order, recomputing `p` and `ds`
-///    with the same function as pass 2 instead of storing `[s_q, h_q, topk]` of them;
-/// 4. `d_attn_sink[h]`, summed over tokens in order.
-///
-/// Allocates the outputs (`d_q`, `d_kv`, `delta`, `d_attn_sink`), the `[s_q, h_q]` statistics (three
-/// `R` each), a row-to-token index of the valid entries (`s_kv + 1` offsets and one `usize` per valid
-/// occurrence) and, per worker thread, one token's valid rows. `p` and `ds` are computed twice (for
-/// `d_q` and for `d_kv`), which costs about 40% more arithmetic than storing them would.
-pub fn sparse_bwd<R: Real>(p: &SparseBwdProblem<'_>) -> Result<SparseBwdResult<R>> {
-    p.check()?;
+/// Pass 1: per-(t, h) statistics. lse' = lse (+) sink, so exp(lse - lse') = sigmoid(lse - sink).
+fn head_stats<R: Real>(p: &SparseBwdProblem<'_>) -> Vec<HeadStats<R>> {
     let f = &p.fwd;
-    let (s_q, s_kv, h_q, d_qk, d_v) = (f.s_q, f.s_kv, f.h_q, f.d_qk, f.d_v);
-
-    // Pass 1: per-(t, h) statistics. lse' = lse (+) sink, so exp(lse - lse') = sigmoid(lse - sink).
-    let stats: Vec<HeadStats<R>> = (0..s_q * h_q)
+    let (h_q, d_v) = (f.h_q, f.d_v);
+    (0..f.s_q * h_q)
         .into_par_iter()
         .map(|th| {
             let (o, g) = (
@@ -165,7 +149,18 @@ pub fn sparse_bwd<R: Real>(p: &SparseBwdProblem<'_>) -> Result<SparseBwdResult<R
                 delta: dot::<R>(o, g),
             }
         })
-        .collect();
+        .collect()
+}
+
+/// Passes 2 and 3: `(d_q, d_kv)`, or with `ABS` the same sums over the absolute values of every product
+/// (`sum |ds| |k|` and `sum |ds| |q| + |p| |d_out|`).
+fn gradients<R: Real, const ABS: bool>(
+    p: &SparseBwdProblem<'_>,
+    stats: &[HeadStats<R>],
+) -> (Vec<R>, Vec<R>) {
+    let f = &p.fwd;
+    let (s_q, s_kv, h_q, d_qk, d_v) = (f.s_q, f.s_kv, f.h_q, f.d_qk, f.d_v);
+    let m = |x: R| if ABS { x.abs() } else { x };
 
     // Pass 2: d_q, one token per task.
     let mut d_q = vec![R::zero(); s_q * h_q * d_qk];
@@ -182,8 +177,9 @@ pub fn sparse_bwd<R: Real>(p: &SparseBwdProblem<'_>) -> Result<SparseBwdResult<R
                 let acc = &mut d_q_t[h * d_qk..(h + 1) * d_qk];
                 for &r in rows.iter() {
                     let (_, ds) = entry_grad(p, t, h, r, st);
+                    let ds = m(ds);
                     for (a, &k) in acc.iter_mut().zip(f.kv_row(r)) {
-                        *a = *a + ds * R::of(k);
+                        *a = *a + ds * m(R::of(k));
                     }
                 }
             }
@@ -220,15 +216,39 @@ pub fn sparse_bwd<R: Real>(p: &SparseBwdProblem<'_>) -> Result<SparseBwdResult<R
                     continue;
                 }
                 let (prob, ds) = entry_grad(p, t, h, r, st);
+                let (prob, ds) = (m(prob), m(ds));
                 for (a, &x) in acc.iter_mut().zip(f.q_row(t, h)) {
-                    *a = *a + ds * R::of(x);
+                    *a = *a + ds * m(R::of(x));
                 }
                 for (a, &g) in acc[..d_v].iter_mut().zip(d_out_row(p, t, h)) {
-                    *a = *a + prob * R::of(g);
+                    *a = *a + prob * m(R::of(g));
                 }
             }
         }
     });
+    (d_q, d_kv)
+}
+
+/// Runs the backward.
+///
+/// Parallel passes, all deterministic (every output element is summed in a fixed order, whatever
+/// the thread count):
+/// 1. over `(t, h)`: `delta` and the statistics every entry needs (`lse`, `exp(lse - lse')`);
+/// 2. over tokens: `d_q`;
+/// 3. over KV rows: `d_kv[r]` sums its contributions in `(t, j)` order, recomputing `p` and `ds`
+///    with the same function as pass 2 instead of storing `[s_q, h_q, topk]` of them;
+/// 4. `d_attn_sink[h]`, summed over tokens in order.
+///
+/// Allocates the outputs (`d_q`, `d_kv`, `delta`, `d_attn_sink`), the `[s_q, h_q]` statistics (three
+/// `R` each), a row-to-token index of the valid entries (`s_kv + 1` offsets and one `usize` per valid
+/// occurrence) and, per worker thread, one token's valid rows. `p` and `ds` are computed twice (for
+/// `d_q` and for `d_kv`), which costs about 40% more arithmetic than storing them would.
+pub fn sparse_bwd<R: Real>(p: &SparseBwdProblem<'_>) -> Result<SparseBwdResult<R>> {
+    p.check()?;
+    let f = &p.fwd;
+    let (s_q, h_q) = (f.s_q, f.h_q);
+    let stats = head_stats::<R>(p);
+    let (d_q, d_kv) = gradients::<R, false>(p, &stats);
 
     // Pass 4: d_sink[h] = -sum_t exp(sink - lse') * delta, with exp(sink - lse') = sigmoid(sink - lse);
     // summed over tokens in order.
@@ -251,5 +271,40 @@ pub fn sparse_bwd<R: Real>(p: &SparseBwdProblem<'_>) -> Result<SparseBwdResult<R
         d_kv,
         delta: stats.iter().map(|st| st.delta).collect(),
         d_attn_sink,
+    })
+}
+
+/// Unit roundoff of bf16 (8 significant bits, round to nearest): `|bf16(x) - x| <= 2^-8 |x|`.
+pub const BF16_UNIT_ROUNDOFF: f64 = 1.0 / 256.0;
+
+/// Per-element bounds of the error a tensor-core backward makes by design, `[s_q, h_q, d_qk]` and
+/// `[s_kv, d_qk]`, from [`sparse_bwd_operand_rounding`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct OperandRounding {
+    /// `u * sum_j |ds| |k|` per `d_q` element.
+    pub d_q: Vec<f64>,
+    /// `u * (sum |ds| |q| + sum |p| |d_out|)` per `d_kv` element.
+    pub d_kv: Vec<f64>,
+}
+
+/// Bounds the error that comes from rounding the MMA operands `P` and `dS' = sm_scale * ds` to bf16,
+/// as the GPU backward does (like every bf16 tensor-core attention backward): each product `P * d_out`
+/// and `dS' * q` (or `dS' * k`) then carries a relative error of at most `u = 2^-8`
+/// ([`BF16_UNIT_ROUNDOFF`]), so an element's error is at most `u` times the sum of the absolute values
+/// of its products. Everything else (f32 accumulation, exp2) is orders of magnitude smaller.
+///
+/// The bound matters where probabilities are large: a token with a handful of valid entries has
+/// `P ~ 1/len`, and its products, similar across heads, round the same way, which can exceed the
+/// SPEC-6 absolute tolerance of `d_kv` (1e-3); with `topk` in the hundreds or more it is far below it.
+/// A wrongly kept or dropped contribution is about `1/u = 256` times larger than its share of the
+/// bound, so judging errors net of it still catches every real mistake.
+pub fn sparse_bwd_operand_rounding(p: &SparseBwdProblem<'_>) -> Result<OperandRounding> {
+    p.check()?;
+    let stats = head_stats::<f64>(p);
+    let (d_q, d_kv) = gradients::<f64, true>(p, &stats);
+    let u = BF16_UNIT_ROUNDOFF;
+    Ok(OperandRounding {
+        d_q: d_q.into_iter().map(|x| u * x).collect(),
+        d_kv: d_kv.into_iter().map(|x| u * x).collect(),
     })
 }

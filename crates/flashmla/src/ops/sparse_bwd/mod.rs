@@ -22,7 +22,7 @@ pub use launch::{workspace_shape, SparseBwdOptions};
 pub use validate::{validate, validate_output};
 
 use crate::cuda::Gpu;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::ops::sparse_fwd::{HostInputs, SparseFwdArgs, SparseFwdDims};
 use crate::reference::sparse_bwd::{sparse_bwd, SparseBwdProblem};
 use crate::tensor::{DType, DeviceView, HostTensor, TensorMeta};
@@ -176,15 +176,5 @@ pub fn sparse_bwd_cuda_with(
 ) -> Result<()> {
     let dims = validate(args)?;
     validate_output(&dims, args.q.location(), out)?;
-    if args.topk_length.is_some() {
-        // `flashmla check --filter sparse_bwd/small_topk` shows the kernels' d_kv off by up to ~10% in a few
-        // elements whenever topk_length is given (d_q, delta and every other feature verify); refuse rather than
-        // return wrong gradients until that is fixed.
-        return Err(Error::unsupported(
-            "sparse_bwd with topk_length on the GPU",
-            "the GPU kernel's d_kv is not yet exact with topk_length; omit it (mask with -1 indices instead) \
-             or use the CPU path",
-        ));
-    }
     launch::launch(gpu, &dims, args, out, options, workspace)
 }
