@@ -75,6 +75,15 @@ fn cos_diff_is_computed_in_f64_and_bounded() {
     assert!(c.check(&tight).unwrap_err().contains("cos_diff"));
     // All zeros: identical, cos_diff 0.
     assert_eq!(compare(&[0.0; 4], &[0.0f32; 4]).cos_diff, 0.0);
+    // Rounding noise against an exactly zero reference: the cosine is undefined, the element rule judges.
+    let noise = compare(&[1e-9, -2e-9, 0.0, 3e-9], &[0.0f64; 4]);
+    assert_eq!(noise.cos_diff, 0.0);
+    assert!(noise.check(&BWD_GRAD).is_ok());
+    assert!(compare(&[1e-9, -2e-2, 0.0, 3e-9], &[0.0f64; 4])
+        .check(&BWD_GRAD)
+        .is_err());
+    // A zero result against a nonzero reference still fails the cosine.
+    assert_eq!(compare(&[0.0; 2], &[1e-4f64, -1e-4]).cos_diff, 1.0);
 }
 
 #[test]

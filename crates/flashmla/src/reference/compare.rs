@@ -3,7 +3,9 @@
 //! An element passes when `|a - r| < abs` **or** `|a - r| / (|r| + 1e-6) < rel`; every element must
 //! pass; the positions of `+inf`, `-inf` and NaN must be the same in both; and
 //! `cos_diff = 1 - 2 * sum(a * r) / sum(a * a + r * r)`, accumulated in f64 over the positions where both
-//! are finite, must stay under `cos` where the table gives one.
+//! are finite, must stay under `cos` where the table gives one. When the reference is exactly zero at every
+//! finite position the cosine is undefined and counts as 0 (e.g. `d_q` with `topk = 1`, where `P = 1` and
+//! `dS = 0` exactly; the element rule still bounds the kernel's rounding noise there).
 //!
 //! [`compare`] measures once; [`Comparison::check`] then judges against any [`Tolerance`]. The
 //! measurement keeps only the Pareto frontier of `(abs error, rel error)` pairs, which is enough to
@@ -107,7 +109,7 @@ pub struct Comparison {
     pub max_abs_err: f64,
     /// Largest relative error over the positions where both are finite.
     pub max_rel_err: f64,
-    /// `1 - 2 sum(a r) / sum(a^2 + r^2)` over the positions where both are finite (0 when both are 0).
+    /// `1 - 2 sum(a r) / sum(a^2 + r^2)` over the positions where both are finite (0 when the reference is 0 there).
     pub cos_diff: f64,
     /// Largest absolute error net of the allowance ([`compare_with_allowance`]); equal to
     /// `max_abs_err` without one.
@@ -173,7 +175,7 @@ fn compare_inner<W: Copy + Into<f64>>(
         frontier: Vec::new(),
         with_allowance: allowance.is_some(),
     };
-    let (mut dot, mut norms) = (0.0f64, 0.0f64);
+    let (mut dot, mut norms, mut ref_norm) = (0.0f64, 0.0f64, 0.0f64);
     for (index, (&a, &r)) in got.iter().zip(want).enumerate() {
         let (a64, r): (f64, f64) = (a.into(), r.into());
         let (ca, cr) = (class(a64), class(r));
@@ -197,6 +199,7 @@ fn compare_inner<W: Copy + Into<f64>>(
         c.max_rel_err = c.max_rel_err.max(rel_err);
         dot += a64 * r;
         norms += a64 * a64 + r * r;
+        ref_norm += r * r;
         let allowed = allowance
             .and_then(|al| al.get(index))
             .copied()
@@ -211,7 +214,9 @@ fn compare_inner<W: Copy + Into<f64>>(
             rel_err: net / (r.abs() + REL_EPS),
         });
     }
-    c.cos_diff = if norms > 0.0 {
+    // Against an identically zero reference the cosine is undefined (any nonzero rounding noise would
+    // give 1): the element rule alone judges such a tensor.
+    c.cos_diff = if norms > 0.0 && ref_norm > 0.0 {
         1.0 - 2.0 * dot / norms
     } else {
         0.0
