@@ -134,9 +134,11 @@ def check_backward(case, d_kv_f32=False):
         case.q.to(F32), case.kv.to(F32), out, d_out, case.indices, lse, case.sm_scale,
         None if case.attn_sink is None else case.attn_sink.to(F32), case.topk_length, magnitudes=True,
     )
+    # With h_q > 64 and a bf16 d_kv the two head groups also exchange their d_kv partials as bf16: twice the bound.
+    kv_bound = mag[1] / (128 if (case.q.shape[1] > 64 and not d_kv_f32) else 256)
     ctx = case.describe()
     assert_spec_close("d_q", d_q, ref[0], TOL_BWD, ctx, allowance=mag[0] / 256)
-    assert_spec_close("d_kv", d_kv, ref[1], TOL_BWD, ctx, allowance=mag[1] / 256)
+    assert_spec_close("d_kv", d_kv, ref[1], TOL_BWD, ctx, allowance=kv_bound)
     assert_spec_close("delta", delta, ref[2], (1e-5, 1e-4, None), ctx)
     if case.attn_sink is not None:
         assert_spec_close("d_attn_sink", d_sink, ref[3], (1e-4, 1e-3, None), ctx)

@@ -298,6 +298,9 @@ pub struct OperandRounding {
 /// SPEC-6 absolute tolerance of `d_kv` (1e-3); with `topk` in the hundreds or more it is far below it.
 /// A wrongly kept or dropped contribution is about `1/u = 256` times larger than its share of the
 /// bound, so judging errors net of it still catches every real mistake.
+///
+/// A kernel that also rounds partial sums of these products to bf16 once (the GPU pair kernel's bf16
+/// exchange between the two head groups of a token) adds at most the same again: twice `d_kv` bounds it.
 pub fn sparse_bwd_operand_rounding(p: &SparseBwdProblem<'_>) -> Result<OperandRounding> {
     p.check()?;
     let stats = head_stats::<f64>(p);

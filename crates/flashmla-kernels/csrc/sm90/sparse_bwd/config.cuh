@@ -41,6 +41,13 @@ inline constexpr int kXChunksPerRow = kXSlotRowBytes / 16;                   // 
 inline constexpr int kXSlots = kConsumerWarps;                               // one slot per consumer warp
 inline constexpr int kXBytes = kXSlots * kXSlotBytes;                        // 16 KB
 static_assert(kXSlotCols * kPairCtas == kSw128ColsBf16, "the pair splits a 64-column chunk in halves");
+// bf16 exchange (the `_xb` pair kernels: bf16 d_kv, not deterministic, not accumulating): the peer's half travels as
+// bf16 (1 KB per warp and chunk), so each warp's 2 KB holds TWO receive buffers, used by alternate chunks of a
+// tile: a send waits for the peer's reduction of the chunk before the previous one (two chunks of slack). The
+// receiver adds the bf16 values to its f32 kept half in registers (no staging in shared memory).
+inline constexpr int kXbBufBytes = kXSlotRows * kXSlotCols * 2;  // 1024: 16 rows x 32 bf16
+inline constexpr int kXbBufs = 2;
+static_assert(kXbBufs * kXbBufBytes == kXSlotBytes, "two bf16 buffers per f32 slot");
 
 // Register split after setmaxnreg: 128 * 40 + 256 * 232 = 64512 <= 65536. Consumer 0 holds the widest dQ slice
 // (5 slabs = 160 f32 at d_qk 576) plus S (32 f32); consumer 1 dQ (128) plus dP (32) and the dS A-fragments (16);
@@ -132,8 +139,10 @@ struct SmemPlan : XbufRegion<kDqk> {
     uint64_t qdo_full;               // producer -> consumers: Q and dO landed and fenced (128 arrivals)
     uint64_t kv_full[C::kDqkSlabs];  // producer -> consumers: slab s of the current tile landed, fenced (128)
     uint64_t kv_empty;               // consumers -> producer: tile released (one arrival per consumer warp)
-    uint64_t x_full[kXSlots];        // pair: the peer's 2 KB of a chunk landed in slot s (1 arrival + tx bytes)
-    uint64_t x_empty[kXSlots];       // pair: the peer may write its next chunk into ITS slot s (1 remote arrival)
+    uint64_t x_full[kXbBufs * kXSlots];   // pair: the peer's 2 KB of a chunk landed in slot s (1 arrival + tx
+                                          // bytes); bf16 exchange: [2 s + b] for buffer b of slot s (1 KB)
+    uint64_t x_empty[kXbBufs * kXSlots];  // pair: the peer may write its next chunk into ITS slot s (1 remote
+                                          // arrival); bf16 exchange: [2 s + b] for buffer b
     uint64_t x_drained;              // pair: every consumer warp consumed the last chunk of a tile (producer waits
                                      // at d_qk 576 before refilling the KV slabs the slots alias)
 

@@ -22,7 +22,9 @@
 //       pair mode (h_q > 64, 2-CTA cluster, one CTA per head group): CTA rank r keeps columns [32 r, 32 r + 32);
 //                          each warp st.async's the other half of its rows to the same warp of the peer, adds
 //                          the peer's half of its kept columns, and reduces: one add per (token, row) instead of
-//                          two. The exchange of chunk k overlaps the MMAs of chunk k + 1.
+//                          two. The exchange of chunk k overlaps the MMAs of chunk k + 1. With a bf16 d_kv (not
+//                          deterministic, not accumulated: the `_xb` kernels, kXBf16) the peer's half travels as
+//                          bf16 through two 1 KB buffers per warp and is added in registers (pair_send_xb).
 //   Epilogue: dQ (already scaled by sm_scale) -> bf16, staged through the Q region, coalesced 16-byte stores.
 #pragma once
 
@@ -257,14 +259,16 @@ struct PairLink {
     uint32_t rank;        // cluster rank = the column half kept
 };
 
-template <int kDqk>
+// kXBf16: `full` / `empty` are the barriers of buffer 0 of the slot; buffer b's are 8 b bytes further.
+template <int kDqk, bool kXBf16 = false>
 __device__ __forceinline__ PairLink pair_link(SmemPlan<kDqk>& sm, int consumer, int warp) {
     PairLink l;
     const int slot = kConsumerWarps / kConsumers * consumer + warp;
+    const int bar = kXBf16 ? kXbBufs * slot : slot;
     l.rank = cluster_ctarank();
     l.slot = smem_addr(sm.xbuf_base()) + slot * kXSlotBytes;
-    l.full = smem_addr(&sm.x_full[slot]);
-    l.empty = smem_addr(&sm.x_empty[slot]);
+    l.full = smem_addr(&sm.x_full[bar]);
+    l.empty = smem_addr(&sm.x_empty[bar]);
     l.peer_delta = mapa_shared(l.slot, l.rank ^ 1u) - l.slot;
     return l;
 }
@@ -397,6 +401,129 @@ __device__ __forceinline__ void pair_reduce(const SparseBwdParams& p, const Pair
     }
 }
 
+// Pair mode with the bf16 exchange (`kXBf16`). Each warp's 2 KB slot holds two 1 KB receive buffers; chunk k of a
+// tile uses buffer k & 1 of the slot (barriers x_full / x_empty [2 slot + b]). Both the values sent and the half kept
+// are first re-laid out across the warp with shuffles, so that every lane holds four float4 groups (rr, s) of
+// four consecutive columns and a warp instruction covers four rows x 128 contiguous bytes of the accumulator (the
+// fast reduction pattern), with g = lane / 4, q = lane % 4, a = lane / 8, o = (lane / 4) & 1:
+//   group (rr, s): row 2 a + s + 8 rr, columns 16 o + 8 (q & 1) + 4 (q >> 1) .. + 3   (of the 32-column half)
+// Step 1 (lanes lane ^ 1): the n8 blocks' column pairs become 4 consecutive columns; lane (g, q) then holds, per
+// (rr, t), row g + 8 rr, columns 16 t + 8 (q & 1) + 4 (q >> 1). Step 2 (lanes lane ^ 4): the even-g lane of a pair of
+// rows swaps its t = 1 group for the odd-g lane's t = 0 group. The receiving lane reads exactly the 8 bytes of bf16
+// that the same lane of the peer wrote: buffer position (2 rr + s) * 256 + 8 lane (conflict-free, no swizzle).
+inline constexpr int kXbGroups = 4;  // (rr, t) float4 groups per lane
+__device__ __forceinline__ uint32_t xb_parity_of(int uses_per_tile, int tile, int k) {
+    return static_cast<uint32_t>(tile * uses_per_tile + (k >> 1)) & 1u;
+}
+
+// Sender side of chunk k (buffer b = k & 1): re-lays out both halves, packs the peer's half to bf16, waits until the
+// peer released its buffer b (tile-start permission, or its reduction of chunk k - 2), st.async's 8 bytes per lane.
+// Returns the kept half (f32, the layout above) in `kept`.
+__device__ __forceinline__ void pair_send_xb(const PairLink& l, const float (&acc)[kChunkRegs], uint32_t b,
+                                             uint32_t parity, float (&kept)[kXSlotVals]) {
+    const uint32_t lane = lane_id_volatile();
+    const bool hi = l.rank != 0;   // keeps n8 blocks 4..7, sends 0..3
+    const bool odd = (lane & 1u) != 0;
+    uint32_t word[kXbGroups][2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            const int g = 2 * rr + t;
+            // Accumulator indices of this thread's pairs in blocks 2t (A) and 2t + 1 (B) of each half.
+            const int lo_a = 4 * (2 * t) + 2 * rr, lo_b = 4 * (2 * t + 1) + 2 * rr;  // columns [0, 32)
+            const int hi_a = lo_a + 16, hi_b = lo_b + 16;                             // columns [32, 64)
+            // Kept half: even lanes keep their block-A pair and receive the partner's; odd lanes block B.
+            const float ka0 = hi ? acc[hi_a] : acc[lo_a], ka1 = hi ? acc[hi_a + 1] : acc[lo_a + 1];
+            const float kb0 = hi ? acc[hi_b] : acc[lo_b], kb1 = hi ? acc[hi_b + 1] : acc[lo_b + 1];
+            const float own0 = odd ? kb0 : ka0, own1 = odd ? kb1 : ka1;
+            const float r0 = __shfl_xor_sync(0xffffffffu, odd ? ka0 : kb0, 1);
+            const float r1 = __shfl_xor_sync(0xffffffffu, odd ? ka1 : kb1, 1);
+            kept[4 * g + 0] = odd ? r0 : own0;
+            kept[4 * g + 1] = odd ? r1 : own1;
+            kept[4 * g + 2] = odd ? own0 : r0;
+            kept[4 * g + 3] = odd ? own1 : r1;
+            // Peer's half, packed to bf16x2 first: one shuffle per pair.
+            const uint32_t pa = hi ? pack_bf16x2(acc[lo_a], acc[lo_a + 1]) : pack_bf16x2(acc[hi_a], acc[hi_a + 1]);
+            const uint32_t pb = hi ? pack_bf16x2(acc[lo_b], acc[lo_b + 1]) : pack_bf16x2(acc[hi_b], acc[hi_b + 1]);
+            const uint32_t pown = odd ? pb : pa;
+            const uint32_t pr = __shfl_xor_sync(0xffffffffu, odd ? pa : pb, 1);
+            word[g][0] = odd ? pr : pown;
+            word[g][1] = odd ? pown : pr;
+        }
+        // Step 2: even-g lanes swap their t = 1 group with the odd-g partner's t = 0 group.
+        const bool og = (lane & 4u) != 0;
+        const int g0 = 2 * rr, g1 = 2 * rr + 1;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const float r = __shfl_xor_sync(0xffffffffu, og ? kept[4 * g0 + c] : kept[4 * g1 + c], 4);
+            if (og) {
+                kept[4 * g0 + c] = r;
+            } else {
+                kept[4 * g1 + c] = r;
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const uint32_t r = __shfl_xor_sync(0xffffffffu, og ? word[g0][c] : word[g1][c], 4);
+            if (og) {
+                word[g0][c] = r;
+            } else {
+                word[g1][c] = r;
+            }
+        }
+    }
+    const uint32_t buf = l.slot + b * kXbBufBytes + 8 * lane;
+    const uint32_t peer_full = l.full + 8 * b + l.peer_delta;
+    mbarrier_wait_parity(l.empty + 8 * b, parity);
+#pragma unroll
+    for (int g = 0; g < kXbGroups; ++g) {
+        st_async_v2_b32(buf + g * 256 + l.peer_delta, word[g][0], word[g][1], peer_full);
+    }
+}
+
+// Receiver side of chunk k (buffer b): arms x_full[2 slot + b] for the peer's 1 KB, waits, adds the bf16 values to
+// the kept f32 half and reduces 4 rows x 128 bytes per warp instruction into columns [64 slab + 32 rank, + 32).
+// Then `release`: the peer may send chunk k + 2 into buffer b; `last` (the tile's last chunk): reports the drain
+// locally (`drained`, d_qk 576); the tile's last two chunks release nothing (the next tile's permission does).
+__device__ __forceinline__ void pair_reduce_xb(const SparseBwdParams& p, const PairLink& l,
+                                               const float (&kept)[kXSlotVals], const int32_t* ridx_warp, int slab,
+                                               uint32_t b, uint32_t parity, bool release, bool last,
+                                               uint64_t* drained) {
+    const uint32_t lane = lane_id_volatile();
+    const uint32_t full = l.full + 8 * b;
+    if (lane == 0) mbarrier_arrive_expect_tx(full, kXbBufBytes);
+    mbarrier_wait_parity(full, parity);
+    const uint32_t buf = l.slot + b * kXbBufBytes + 8 * lane;
+    uint2 w[kXbGroups];
+#pragma unroll
+    for (int g = 0; g < kXbGroups; ++g) w[g] = ld_shared_v2_u32(buf + g * 256);
+    const int64_t col = slab * kSw128ColsBf16 + kXSlotCols * static_cast<int>(l.rank) + 16 * ((lane >> 2) & 1u) +
+                        8 * (lane & 1u) + 4 * ((lane >> 1) & 1u);
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            const int g = 2 * rr + t;
+            const int r = ridx_warp[2 * (lane / 8) + t + 8 * rr];
+            float4 v;
+            v.x = kept[4 * g + 0] + bf16x2_lo(w[g].x);
+            v.y = kept[4 * g + 1] + bf16x2_hi(w[g].x);
+            v.z = kept[4 * g + 2] + bf16x2_lo(w[g].y);
+            v.w = kept[4 * g + 3] + bf16x2_hi(w[g].y);
+            if (r >= 0) red_add_v4_f32(p.dkv_acc + static_cast<int64_t>(r) * p.dkv_acc_stride + col, v);
+        }
+    }
+    __syncwarp();  // every lane's buffer reads done: their values fed the reductions (as in pair_reduce)
+    if (lane == 0) {
+        if (release) {
+            mbarrier_arrive_remote_relaxed(l.empty + 8 * b + l.peer_delta);
+        } else if (last && drained != nullptr) {
+            MBarrier::arrive(drained);
+        }
+    }
+}
+
 // Solo mode (one head group): reduces a 64 x 64 f32 chunk through this warp's slot, one 32-column half at a
 // time: the warp writes its 16 rows x 32 columns in fragment order, then reads them back in row order for
 // row-contiguous reductions (reduce_slot_rows). Only this warp touches the slot. After the tile's last chunk it
@@ -424,7 +551,7 @@ __device__ __forceinline__ void solo_reduce(const SparseBwdParams& p, uint32_t s
     if (last && drained != nullptr && lane == 0) MBarrier::arrive(drained);
 }
 
-template <int kDqk, int kCw, bool kDet, bool kPair>
+template <int kDqk, int kCw, bool kDet, bool kPair, bool kXBf16>
 __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
     constexpr int kDqSlab0 = kCw == 0 ? 0 : C::kDqSlabs0;
@@ -615,11 +742,15 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
 
         // ---- Pair mode: allow the peer to send this tile's first chunk into our slot. When the slots alias KV
         // slabs (d_qk 576) that needs both consumers' KV readers of this tile retired: kv_empty's phase i.
+        // bf16 exchange: both buffers of the slot (chunks 0 and 1).
         if constexpr (kPair) {
-            const PairLink l = pair_link(sm, kCw, warp);
+            const PairLink l = pair_link<kDqk, kXBf16>(sm, kCw, warp);
             if constexpr (C::kXbufInKv) MBarrier::wait(&sm.kv_empty, pos.full_parity);
             __syncwarp();
-            if (lane == 0) mbarrier_arrive_remote_relaxed(l.empty + l.peer_delta);
+            if (lane == 0) {
+                mbarrier_arrive_remote_relaxed(l.empty + l.peer_delta);
+                if constexpr (kXBf16) mbarrier_arrive_remote_relaxed(l.empty + 8 + l.peer_delta);
+            }
         }
 
         // ---- dKV chunks this consumer owns: dKV[:, slab s] = dS'^T Q[:, s] + P^T dO[:, s] (K = 64 heads; A is
@@ -658,7 +789,42 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
             wgmma_wait<0>();
             wgmma_fence_regs(acc);
         };
-        if constexpr (kPair) {
+        if constexpr (kPair && kXBf16) {
+            // As below, with the bf16 exchange: chunk k uses buffer k & 1; buffer b serves `uses` chunks per tile.
+            // Chunk k releases its buffer for chunk k + 2 of the same tile; the last two chunks release nothing.
+            static_assert(kChunks >= 2, "both buffers are used in every tile");
+            constexpr int kUses0 = (kChunks + 1) / 2;
+            constexpr int kUses1 = kChunks / 2;
+            float kept[kXSlotVals];
+            uint64_t* const drained = C::kXbufInKv ? &sm.x_drained : nullptr;
+            const int32_t* const ridx_warp = ridx + kXSlotRows * warp;
+            auto parity = [&](int k) { return xb_parity_of((k & 1) ? kUses1 : kUses0, i, k); };
+            auto reduce = [&](int k) {
+                pair_reduce_xb(p, pair_link<kDqk, true>(sm, kCw, warp), kept, ridx_warp, kFirstChunk + 2 * k,
+                               static_cast<uint32_t>(k & 1), parity(k), k + 2 < kChunks, k + 1 == kChunks, drained);
+            };
+            auto send = [&](int k) {
+                pair_send_xb(pair_link<kDqk, true>(sm, kCw, warp), acc, static_cast<uint32_t>(k & 1), parity(k),
+                             kept);
+            };
+            issue(std::true_type{}, kFirstChunk);
+            retire();
+            send(0);
+#pragma unroll 1
+            for (int k = 1; k < kVChunks; ++k) {
+                issue(std::true_type{}, kFirstChunk + 2 * k);
+                reduce(k - 1);
+                retire();
+                send(k);
+            }
+            if constexpr (kVChunks < kChunks) {
+                issue(std::false_type{}, kFirstChunk + 2 * kVChunks);
+                reduce(kVChunks - 1);
+                retire();
+                send(kVChunks);
+            }
+            reduce(kChunks - 1);
+        } else if constexpr (kPair) {
             // Software pipeline over the chunks: the exchange and reduction of chunk k - 1 run while the tensor
             // cores compute chunk k. Round n = i * kChunks + k of every slot barrier is chunk k of tile i.
             float kept[kXSlotVals];
@@ -758,13 +924,14 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
 // The kernel body (instantiated by sparse_bwd.cu per d_qk, f32 or fixed-point d_kv reduction, solo or pair mode).
 // `smem` is the dynamic shared memory. Pair mode must be launched as clusters of 2 CTAs along x with
 // num_head_groups == 2, so that cluster rank == head group.
-template <int kDqk, bool kDet, bool kPair>
+template <int kDqk, bool kDet, bool kPair, bool kXBf16 = false>
 __device__ __forceinline__ void sparse_bwd_main(const SparseBwdParams& p, uint8_t* smem) {
     using Plan = SmemPlan<kDqk>;
     using C = Config<kDqk>;
     // Uniform over a cluster: the grid is exactly s_q * num_head_groups and a cluster is one token.
     if (static_cast<int64_t>(blockIdx.x) >= static_cast<int64_t>(p.s_q) * p.num_head_groups) return;
     if (kPair && p.num_head_groups != kPairCtas) __trap();  // launched for the wrong head count
+    static_assert(!kXBf16 || (kPair && !kDet), "the bf16 exchange is a pair-mode, f32-reduction variant");
 
     // Round the plan's base up to 1024 bytes (SW128 operand tiles); the launch requested the slack.
     const uint32_t raw = smem_addr(smem);
@@ -780,7 +947,7 @@ __device__ __forceinline__ void sparse_bwd_main(const SparseBwdParams& p, uint8_
         MBarrier::init(&sm.x_drained, kXSlots);  // every consumer warp once per tile
         if constexpr (kPair) {
 #pragma unroll
-            for (int s = 0; s < kXSlots; ++s) {
+            for (int s = 0; s < kXbBufs * kXSlots; ++s) {
                 MBarrier::init(&sm.x_full[s], 1);   // the warp's arrive_expect_tx (+ the peer's bytes)
                 MBarrier::init(&sm.x_empty[s], 1);  // the peer's warp, remotely
             }
@@ -802,9 +969,9 @@ __device__ __forceinline__ void sparse_bwd_main(const SparseBwdParams& p, uint8_
     } else {
         setmaxnreg_inc<kConsumerRegs>();
         if (wg == 1) {
-            consumer<kDqk, 0, kDet, kPair>(p, sm, w);
+            consumer<kDqk, 0, kDet, kPair, kXBf16>(p, sm, w);
         } else {
-            consumer<kDqk, 1, kDet, kPair>(p, sm, w);
+            consumer<kDqk, 1, kDet, kPair, kXBf16>(p, sm, w);
         }
     }
     // Pair mode: neither CTA may exit while the other could still touch its shared memory.

@@ -6,6 +6,8 @@
 //                                shared memory; the two head groups of a token reduce dKV together on chip
 //   sparse_bwd_main[_pair]_d512  the same for d_qk 512 (kSmemBytes<512>)
 //   sparse_bwd_main[_pair]_det_d* deterministic variants: d_kv reduced as int64 fixed point (kFlagFixedPoint)
+//   sparse_bwd_main_pair_xb_d*   pair mode exchanging the peer's half as bf16 (bf16 d_kv, not deterministic, not
+//                                accumulating: the d_kv rounding to bf16 dominates the extra rounding)
 //   sparse_bwd_finalize          grid-stride over s_kv * d_qk / 8 chunks, kSmallThreads    (only with a workspace)
 //   sparse_bwd_sink_grad         grid (h_q), kSmallThreads                                 (only with attn_sink)
 #include "sm90/sparse_bwd/aux.cuh"
@@ -15,20 +17,22 @@ using flashmla::sparse_bwd::kSmallThreads;
 using flashmla::sparse_bwd::kThreads;
 using flashmla::sparse_bwd::SparseBwdParams;
 
-#define FLASHMLA_SPARSE_BWD_MAIN(NAME, DQK, DET, PAIR)                                                     \
-    extern "C" __global__ void __launch_bounds__(kThreads, 1) NAME(const __grid_constant__ SparseBwdParams p) { \
-        extern __shared__ __align__(1024) uint8_t smem[];                                                      \
-        flashmla::sparse_bwd::sparse_bwd_main<DQK, DET, PAIR>(p, smem);                                        \
+#define FLASHMLA_SPARSE_BWD_MAIN(NAME, DQK, DET, PAIR, XBF16)                                                          \
+    extern "C" __global__ void __launch_bounds__(kThreads, 1) NAME(const __grid_constant__ SparseBwdParams p) {        \
+        extern __shared__ __align__(1024) uint8_t smem[];                                                              \
+        flashmla::sparse_bwd::sparse_bwd_main<DQK, DET, PAIR, XBF16>(p, smem);                                         \
     }
 
-FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_d576, 576, false, false)
-FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_d512, 512, false, false)
-FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_det_d576, 576, true, false)
-FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_det_d512, 512, true, false)
-FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_pair_d576, 576, false, true)
-FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_pair_d512, 512, false, true)
-FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_pair_det_d576, 576, true, true)
-FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_pair_det_d512, 512, true, true)
+FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_d576, 576, false, false, false)
+FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_d512, 512, false, false, false)
+FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_det_d576, 576, true, false, false)
+FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_det_d512, 512, true, false, false)
+FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_pair_d576, 576, false, true, false)
+FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_pair_d512, 512, false, true, false)
+FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_pair_det_d576, 576, true, true, false)
+FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_pair_det_d512, 512, true, true, false)
+FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_pair_xb_d576, 576, false, true, true)
+FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_pair_xb_d512, 512, false, true, true)
 
 extern "C" __global__ void __launch_bounds__(kSmallThreads) sparse_bwd_delta(const __grid_constant__ SparseBwdParams p) {
     flashmla::sparse_bwd::delta_prepass(p);

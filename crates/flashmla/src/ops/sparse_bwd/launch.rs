@@ -10,7 +10,8 @@
 //!    64 heads): writes `d_q` once and adds each tile's `d_kv` rows into the accumulator with vector
 //!    reductions. With two head groups (`64 < h_q <= 128`) the `_pair` kernel runs the two groups of
 //!    a token as a 2-CTA cluster that sums their `d_kv` partials through distributed shared memory
-//!    first, so each (token, selected row) is added once;
+//!    first, so each (token, selected row) is added once (`_pair_xb`: the partials travel as bf16,
+//!    used when `d_kv` is bf16, not deterministic and not accumulated into);
 //! 4. `sparse_bwd_finalize`: accumulator -> `d_kv` (bf16 cast, or f32 copy/add), only when the
 //!    accumulator is the workspace;
 //! 5. `sparse_bwd_sink_grad`: `d_attn_sink`, deterministic, only with `attn_sink`.
@@ -271,21 +272,27 @@ pub fn workspace_shape(dims: &SparseBwdDims, options: &SparseBwdOptions) -> [usi
 }
 
 /// Main kernel symbol and dynamic shared memory for a `d_qk` (f32 or fixed-point reduction; `pair`:
-/// the 2-CTA cluster kernel for two head groups).
+/// the 2-CTA cluster kernel for two head groups; `bf16_exchange`: its variant that passes the
+/// peer's half of each `d_kv` chunk as bf16, used only for pair mode, f32 reduction, when
+/// `d_kv` itself is bf16 and not accumulated into).
 pub fn main_kernel_for(
     d_qk: usize,
     deterministic: bool,
     pair: bool,
+    bf16_exchange: bool,
 ) -> Result<(&'static str, u32)> {
-    let name = match (d_qk, deterministic, pair) {
-        (576, false, false) => "sparse_bwd_main_d576",
-        (512, false, false) => "sparse_bwd_main_d512",
-        (576, true, false) => "sparse_bwd_main_det_d576",
-        (512, true, false) => "sparse_bwd_main_det_d512",
-        (576, false, true) => "sparse_bwd_main_pair_d576",
-        (512, false, true) => "sparse_bwd_main_pair_d512",
-        (576, true, true) => "sparse_bwd_main_pair_det_d576",
-        (512, true, true) => "sparse_bwd_main_pair_det_d512",
+    let xb = bf16_exchange && pair && !deterministic;
+    let name = match (d_qk, deterministic, pair, xb) {
+        (576, false, false, _) => "sparse_bwd_main_d576",
+        (512, false, false, _) => "sparse_bwd_main_d512",
+        (576, true, false, _) => "sparse_bwd_main_det_d576",
+        (512, true, false, _) => "sparse_bwd_main_det_d512",
+        (576, false, true, false) => "sparse_bwd_main_pair_d576",
+        (512, false, true, false) => "sparse_bwd_main_pair_d512",
+        (576, false, true, true) => "sparse_bwd_main_pair_xb_d576",
+        (512, false, true, true) => "sparse_bwd_main_pair_xb_d512",
+        (576, true, true, _) => "sparse_bwd_main_pair_det_d576",
+        (512, true, true, _) => "sparse_bwd_main_pair_det_d512",
         _ => {
             return Err(Error::unsupported(
                 format!("sparse_bwd kernel for d_qk = {d_qk}"),
@@ -326,7 +333,10 @@ pub fn lower(
 ) -> Result<SparseBwdPlan> {
     let f = &dims.fwd;
     let pair = f.h_q.div_ceil(HEADS_PER_CTA) == PAIR_CTAS as usize;
-    let (main_kernel, smem) = main_kernel_for(f.d_qk, options.deterministic, pair)?;
+    // The bf16 exchange rounds half of each 64-head partial to bf16 once; only where d_kv is itself
+    // rounded to bf16 (and not accumulated into, nor bitwise reproducible).
+    let bf16_exchange = dims.d_kv_dtype == DType::Bf16 && !options.accumulate_d_kv;
+    let (main_kernel, smem) = main_kernel_for(f.d_qk, options.deterministic, pair, bf16_exchange)?;
     if f.h_q > MAX_HEADS {
         return Err(Error::unsupported(
             format!("sparse_bwd on the GPU with h_q = {}", f.h_q),
@@ -748,7 +758,7 @@ mod tests {
         assert_eq!(p.accumulator, Accumulator::Workspace);
         assert!(p.needs_workspace());
         let main = launch_of(&p, Main);
-        assert_eq!(main.kernel, "sparse_bwd_main_pair_d576");
+        assert_eq!(main.kernel, "sparse_bwd_main_pair_xb_d576");
         assert_eq!(main.cfg.grid, (8192, 1, 1));
         assert_eq!(main.cfg.block, (384, 1, 1));
         assert_eq!(main.cfg.shared_mem_bytes, SMEM_BYTES_D576);
@@ -896,6 +906,22 @@ mod tests {
     }
 
     #[test]
+    fn the_bf16_exchange_serves_only_a_bf16_d_kv_without_determinism() {
+        let bf16 = case(8, 128, 576, 10, 64, DType::Bf16);
+        let f32 = case(8, 128, 576, 10, 64, DType::F32);
+        let det = SparseBwdOptions {
+            deterministic: true,
+            ..Default::default()
+        };
+        let kernel =
+            |c: &Case, o: &SparseBwdOptions| launch_of(&plan(c, o).unwrap(), Stage::Main).kernel;
+        let default = SparseBwdOptions::default();
+        assert_eq!(kernel(&bf16, &default), "sparse_bwd_main_pair_xb_d576");
+        assert_eq!(kernel(&f32, &default), "sparse_bwd_main_pair_d576");
+        assert_eq!(kernel(&bf16, &det), "sparse_bwd_main_pair_det_d576");
+    }
+
+    #[test]
     fn bf16_d_kv_cannot_accumulate() {
         let c = case(8, 64, 576, 10, 64, DType::Bf16);
         let acc = SparseBwdOptions {
@@ -912,7 +938,7 @@ mod tests {
             let p = plan(&c, &SparseBwdOptions::default()).unwrap();
             let main = launch_of(&p, Stage::Main);
             let want = if groups == 2 {
-                "sparse_bwd_main_pair_d512"
+                "sparse_bwd_main_pair_xb_d512"
             } else {
                 "sparse_bwd_main_d512"
             };
