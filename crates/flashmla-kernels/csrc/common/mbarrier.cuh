@@ -37,6 +37,13 @@ struct MBarrier {
         asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
     }
 
+    // The same tracking with .noinc: the pending count is not raised, so the asynchronous arrival triggered when
+    // this thread's earlier cp.async copies have landed is one of the barrier's expected arrivals (init the
+    // barrier with the number of threads that do this, and do not `arrive` on it as well).
+    static __device__ __forceinline__ void arrive_on_cp_async_noinc(uint64_t* bar) {
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+    }
+
     // Non-blocking probe: true when the phase with parity `parity` has completed (acquire at CTA scope).
     static __device__ __forceinline__ bool try_wait(uint64_t* bar, uint32_t parity) {
         uint32_t done;

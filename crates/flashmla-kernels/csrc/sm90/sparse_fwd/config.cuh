@@ -114,8 +114,8 @@ struct SmemPlan {
     alignas(kSw128AtomBytes) uint8_t p[kStages][C::kPBytes];
     float row_scale[kStages][kHeadsPerCta];
     float row_inv[kHeadsPerCta];
-    uint64_t q_full;                        // producer -> consumers: Q landed (128 arrivals + cp.async)
-    uint64_t kv_full[kStages][kMaxGroups];  // producer -> consumers: a column group landed (128 + cp.async)
+    uint64_t q_full;                        // producer -> consumers: Q landed (128 cp.async-tracked arrivals)
+    uint64_t kv_full[kStages][kMaxGroups];  // producer -> consumers: a column group landed (same, 128)
     uint64_t kv_empty[kStages][kMaxGroups]; // consumers -> producer: a column group released (one per warp)
 };
 

@@ -5,7 +5,8 @@
 //   Producer: loads Q columns 0..511 once, then gathers the token's selected KV rows, 64 per tile, into a 2-stage
 //             ring with cp.async (16-byte chunks placed straight into the 128B-swizzled layout; invalid rows are
 //             zero-filled without being read). Each stage is filled and released per column group (rope, left,
-//             right), completing on mbarriers.
+//             right), completing on mbarriers. The right group's lines are prefetched into L2 about a tile before
+//             their gather (its refill window is the shortest).
 //   Score:    per tile, S = Q K^T (wgmma 64x64, K = d_qk; the rope columns of Q come from registers), masks
 //             invalid rows to -inf (validity derived from the indices themselves), online softmax, publishes bf16
 //             P and the row scales, and accumulates O[:, 0:256] += P V with P from registers.
@@ -93,8 +94,10 @@ __device__ __forceinline__ void load_tile_indices(const int32_t* idx_row, int ti
     }
 }
 
-// Copies the slabs of column group `kGroup` of the thread's 4 rows into a stage and arrives on its full barrier
-// (which completes once all 128 threads arrived and every copy issued so far has landed).
+// Copies the slabs of column group `kGroup` of the thread's 4 rows into a stage. The thread's one arrival on the
+// group's full barrier (expected count 128) is triggered by the hardware once every copy it issued so far has
+// landed (cp.async.mbarrier.arrive.noinc), so the phase completes exactly when all 128 threads' copies are in
+// shared memory; the producer makes no ordinary shared-memory stores, so it needs no arrive of its own.
 template <int kDqk, int kGroup>
 __device__ __forceinline__ void gather_group(SmemPlan<kDqk>& sm, const Ring& pos, uint32_t stage_base,
                                              const uint16_t* const (&src)[kPassesPerTile],
@@ -110,8 +113,7 @@ __device__ __forceinline__ void gather_group(SmemPlan<kDqk>& sm, const Ring& pos
                               src[k] + slab * kSw128ColsBf16, ok[k]);
         }
     }
-    MBarrier::arrive_on_cp_async(&sm.kv_full[pos.stage][kGroup]);
-    MBarrier::arrive(&sm.kv_full[pos.stage][kGroup]);
+    MBarrier::arrive_on_cp_async_noinc(&sm.kv_full[pos.stage][kGroup]);
 }
 
 template <int kDqk>
@@ -144,8 +146,7 @@ __device__ __forceinline__ void producer(const SparseFwdParams& p, SmemPlan<kDqk
                                   src + slab * kSw128ColsBf16, ok);
             }
         }
-        MBarrier::arrive_on_cp_async(&sm.q_full);
-        MBarrier::arrive(&sm.q_full);
+        MBarrier::arrive_on_cp_async_noinc(&sm.q_full);  // as for kv_full (gather_group)
     }
 
     // KV tiles, one column group at a time in the order the groups are released (rope right after QK, left after
@@ -164,6 +165,15 @@ __device__ __forceinline__ void producer(const SparseFwdParams& p, SmemPlan<kDqk
             ok[k] = index_valid(idx_next[k], p.s_kv);
             const uint16_t* row = ok[k] ? p.kv + static_cast<int64_t>(idx_next[k]) * p.kv_stride_t : dummy_src;
             src[k] = row + chunk_elems;
+            // L2 prefetch of the right column group of tile i. That group can only be gathered after the value
+            // warpgroup released it (PV(i - 2)), ~1200 tensor-core cycles before QK(i) reads it, which does not
+            // cover a DRAM miss; this point follows the gather of tile i - 1, about one tile earlier. Only the right
+            // group: the rope and left lines of tile i are gathered right after this, and prefetching lines that
+            // are about to be read measured slower (docs/perf-log.md). Tiles 0 and 1 are gathered at once anyway.
+            // Thread chunk c < 4 takes the line of slab 4 + c of each of its rows; valid rows only.
+            if (i >= kStages && ok[k] && chunk < kSlabsPerHalf) {
+                prefetch_l2(row + (kSlabsPerHalf + chunk) * kSw128ColsBf16);
+            }
         }
         if (i + 1 < w.n_tiles) load_tile_indices(idx_row, i + 1, w.topk_eff, row_in_pass, idx_next);
 
