@@ -16,4 +16,6 @@ fn main() {
     println!("cargo:rustc-env=FLASHMLA_GIT_COMMIT={commit}{suffix}");
     println!("cargo:rerun-if-changed=../../.git/HEAD");
     println!("cargo:rerun-if-changed=../../.git/index");
+    // A commit moves the branch, not HEAD (which names the branch).
+    println!("cargo:rerun-if-changed=../../.git/refs/heads");
 }
