@@ -63,7 +63,10 @@ inline constexpr int kRowsPerPass = kWarpgroupThreads / kThreadsPerRow;  // 16
 inline constexpr int kPassesPerTile = kTileRows / kRowsPerPass;          // 4
 static_assert(kHeadsPerCta == kTileRows, "Q/dO and KV tiles share the gather geometry");
 
-// Named barriers among the 256 consumer threads (id 0 is __syncthreads, used only before the role split).
+// Named barriers among the 256 consumer threads (id 0 is __syncthreads, used only before the role split). The two
+// consumers are different instantiations of `consumer<..., kCw, ...>`, so each barrier is reached from two static
+// code paths: hence the unaligned barrier.sync (named_barrier_sync_unaligned; the aligned bar.sync is what
+// compute-sanitizer synccheck reported as divergent).
 enum class Bar : uint32_t {
     DsReady = 1,       // consumer 1 stored the bf16 dS tile (fenced for the async proxy)
     PdsFree = 2,       // both consumers finished the dKV products of the previous tile (P, dS tiles reusable)

@@ -653,7 +653,7 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
             return (frag_base0 + rr * 8 * kSw128RowBytes) ^ (static_cast<uint32_t>(j) << 4);
         };
         uint32_t pa[kSteps][4];  // consumer 1: dS' as register A fragments of dQ
-        if (i > 0) named_barrier_sync(Bar::PdsFree, kConsumerThreads);  // both consumers' dKV(i - 1) retired
+        if (i > 0) named_barrier_sync_unaligned(Bar::PdsFree, kConsumerThreads);  // both consumers' dKV(i - 1) retired
         if constexpr (kCw == 0) {
 #pragma unroll
             for (int j = 0; j < kSdBlocks; ++j) {
@@ -672,9 +672,9 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
                 }
             }
             fence_proxy_async_shared();  // P: generic stores -> dKV's wgmma reads (async proxy)
-            named_barrier_sync(Bar::PReady, kConsumerThreads);
+            named_barrier_sync_unaligned(Bar::PReady, kConsumerThreads);
         } else {
-            named_barrier_sync(Bar::PReady, kConsumerThreads);
+            named_barrier_sync_unaligned(Bar::PReady, kConsumerThreads);
             uint32_t ds_pk[kSdBlocks][2];
 #pragma unroll
             for (int j = 0; j < kSdBlocks; ++j) {
@@ -701,7 +701,7 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
             }
             fence_proxy_async_shared();  // dS': generic stores -> dQ / dKV wgmma reads (async proxy)
         }
-        named_barrier_sync(Bar::DsReady, kConsumerThreads);
+        named_barrier_sync_unaligned(Bar::DsReady, kConsumerThreads);
 
         // ---- dQ[:, own slabs] += dS' K over all 64 tile rows: consumer 1 from its registers, consumer 0 from the
         // dS tile (K-major A, +32 bytes per 16-row k-step). K read MN-major (LBO = next slab).
@@ -874,7 +874,7 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
 
     // ---- Epilogue: dQ (sm_scale already folded into dS') -> bf16 tile in the Q region, row-major with the chunk
     // swizzle chunk ^ (row % 8) (conflict-free fragment writes and row-chunk reads), then 16-byte stores.
-    named_barrier_sync(Bar::MmaDone, kConsumerThreads);  // every wgmma read of Q (dKV) of both consumers retired
+    named_barrier_sync_unaligned(Bar::MmaDone, kConsumerThreads);  // every wgmma read of Q (dKV) of both consumers retired
 #pragma unroll
     for (int j = 0; j < 128 / 4; ++j) {
         const int col = kDqSlab0 * kSw128ColsBf16 + f.col(j);
@@ -897,7 +897,7 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
             }
         }
     }
-    named_barrier_sync(Bar::StagingReady, kConsumerThreads);
+    named_barrier_sync_unaligned(Bar::StagingReady, kConsumerThreads);
 
     const int ct = static_cast<int>(threadIdx.x) - kWarpgroupThreads;  // 0..255 over both consumers
     const bool vec16 = (p.flags & kFlagDqVec16) != 0;
