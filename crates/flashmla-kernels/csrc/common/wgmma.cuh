@@ -84,9 +84,12 @@ __device__ __forceinline__ void wgmma_m64n32k16_ss_kk(float (&d)[16], uint64_t d
         : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
 }
 
-// D[64x64] (+)= A[64x16] B[64x16]^T; A and B K-major in shared memory (descriptors).
-__device__ __forceinline__ void wgmma_m64n64k16_ss_kk(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
-                                                      bool accumulate) {
+// D[64x64] (+)= A[64x16] B[16x64], both operands in shared memory (descriptors). kMnA / kMnB select each operand's
+// major-ness (the instruction's transpose immediates): 0 = K-major (B then stored as [64 N][16 K], i.e. B^T), 1 =
+// MN-major (M / N contiguous).
+template <int kMnA, int kMnB>
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+    static_assert((kMnA == 0 || kMnA == 1) && (kMnB == 0 || kMnB == 1), "transpose immediates are 0 or 1");
     asm volatile(
         "{\n"
         ".reg .pred p;\n"
@@ -94,19 +97,21 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss_kk(float (&d)[32], uint64_t d
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, p, 1, 1, 0, 0;\n"
+        "}, %32, %33, p, 1, 1, %35, %36;\n"
         "}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kMnA), "n"(kMnB));
 }
 
-// D[64x64] (+)= A[64x16] B[64x16]^T; A in registers (fragment layout: smem_layout.cuh), B K-major in shared
-// memory.
-__device__ __forceinline__ void wgmma_m64n64k16_rs_kk(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
-                                                      bool accumulate) {
+// D[64x64] (+)= A[64x16] B[16x64]; A in registers (fragment layout: smem_layout.cuh), B in shared memory, K-major
+// (kMnB = 0) or MN-major (kMnB = 1).
+template <int kMnB>
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
+                                                   bool accumulate) {
+    static_assert(kMnB == 0 || kMnB == 1, "transpose immediate is 0 or 1");
     asm volatile(
         "{\n"
         ".reg .pred p;\n"
@@ -114,13 +119,30 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs_kk(float (&d)[32], const uint
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"
         "}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kMnB));
+}
+
+// The forms the kernels issue, by operand major-ness (k = K-major, mn = MN-major; A first).
+__device__ __forceinline__ void wgmma_m64n64k16_ss_kk(float (&d)[32], uint64_t a, uint64_t b, bool acc) {
+    wgmma_m64n64k16_ss<0, 0>(d, a, b, acc);
+}
+__device__ __forceinline__ void wgmma_m64n64k16_ss_kmn(float (&d)[32], uint64_t a, uint64_t b, bool acc) {
+    wgmma_m64n64k16_ss<0, 1>(d, a, b, acc);
+}
+__device__ __forceinline__ void wgmma_m64n64k16_ss_mnmn(float (&d)[32], uint64_t a, uint64_t b, bool acc) {
+    wgmma_m64n64k16_ss<1, 1>(d, a, b, acc);
+}
+__device__ __forceinline__ void wgmma_m64n64k16_rs_kk(float (&d)[32], const uint32_t (&a)[4], uint64_t b, bool acc) {
+    wgmma_m64n64k16_rs<0>(d, a, b, acc);
+}
+__device__ __forceinline__ void wgmma_m64n64k16_rs_mn(float (&d)[32], const uint32_t (&a)[4], uint64_t b, bool acc) {
+    wgmma_m64n64k16_rs<1>(d, a, b, acc);
 }
 
 // D[64x256] (+)= A[64x16] B[16x256]; A K-major in shared memory, B MN-major (N contiguous) in shared memory.

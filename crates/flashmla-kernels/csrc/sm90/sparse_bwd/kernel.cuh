@@ -33,6 +33,7 @@
 
 #include "common/cluster.cuh"
 #include "common/cp_async.cuh"
+#include "common/cta_work.cuh"
 #include "common/cp_async_group.cuh"
 #include "common/mbarrier.cuh"
 #include "common/pipeline.cuh"
@@ -41,7 +42,6 @@
 #include "common/smem_layout.cuh"
 #include "common/vec_access.cuh"
 #include "common/wgmma.cuh"
-#include "common/wgmma_m64n64.cuh"
 #include "sm90/sparse_bwd/config.cuh"
 #include "sm90/sparse_bwd/params.h"
 
@@ -54,29 +54,6 @@ inline constexpr float kInf = __builtin_huge_valf();
 // release of tile i - 1 (parity of a fresh barrier's "previous phase" on i = 0).
 using Ring = RingPos<1>;
 
-// What one CTA works on; identical in every thread.
-struct CtaWork {
-    int token;     // query token t
-    int head0;     // first head of the group
-    int heads;     // heads of the group that exist (1..64); rows >= heads are zero padding
-    int topk_eff;  // entries of the index row that take part: min(max(topk_length[t], 0), topk) or topk
-    int n_tiles;   // ceil(topk_eff / 64)
-};
-
-__device__ __forceinline__ CtaWork cta_work(const SparseBwdParams& p) {
-    CtaWork w;
-    const int group = static_cast<int>(blockIdx.x) % p.num_head_groups;
-    w.token = static_cast<int>(blockIdx.x) / p.num_head_groups;
-    w.head0 = group * kHeadsPerCta;
-    w.heads = min(kHeadsPerCta, p.h_q - w.head0);
-    w.topk_eff = p.topk;
-    if (p.topk_length != nullptr) {
-        const int len = __ldg(p.topk_length + static_cast<int64_t>(w.token) * p.topk_length_stride);
-        w.topk_eff = min(max(len, 0), p.topk);
-    }
-    w.n_tiles = (w.topk_eff + kTileRows - 1) / kTileRows;
-    return w;
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Producer warpgroup. Thread t copies 16-byte chunk (t % 8) of one 128-byte slab row; the 16 row groups (t / 8)
@@ -961,7 +938,7 @@ __device__ __forceinline__ void sparse_bwd_main(const SparseBwdParams& p, uint8_
         __syncthreads();
     }
 
-    const CtaWork w = cta_work(p);
+    const CtaWork w = cta_work<kHeadsPerCta, kTileRows>(p);
     const int wg = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
     if (wg == 0) {
         setmaxnreg_dec<kProducerRegs>();

@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "common/cp_async.cuh"
+#include "common/cta_work.cuh"
 #include "common/mbarrier.cuh"
 #include "common/pipeline.cuh"
 #include "common/smem_layout.cuh"
@@ -39,29 +40,6 @@ inline constexpr uint32_t kFullMask = 0xffffffffu;
 
 using Ring = RingPos<kStages>;
 
-// What one CTA works on; identical in every thread.
-struct CtaWork {
-    int token;     // query token t
-    int head0;     // first head of the group
-    int heads;     // heads of the group that exist (1..64); rows >= heads are zero padding
-    int topk_eff;  // entries of the index row that take part: min(max(topk_length[t], 0), topk) or topk
-    int n_tiles;   // ceil(topk_eff / 64)
-};
-
-__device__ __forceinline__ CtaWork cta_work(const SparseFwdParams& p) {
-    CtaWork w;
-    const int group = static_cast<int>(blockIdx.x) % p.num_head_groups;
-    w.token = static_cast<int>(blockIdx.x) / p.num_head_groups;
-    w.head0 = group * kHeadsPerCta;
-    w.heads = min(kHeadsPerCta, p.h_q - w.head0);
-    w.topk_eff = p.topk;
-    if (p.topk_length != nullptr) {
-        const int len = __ldg(p.topk_length + static_cast<int64_t>(w.token) * p.topk_length_stride);
-        w.topk_eff = min(max(len, 0), p.topk);
-    }
-    w.n_tiles = (w.topk_eff + kTileRows - 1) / kTileRows;
-    return w;
-}
 
 // Index entry `j` of the token's row, or -1 (invalid) at and past topk_eff, which is never read.
 __device__ __forceinline__ int load_index(const int32_t* idx_row, int j, int topk_eff) {
@@ -644,7 +622,7 @@ __device__ __forceinline__ void sparse_fwd(const SparseFwdParams& p, uint8_t* sm
     }
     __syncthreads();
 
-    const CtaWork w = cta_work(p);
+    const CtaWork w = cta_work<kHeadsPerCta, kTileRows>(p);
     const Role role = static_cast<Role>(threadIdx.x / kWarpgroupThreads);
     if (role == Role::Producer) {
         setmaxnreg_dec<kProducerRegs>();
