@@ -865,7 +865,14 @@ fn bwd_operand_rounding_bounds_bf16_operands_and_still_catches_a_dropped_entry()
     let (mut d_q, mut d_kv) = (vec![0f64; exact.d_q.len()], vec![0f64; exact.d_kv.len()]);
     let scale = v.sm_scale as f64;
     let len = v.topk_length.as_ref().unwrap();
-    let mut largest = (0.0f64, 0usize, 0usize, 0usize); // (|P|, t, h, row) of the largest probability
+    // The largest probability, its KV row and its contribution to that row of d_kv.
+    let mut largest = (0.0f64, 0usize, Vec::new());
+    let dot = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| *x as f64 * *y as f64)
+            .sum::<f64>()
+    };
     for (t, &len_t) in len.iter().enumerate() {
         for j in 0..(len_t.max(0) as usize).min(topk) {
             let Ok(r) = usize::try_from(v.indices[t * topk + j]) else {
@@ -880,22 +887,20 @@ fn bwd_operand_rounding_bounds_bf16_operands_and_still_catches_a_dropped_entry()
                 let q = &v.q[th * d_qk..(th + 1) * d_qk];
                 let g = &d_out[th * 512..(th + 1) * 512];
                 let o = &out[th * 512..(th + 1) * 512];
-                let dot = |a: &[f32], b: &[f32]| {
-                    a.iter()
-                        .zip(b)
-                        .map(|(x, y)| *x as f64 * *y as f64)
-                        .sum::<f64>()
-                };
                 let p = (scale * dot(q, k) - lse[th] as f64).exp();
                 let ds = scale * p * (dot(g, &k[..512]) - dot(g, o));
                 let (pb, dsb) = (bf(p), bf(ds));
+                let contrib: Vec<f64> = (0..d_qk)
+                    .map(|col| {
+                        dsb * q[col] as f64 + if col < 512 { pb * g[col] as f64 } else { 0.0 }
+                    })
+                    .collect();
                 for col in 0..d_qk {
                     d_q[th * d_qk + col] += dsb * k[col] as f64;
-                    d_kv[r * d_qk + col] +=
-                        dsb * q[col] as f64 + if col < 512 { pb * g[col] as f64 } else { 0.0 };
+                    d_kv[r * d_qk + col] += contrib[col];
                 }
                 if p > largest.0 {
-                    largest = (p, t, h, r);
+                    largest = (p, r, contrib);
                 }
             }
         }
@@ -929,27 +934,10 @@ fn bwd_operand_rounding_bounds_bf16_operands_and_still_catches_a_dropped_entry()
         .check(&BWD_GRAD)
         .unwrap();
     // ...and dropping the contribution of one (token, head) entry to its row is caught.
-    let (_, t, h, r) = largest;
-    let th = t * h_q + h;
-    let q = &v.q[th * d_qk..(th + 1) * d_qk];
-    let g = &d_out[th * 512..(th + 1) * 512];
-    let k = &v.kv[r * d_qk..(r + 1) * d_qk];
-    let dot = |a: &[f32], b: &[f32]| {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| *x as f64 * *y as f64)
-            .sum::<f64>()
-    };
-    let p = (scale * dot(q, k) - lse[th] as f64).exp();
-    let ds = scale * p * (dot(g, &k[..512]) - dot(g, &out[th * 512..(th + 1) * 512]));
+    let (_, r, contrib) = largest;
     let mut dropped = d_kv.clone();
-    for col in 0..d_qk {
-        dropped[r * d_qk + col] -= bf(ds) * q[col] as f64
-            + if col < 512 {
-                bf(p) * g[col] as f64
-            } else {
-                0.0
-            };
+    for (x, c) in dropped[r * d_qk..(r + 1) * d_qk].iter_mut().zip(&contrib) {
+        *x -= c;
     }
     assert!(
         compare_with_allowance(&f32s(&dropped), &exact.d_kv, &bound.d_kv)

@@ -68,10 +68,30 @@ pub fn check(
     want: &[f64],
     tol: &flashmla::reference::compare::Tolerance,
 ) -> (String, Result<String, String>) {
-    let c = flashmla::reference::compare::compare(got, want);
+    check_net(name, got, want, tol, None)
+}
+
+/// [`check`], judging each element's error net of `allowance` when one is given (a per-element bound on an
+/// error the kernel makes by design; see `reference::compare::compare_with_allowance`).
+pub fn check_net(
+    name: &str,
+    got: &[f32],
+    want: &[f64],
+    tol: &flashmla::reference::compare::Tolerance,
+    allowance: Option<&[f64]>,
+) -> (String, Result<String, String>) {
+    use flashmla::reference::compare::{compare, compare_with_allowance};
+    let c = match allowance {
+        Some(a) => compare_with_allowance(got, want, a),
+        None => compare(got, want),
+    };
     let r = c.check(tol).map(|()| {
+        let net = match allowance {
+            Some(_) => format!(" (net of the allowance {:.2e})", c.max_net_abs_err),
+            None => String::new(),
+        };
         format!(
-            "max_abs {:.2e} max_rel {:.2e} cos {:.1e}",
+            "max_abs {:.2e}{net} max_rel {:.2e} cos {:.1e}",
             c.max_abs_err, c.max_rel_err, c.cos_diff
         )
     });

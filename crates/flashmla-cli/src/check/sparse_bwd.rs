@@ -3,12 +3,12 @@
 //! GPU backward and the reference both consume. Every case also checks that `d_kv` rows no valid index
 //! references are exactly zero, and gradients are poisoned before the run.
 
-use super::{check, Case, Outcome, GRID_PAIRS};
+use super::{check, check_net, Case, Outcome, GRID_PAIRS};
 use crate::device_ops::SparseBwdOnGpu;
 use flashmla::cuda::Gpu;
 use flashmla::ops::sparse_bwd::SparseBwdOptions;
 use flashmla::ops::sparse_fwd::D_V;
-use flashmla::reference::compare::{compare_with_allowance, BWD_GRAD};
+use flashmla::reference::compare::BWD_GRAD;
 use flashmla::reference::sparse_bwd::{
     sparse_bwd, sparse_bwd_operand_rounding, SparseBwdProblem, SparseBwdResult,
 };
@@ -64,26 +64,6 @@ fn widen(r: SparseBwdResult<f32>) -> SparseBwdResult<f64> {
     }
 }
 
-/// [`check`] with [`BWD_GRAD`], net of a per-element allowance when one is given.
-fn check_grad(
-    name: &str,
-    got: &[f32],
-    want: &[f64],
-    allowance: Option<&[f64]>,
-) -> (String, Result<String, String>) {
-    let Some(allowance) = allowance else {
-        return check(name, got, want, &BWD_GRAD);
-    };
-    let c = compare_with_allowance(got, want, allowance);
-    let r = c.check(&BWD_GRAD).map(|()| {
-        format!(
-            "max_abs {:.2e} (net of operand rounding {:.2e}) max_rel {:.2e} cos {:.1e}",
-            c.max_abs_err, c.max_net_abs_err, c.max_rel_err, c.cos_diff
-        )
-    });
-    (name.to_string(), r)
-}
-
 fn run_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
     let c = &spec.case;
     let inp = c.generate(seed)?;
@@ -132,16 +112,18 @@ fn run_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
         None
     };
     let mut checks = vec![
-        check_grad(
+        check_net(
             "d_q",
             &got.d_q,
             &want.d_q,
+            &BWD_GRAD,
             rounding.as_ref().map(|r| &r.d_q[..]),
         ),
-        check_grad(
+        check_net(
             "d_kv",
             &got.d_kv,
             &want.d_kv,
+            &BWD_GRAD,
             rounding.as_ref().map(|r| &r.d_kv[..]),
         ),
         check("delta", &got.delta, &want.delta, &BWD_GRAD),
