@@ -43,6 +43,11 @@ pub struct BenchArgs {
     /// Index pattern for sparse ops.
     #[arg(long, value_enum, default_value_t = IndexChoice::Both)]
     indices: IndexChoice,
+    /// Only the shapes whose fields include all of these `key=value` pairs (separated by spaces or
+    /// commas, e.g. `--shape "s_kv=32768 h_q=128"`; keys as printed in the shape column). Repeat the
+    /// flag to select several shapes; all shapes of the suite when absent.
+    #[arg(long = "shape")]
+    shapes: Vec<String>,
     /// Write the records as a JSON array here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -135,6 +140,18 @@ fn all_benches(args: &BenchArgs) -> Vec<Bench> {
         .collect()
 }
 
+/// Whether a shape label (`shape_label`) is selected by the `--shape` specs: no spec, or one spec whose
+/// every `key=value` token is a field of the label.
+fn shape_selected(specs: &[String], label: &str) -> bool {
+    let fields: Vec<&str> = label.split(' ').collect();
+    specs.is_empty()
+        || specs.iter().any(|spec| {
+            spec.split(|c: char| c == ',' || c.is_whitespace())
+                .filter(|tok| !tok.is_empty())
+                .all(|tok| fields.contains(&tok))
+        })
+}
+
 fn median(v: &mut [f32]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     let n = v.len();
@@ -150,9 +167,20 @@ fn median(v: &mut [f32]) -> f64 {
 
 /// Runs the benchmarks; returns the process exit code.
 pub fn run(args: &BenchArgs) -> Result<u8, String> {
-    let benches = all_benches(args);
+    let (benches, others): (Vec<Bench>, Vec<Bench>) = all_benches(args)
+        .into_iter()
+        .partition(|b| shape_selected(&args.shapes, &shape_label(&b.record)));
     if benches.is_empty() {
-        return Err(format!("no benchmark matches --op {:?}", args.op));
+        let known: Vec<String> = others
+            .iter()
+            .map(|b| format!("  {} {}", b.record.op, shape_label(&b.record)))
+            .collect();
+        return Err(format!(
+            "no benchmark matches --op {:?} --shape {:?}; the suite's shapes for these ops:\n{}",
+            args.op,
+            args.shapes,
+            known.join("\n")
+        ));
     }
     let gpu = Gpu::new(args.device).map_err(|e| e.to_string())?;
     let info = gpu.info().clone();
@@ -234,4 +262,23 @@ fn shape_label(r: &Record) -> String {
     add("fmt", r.format.clone());
     add("tokens", r.tokens.map(|x| x.to_string()));
     parts.join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shape_selected;
+
+    #[test]
+    fn shape_specs_select_by_every_field_and_any_spec() {
+        let label = "s_q=4096 s_kv=32768 topk=2048 h_q=128 d_qk=576 idx=random";
+        assert!(shape_selected(&[], label));
+        assert!(shape_selected(&["s_kv=32768 h_q=128".into()], label));
+        assert!(shape_selected(&["s_kv=32768,idx=random".into()], label));
+        assert!(!shape_selected(&["s_kv=32768 h_q=64".into()], label));
+        assert!(!shape_selected(&["s_kv=3276".into()], label));
+        assert!(shape_selected(
+            &["h_q=64".into(), "topk=2048".into()],
+            label
+        ));
+    }
 }
