@@ -146,7 +146,7 @@ struct SmemPlan : XbufRegion<kDqk> {
                                           // bytes); bf16 exchange: [2 s + b] for buffer b of slot s (1 KB)
     uint64_t x_empty[kXbBufs * kXSlots];  // pair: the peer may write its next chunk into ITS slot s (1 remote
                                           // arrival); bf16 exchange: [2 s + b] for buffer b
-    uint64_t x_drained;              // pair: every consumer warp consumed the last chunk of a tile (producer waits
+    uint64_t x_drained;              // every consumer thread consumed the last chunk of a tile (producer waits
                                      // at d_qk 576 before refilling the KV slabs the slots alias)
 
     // Base of the exchange slots.

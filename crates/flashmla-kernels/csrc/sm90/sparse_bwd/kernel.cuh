@@ -167,7 +167,7 @@ __device__ __forceinline__ void producer(const SparseBwdParams& p, SmemPlan<kDqk
 #pragma unroll
         for (int slab = 0; slab < kEarly; ++slab) publish_group(&sm.kv_full[slab], kEarly - 1 - slab);
         if constexpr (kLate > 0) {
-            // The late slabs hold the exchange / staging slots until every consumer warp finished the last chunk of
+            // The late slabs hold the exchange / staging slots until every consumer thread finished the last chunk of
             // the previous tile (x_drained completes once per tile; tile 0 passes at once).
             MBarrier::wait(&sm.x_drained, pos.empty_parity);
 #pragma unroll
@@ -266,6 +266,16 @@ __device__ __forceinline__ uint32_t lane_id_volatile() {
     asm volatile("mov.u32 %0, %%laneid;" : "=r"(l));
     return l;
 }
+// d_qk 576: reports that this thread's last access of its slot in the tile is done (x_drained, kConsumerThreads
+// arrivals per tile), after which the producer refills the KV slabs the slots alias. EVERY thread arrives, each
+// after its own slot accesses: a lane-0 arrival after __syncwarp() would be just as correct, but ptxas compiles that
+// __syncwarp() in converged code to no instruction (BRA.DIV + NOP), and compute-sanitizer racecheck, which orders
+// only the arriving thread's own accesses before an mbarrier phase, then reports every other lane's slot access
+// against the producer's cp.async (docs/sparse-bwd.md, Verification). Cost: 31 more arrivals per warp and tile.
+__device__ __forceinline__ void report_drained(uint64_t* drained) {
+    if (drained != nullptr) MBarrier::arrive(drained);
+}
+
 __device__ __forceinline__ uint32_t pair_frag_base(uint32_t slot, uint32_t lane) {
     const uint32_t g = lane / 4;
     const uint32_t q = lane % 4;
@@ -340,8 +350,8 @@ __device__ __forceinline__ void pair_send(const PairLink& l, const float (&acc)[
 // Pair mode, receiver side of chunk `round`: arms x_full for the peer's 2 KB, waits, adds the kept half into the
 // slot, reads it back row by row (lane l: row 4k + l / 8, 16-byte chunk l % 8) and reduces four rows x 128 bytes
 // per instruction into columns [64 slab + 32 rank, + 32); then releases the slot to the peer, except after the
-// tile's last chunk: then it reports the drain locally (`drained`, d_qk 576) and the release waits for the next
-// tile's permission.
+// tile's last chunk: then every lane reports the drain locally (`drained`, d_qk 576) and the release waits for the
+// next tile's permission.
 template <bool kDet>
 __device__ __forceinline__ void pair_reduce(const SparseBwdParams& p, const PairLink& l,
                                             const float (&kept)[kXSlotVals], const int32_t* ridx_warp, int slab,
@@ -369,12 +379,10 @@ __device__ __forceinline__ void pair_reduce(const SparseBwdParams& p, const Pair
     __syncwarp();
     reduce_slot_rows<kDet>(p, l.slot, lane, ridx_warp, slab * kSw128ColsBf16 + kXSlotCols * static_cast<int>(l.rank));
     __syncwarp();  // every lane's slot reads done (their values were consumed by the reductions)
-    if (lane == 0) {
-        if (!last) {
-            mbarrier_arrive_remote_relaxed(l.empty + l.peer_delta);
-        } else if (drained != nullptr) {
-            MBarrier::arrive(drained);
-        }
+    if (!last) {
+        if (lane == 0) mbarrier_arrive_remote_relaxed(l.empty + l.peer_delta);
+    } else {
+        report_drained(drained);  // every lane
     }
 }
 
@@ -462,7 +470,8 @@ __device__ __forceinline__ void pair_send_xb(const PairLink& l, const float (&ac
 // Receiver side of chunk k (buffer b): arms x_full[2 slot + b] for the peer's 1 KB, waits, adds the bf16 values to
 // the kept f32 half and reduces 4 rows x 128 bytes per warp instruction into columns [64 slab + 32 rank, + 32).
 // Then `release`: the peer may send chunk k + 2 into buffer b; `last` (the tile's last chunk): reports the drain
-// locally (`drained`, d_qk 576); the tile's last two chunks release nothing (the next tile's permission does).
+// locally (`drained`, d_qk 576, every lane); the tile's last two chunks release nothing (the next tile's permission
+// does).
 __device__ __forceinline__ void pair_reduce_xb(const SparseBwdParams& p, const PairLink& l,
                                                const float (&kept)[kXSlotVals], const int32_t* ridx_warp, int slab,
                                                uint32_t b, uint32_t parity, bool release, bool last,
@@ -492,19 +501,17 @@ __device__ __forceinline__ void pair_reduce_xb(const SparseBwdParams& p, const P
         }
     }
     __syncwarp();  // every lane's buffer reads done: their values fed the reductions (as in pair_reduce)
-    if (lane == 0) {
-        if (release) {
-            mbarrier_arrive_remote_relaxed(l.empty + 8 * b + l.peer_delta);
-        } else if (last && drained != nullptr) {
-            MBarrier::arrive(drained);
-        }
+    if (release) {
+        if (lane == 0) mbarrier_arrive_remote_relaxed(l.empty + 8 * b + l.peer_delta);
+    } else if (last) {
+        report_drained(drained);  // every lane
     }
 }
 
 // Solo mode (one head group): reduces a 64 x 64 f32 chunk through this warp's slot, one 32-column half at a
 // time: the warp writes its 16 rows x 32 columns in fragment order, then reads them back in row order for
-// row-contiguous reductions (reduce_slot_rows). Only this warp touches the slot. After the tile's last chunk it
-// reports the drain (`drained`, d_qk 576, where the slots alias KV slabs 7-8).
+// row-contiguous reductions (reduce_slot_rows). Only this warp touches the slot. After the tile's last chunk every
+// lane reports the drain (`drained`, d_qk 576, where the slots alias KV slabs 7-8).
 template <bool kDet>
 __device__ __forceinline__ void solo_reduce(const SparseBwdParams& p, uint32_t slot, const float (&acc)[kChunkRegs],
                                             const int32_t* ridx_warp, int slab, bool last, uint64_t* drained) {
@@ -524,8 +531,7 @@ __device__ __forceinline__ void solo_reduce(const SparseBwdParams& p, uint32_t s
         __syncwarp();
         reduce_slot_rows<kDet>(p, slot, lane, ridx_warp, slab * kSw128ColsBf16 + kXSlotCols * h);
     }
-    __syncwarp();
-    if (last && drained != nullptr && lane == 0) MBarrier::arrive(drained);
+    if (last) report_drained(drained);  // every lane, after its own slot reads
 }
 
 template <int kDqk, int kCw, bool kDet, bool kPair, bool kXBf16>
@@ -921,7 +927,7 @@ __device__ __forceinline__ void sparse_bwd_main(const SparseBwdParams& p, uint8_
 #pragma unroll
         for (int s = 0; s < C::kDqkSlabs; ++s) MBarrier::init(&sm.kv_full[s], kWarpgroupThreads);
         MBarrier::init(&sm.kv_empty, kConsumerWarps);
-        MBarrier::init(&sm.x_drained, kXSlots);  // every consumer warp once per tile
+        MBarrier::init(&sm.x_drained, kConsumerThreads);  // every consumer thread once per tile (report_drained)
         if constexpr (kPair) {
 #pragma unroll
             for (int s = 0; s < kXbBufs * kXSlots; ++s) {
