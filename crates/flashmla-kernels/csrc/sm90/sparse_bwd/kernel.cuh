@@ -486,6 +486,11 @@ __device__ __forceinline__ void pair_reduce_xb(const SparseBwdParams& p, const P
     for (int g = 0; g < kXbGroups; ++g) w[g] = ld_shared_v2_u32(buf + g * 256);
     const int64_t col = slab * kSw128ColsBf16 + kXSlotCols * static_cast<int>(l.rank) + 16 * ((lane >> 2) & 1u) +
                         8 * (lane & 1u) + 4 * ((lane >> 1) & 1u);
+    // kFlagDrainFirst (accumulator beyond L2): the tile's last chunk frees the slots before its reductions, so the
+    // producer's gather of the late KV slabs (which the slots alias) enters the memory pipeline ahead of them
+    // instead of queueing behind their L2 misses. Each lane's arrive releases its own buffer reads.
+    const bool drain_first = last && (p.flags & kFlagDrainFirst) != 0;
+    if (drain_first) report_drained(drained);
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
 #pragma unroll
@@ -500,10 +505,10 @@ __device__ __forceinline__ void pair_reduce_xb(const SparseBwdParams& p, const P
             if (r >= 0) red_add_v4_f32(p.dkv_acc + static_cast<int64_t>(r) * p.dkv_acc_stride + col, v);
         }
     }
-    __syncwarp();  // every lane's buffer reads done: their values fed the reductions (as in pair_reduce)
     if (release) {
+        __syncwarp();  // every lane's buffer reads done: their values fed the reductions (as in pair_reduce)
         if (lane == 0) mbarrier_arrive_remote_relaxed(l.empty + 8 * b + l.peer_delta);
-    } else if (last) {
+    } else if (last && !drain_first) {
         report_drained(drained);  // every lane
     }
 }
