@@ -141,7 +141,7 @@ struct SmemPlan : XbufRegion<kDqk> {
     int32_t row_idx[2][kTileRows];
     uint64_t qdo_full;               // producer -> consumers: Q and dO landed and fenced (128 arrivals)
     uint64_t kv_full[C::kDqkSlabs];  // producer -> consumers: slab s of the current tile landed, fenced (128)
-    uint64_t kv_empty;               // consumers -> producer: tile released (one arrival per consumer warp)
+    uint64_t kv_empty;               // consumers -> producer: tile released (one arrival per consumer thread)
     uint64_t x_full[kXbBufs * kXSlots];   // pair: the peer's 2 KB of a chunk landed in slot s (1 arrival + tx
                                           // bytes); bf16 exchange: [2 s + b] for buffer b of slot s (1 KB)
     uint64_t x_empty[kXbBufs * kXSlots];  // pair: the peer may write its next chunk into ITS slot s (1 remote

@@ -724,9 +724,11 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
             for (int kb = 0; kb < kSteps; ++kb) wgmma_fence_regs(pa[kb]);
         }
 
-        // ---- Release the KV tile (S, dP, dQ of this warp retired): one arrival per consumer warp.
-        __syncwarp();
-        if (lane == 0) MBarrier::arrive(&sm.kv_empty);
+        // ---- Release the KV tile (S, dP, dQ of this thread retired): every consumer thread arrives, so that each
+        // lane's earlier shared-memory reads (e.g. the previous tile's row_idx, which the producer rewrites for tile
+        // i + 1 after this phase) are ordered before the producer's writes in racecheck's view too (see
+        // report_drained).
+        MBarrier::arrive(&sm.kv_empty);
 
         // ---- Pair mode: allow the peer to send this tile's first chunk into our slot. When the slots alias KV
         // slabs (d_qk 576) that needs both consumers' KV readers of this tile retired: kv_empty's phase i.
@@ -931,7 +933,7 @@ __device__ __forceinline__ void sparse_bwd_main(const SparseBwdParams& p, uint8_
         MBarrier::init(&sm.qdo_full, kWarpgroupThreads);
 #pragma unroll
         for (int s = 0; s < C::kDqkSlabs; ++s) MBarrier::init(&sm.kv_full[s], kWarpgroupThreads);
-        MBarrier::init(&sm.kv_empty, kConsumerWarps);
+        MBarrier::init(&sm.kv_empty, kConsumerThreads);  // every consumer thread once per tile
         MBarrier::init(&sm.x_drained, kConsumerThreads);  // every consumer thread once per tile (report_drained)
         if constexpr (kPair) {
 #pragma unroll
