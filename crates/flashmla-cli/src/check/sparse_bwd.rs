@@ -335,15 +335,17 @@ pub fn cases() -> Vec<Case> {
         }
     }
     // A long context: the accumulator exceeds L2, so the kernel takes its drain-first order (FLAG_DRAIN_FIRST).
-    let mut long = SparseCase::plain(16, 32768, 128, 576, 2048);
-    long.sink = SinkKind::Random;
-    long.invalid_frac = 0.05;
-    push(
-        &mut v,
-        "sparse_bwd/long_context/skv32768".into(),
-        true,
-        Spec::new(long),
-    );
+    for h_q in [128usize, 64] {
+        let mut long = SparseCase::plain(16, 32768, h_q, 576, 2048);
+        long.sink = SinkKind::Random;
+        long.invalid_frac = 0.05;
+        push(
+            &mut v,
+            format!("sparse_bwd/long_context/h{h_q}/skv32768"),
+            true,
+            Spec::new(long),
+        );
+    }
     // The named shapes.
     push(
         &mut v,
