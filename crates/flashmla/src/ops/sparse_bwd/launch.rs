@@ -78,8 +78,9 @@ pub const FLAG_FIXED_POINT: u32 = 1 << 5;
 /// `flags` bit (`kFlagDrainFirst`): in the bf16-exchange kernels at `d_qk` 576, the last `d_kv` chunk of a
 /// tile frees the exchange slots (and so lets the next tile's late KV slabs be gathered) before its global
 /// reductions instead of after them. Set when the accumulator and the KV rows do not fit L2: the late
-/// gather then no longer waits behind those reductions' L2 misses (+4-6% at s_kv 32K-128K); with an
-/// L2-resident accumulator the other order is 1.6% faster (s_kv 8K).
+/// gather then no longer waits behind those reductions' L2 misses (V3.2 h_q 128: +8 / +12 / +8% at s_kv
+/// 32K / 64K / 128K); with an L2-resident accumulator the other order is 1.6% faster (s_kv 8K). Between
+/// (s_kv 8K-16K at d_qk 576) the threshold is not measured.
 pub const FLAG_DRAIN_FIRST: u32 = 1 << 6;
 /// Accumulator (f32) plus KV (bf16) bytes above which `FLAG_DRAIN_FIRST` is set: most of the H100's 50 MB L2.
 const DRAIN_FIRST_MIN_BYTES: usize = 40 << 20;
