@@ -383,6 +383,15 @@ impl SparseInputs {
 }
 
 impl SparseValues {
+    /// The forward's outputs in the form the backward takes them, from the f64 reference: `out` rounded
+    /// to bf16 (as the GPU forward stores it) and `lse` narrowed to f32.
+    pub fn reference_fwd_outputs(&self) -> Result<(Vec<f32>, Vec<f32>)> {
+        let f = crate::reference::sparse_fwd::sparse_fwd::<f64>(&self.problem())?;
+        let out = f.out.iter().map(|&a| bf16::from_f64(a).to_f32()).collect();
+        let lse = f.lse.iter().map(|&a| a as f32).collect();
+        Ok((out, lse))
+    }
+
     /// The reference problem over these values (`d_v` = 512).
     pub fn problem(&self) -> crate::reference::sparse_fwd::SparseFwdProblem<'_> {
         crate::reference::sparse_fwd::SparseFwdProblem {

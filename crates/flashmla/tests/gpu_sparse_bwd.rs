@@ -10,7 +10,6 @@ use flashmla::ops::sparse_bwd::{
 use flashmla::ops::sparse_fwd::D_V;
 use flashmla::reference::compare::{compare_with_allowance, BWD_GRAD};
 use flashmla::reference::sparse_bwd::{sparse_bwd, sparse_bwd_operand_rounding, SparseBwdProblem};
-use flashmla::reference::sparse_fwd::sparse_fwd;
 use flashmla::testing::{peer_bf16, rng, SparseCase, SparseValues};
 use flashmla::{DType, HostTensor};
 
@@ -119,13 +118,7 @@ fn topk_length_equals_masking_the_tail_and_matches_the_reference() {
             masked.topk_length = None;
 
             let d_out = peer_bf16(&mut rng(5), v.s_q * h_q * D_V);
-            let f = sparse_fwd::<f64>(&v.problem()).unwrap();
-            let out: Vec<f32> = f
-                .out
-                .iter()
-                .map(|&a| half::bf16::from_f64(a).to_f32())
-                .collect();
-            let lse: Vec<f32> = f.lse.iter().map(|&a| a as f32).collect();
+            let (out, lse) = v.reference_fwd_outputs().unwrap();
             let problem = SparseBwdProblem {
                 fwd: v.problem(),
                 out: &out,

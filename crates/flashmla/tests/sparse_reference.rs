@@ -849,9 +849,7 @@ fn bwd_operand_rounding_bounds_bf16_operands_and_still_catches_a_dropped_entry()
     let v = c.generate(11).unwrap().values().unwrap();
     let (h_q, d_qk, topk) = (v.h_q, v.d_qk, v.topk);
     let d_out = peer_bf16(&mut rng(12), v.s_q * h_q * 512);
-    let f = sparse_fwd::<f64>(&v.problem()).unwrap();
-    let out: Vec<f32> = f.out.iter().map(|&a| bf(a) as f32).collect();
-    let lse: Vec<f32> = f.lse.iter().map(|&a| a as f32).collect();
+    let (out, lse) = v.reference_fwd_outputs().unwrap();
     let problem = SparseBwdProblem {
         fwd: v.problem(),
         out: &out,
