@@ -318,10 +318,10 @@ __device__ __forceinline__ void issue_qk(SmemPlan<kDqk>& sm, const Ring& pos, ui
 }
 
 // Score warpgroup (WG 1). Per tile i (stage i % 2), with QK(i) issued one iteration earlier:
-//   wait QK(i) -> release rope group -> mask, online softmax (lazy rescale), P -> publish P(i) and alpha(i)
-//   -> issue PV(i) on O[:, 0:256] (A = P from registers) -> issue QK(i + 1) -> Handoff rendezvous (the value
-//   warpgroup then issues its PV(i), which runs during this warpgroup's next softmax) -> wait PV(i) -> release
-//   the left group.
+//   wait QK(i) -> release rope group -> mask, online softmax (lazy rescale), P -> issue PV(i) on O[:, 0:256]
+//   (A = P from registers) -> publish P(i) and alpha(i) -> wait PV(i) -> release the left group -> issue
+//   QK(i + 1) -> Handoff rendezvous (the value warpgroup then issues its PV(i), which runs during this
+//   warpgroup's next softmax).
 template <int kDqk>
 __device__ __forceinline__ void score_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
@@ -490,26 +490,27 @@ __device__ __forceinline__ void score_consumer(const SparseFwdParams& p, SmemPla
         }
         fence_proxy_async_shared();  // generic P stores -> the value warpgroup's wgmma reads (async proxy)
 
-        // ---- QK(i + 1) queued behind PV(i), then the Handoff: the value warpgroup queues its PV(i) behind
-        // QK(i + 1), where it overlaps the next softmax. The wait for PV(i) stays in the same branch as the issue
-        // of QK(i + 1): ptxas serialises every wgmma of the kernel when it cannot match them.
+        // ---- PV(i) done: the left group and the P fragments are free. Release the group before queueing QK(i + 1):
+        // issuing QK's 36 wgmmas blocks this warpgroup for most of QK's execution (the tensor core accepts them
+        // only as fast as it runs them), so a release after the issue would come ~1100 cycles later. QK(i + 1)
+        // cannot start before PV(i) ends anyway (one in-order tensor pipe).
         if (has_next) {
-            issue_qk<kDqk>(sm, Ring::of(i + 1), desc_q, q_rope, s);
-            // Next tile's validity (indices loaded a tile ago); prefetch the one after.
+            // Next tile's validity (indices loaded a tile ago); prefetch the one after. Done before the issue so
+            // that nothing sits between the issue and the Handoff.
             mask = TileMask::of(ix_next, p.s_kv);
             if (i + 2 < w.n_tiles) ix_next = TileIndices::load(idx_row, i + 2, w.topk_eff, lane);
-            named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
-            wgmma_wait<1>();  // PV(i) done, QK(i + 1) may still run
-        } else {
-            named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
-            wgmma_wait<0>();
         }
-        // The left group and the P fragments are free.
+        wgmma_wait<0>();
         wgmma_fence_regs(pa[0]);
         wgmma_fence_regs(pa[1]);
         wgmma_fence_regs(pa[2]);
         wgmma_fence_regs(pa[3]);
         release_by_warp(&sm.kv_empty[pos.stage][kGroupLeft], lane);
+
+        // ---- QK(i + 1), then the Handoff: the value warpgroup queues its PV(i) behind QK(i + 1), where it
+        // overlaps the next softmax.
+        if (has_next) issue_qk<kDqk>(sm, Ring::of(i + 1), desc_q, q_rope, s);
+        named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
     }
 
     // ---- Epilogue. Row sums over the quad; 1 / denominator for both consumers; max_logits and lse.
@@ -542,8 +543,8 @@ __device__ __forceinline__ void score_consumer(const SparseFwdParams& p, SmemPla
     stage_and_store_output<kDqk>(p, sm, w, f, 0, o, inv);
 }
 
-// Value warpgroup (WG 2). Per tile i: Handoff rendezvous -> rescale O[:, 256:512] by alpha(i) -> O += P(i) V
-// (A = P from shared memory, B = the right group) -> wait -> release the right group.
+// Value warpgroup (WG 2). Per tile i: wait for the right group -> Handoff rendezvous -> rescale O[:, 256:512] by
+// alpha(i) -> O += P(i) V (A = P from shared memory, B = the right group) -> wait -> release the right group.
 template <int kDqk>
 __device__ __forceinline__ void value_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Value);
@@ -561,9 +562,11 @@ __device__ __forceinline__ void value_consumer(const SparseFwdParams& p, SmemPla
     for (int i = 0; i < w.n_tiles; ++i) {
         const Ring pos = Ring::of(i);
         const uint32_t stage_addr = smem_addr(sm.kv[pos.stage]);
-        named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
-        MBarrier::wait(&sm.kv_full[pos.stage][kGroupRight], pos.full_parity);  // complete: QK(i) read it
+        // The right group of tile i landed before QK(i) read it, so this wait never blocks for long; it is done
+        // before the Handoff so that PV(i) is queued as soon as P(i) is published.
+        MBarrier::wait(&sm.kv_full[pos.stage][kGroupRight], pos.full_parity);
         fence_proxy_async_shared();
+        named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
 
         const float alpha[2] = {sm.row_scale[pos.stage][rows[0]], sm.row_scale[pos.stage][rows[1]]};
         if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) {  // PV(i - 1) has completed
