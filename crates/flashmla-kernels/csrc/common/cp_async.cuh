@@ -14,6 +14,15 @@ __device__ __forceinline__ void cp_async_16_zfill(uint32_t dst, const void* src,
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
+// cp_async_16_zfill whose L2 miss fetches the whole 256-byte block around `src` (`.L2::256B`): for rows that are
+// gathered slab by slab, the next 128-byte slab of the row is then already in L2. The backward's KV gather uses it
+// (1.3% faster at V3.2 s_kv 32K, docs/perf-log.md); the forward measured no consistent difference.
+__device__ __forceinline__ void cp_async_16_zfill_l2_256(uint32_t dst, const void* src, bool valid) {
+    const uint32_t src_bytes = valid ? 16u : 0u;
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+
 // L2 prefetch hint for the 128-byte line holding `src` (global, inside a mapped allocation): nothing comes back to
 // the SM and nothing waits for it. (`cp.async.bulk.prefetch.L2` takes one uniform address per instruction, so with
 // per-thread addresses it compiles to a loop over the distinct addresses; it measured no better in sparse_fwd.)

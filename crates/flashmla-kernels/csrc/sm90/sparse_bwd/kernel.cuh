@@ -76,8 +76,8 @@ __device__ __forceinline__ void issue_kv_slab(uint32_t kv_base, const uint16_t* 
     using C = Config<kDqk>;
 #pragma unroll
     for (int k = 0; k < kPassesPerTile; ++k) {
-        cp_async_16_zfill(kv_base + slab * C::kSlabBytes + k * kRowsPerPass * kSw128RowBytes,
-                          src[k] + slab * kSw128ColsBf16, ok[k]);
+        cp_async_16_zfill_l2_256(kv_base + slab * C::kSlabBytes + k * kRowsPerPass * kSw128RowBytes,
+                                 src[k] + slab * kSw128ColsBf16, ok[k]);
     }
     cp_async_commit_group();
 }
