@@ -38,6 +38,9 @@ inline constexpr uint32_t kProducerRegs = 48;
 inline constexpr uint32_t kScoreRegs = 256;
 inline constexpr uint32_t kValueRegs = 200;
 static_assert(kProducerRegs + kScoreRegs + kValueRegs <= 3 * kRegsAtLaunch, "setmaxnreg pool of the CTA");
+// Alternating pipeline: both consumers hold an O half, S, the P fragments and the Q rope fragments.
+inline constexpr uint32_t kAltRegs = 224;
+static_assert(kProducerRegs + 2 * kAltRegs <= 3 * kRegsAtLaunch, "setmaxnreg pool of the CTA (alternating)");
 
 // Producer gather geometry: 8 consecutive threads copy one 128-byte slab row (8 x 16-byte chunks), so the 128
 // producer threads cover 16 rows per pass; a 64-row tile takes 4 passes.
@@ -103,6 +106,7 @@ __host__ __device__ constexpr int group_slabs(int group) {
 //   p          [stage][64 heads][128 B]        bf16 P of tile i in p[i % 2] (read by the value warpgroup)
 //   row_scale  [stage][64]                     alpha of tile i (rescale of O before adding tile i)
 //   row_inv    [64]                            epilogue: 1 / softmax denominator (0 for rows with nothing valid)
+//   chain_ref, chain_run [stage][64]            alternating pipeline: the running reference / max after tile i
 //   barriers:  q_full, kv_full[stage][group], kv_empty[stage][group]
 // Only the score and value warpgroups touch p, row_scale and row_inv with ordinary loads and stores, always
 // separated by bar.sync rendezvous; the producer writes only q and kv, through cp.async.
@@ -114,9 +118,15 @@ struct SmemPlan {
     alignas(kSw128AtomBytes) uint8_t p[kStages][C::kPBytes];
     float row_scale[kStages][kHeadsPerCta];
     float row_inv[kHeadsPerCta];
+    float chain_ref[kStages][kHeadsPerCta];  // alternating pipeline: m_ref / m_run after tile i, in slot i % 2
+    float chain_run[kStages][kHeadsPerCta];
     uint64_t q_full;                        // producer -> consumers: Q landed (128 cp.async-tracked arrivals)
     uint64_t kv_full[kStages][kMaxGroups];  // producer -> consumers: a column group landed (same, 128)
     uint64_t kv_empty[kStages][kMaxGroups]; // consumers -> producer: a column group released (one per warp)
+    // Alternating pipeline, consumer c -> consumer 1 - c (128 arrivals each, one per thread of c):
+    // [0][c] P of c's tile published in p[c] (with its row scales); [1][c] chain state of c's tile published;
+    // [2][c] p[c] consumed by the other consumer's PV (arrived by 1 - c).
+    uint64_t alt_bar[3][kConsumers];
 };
 
 // Dynamic shared memory a launch requests: the plan plus slack to round the base up to 1024 bytes (the
@@ -129,7 +139,7 @@ inline constexpr uint32_t kMaxSmemPerBlock = 227 * 1024;  // sm_90 opt-in limit 
 static_assert(kSmemBytes<576> <= kMaxSmemPerBlock, "d_qk 576 plan exceeds 227 KB");
 static_assert(kSmemBytes<512> <= kMaxSmemPerBlock, "d_qk 512 plan exceeds 227 KB");
 // launch.rs requests these exact sizes (SMEM_BYTES_D576 / SMEM_BYTES_D512); keep both in step.
-static_assert(kSmemBytes<576> == 231424, "update launch.rs SMEM_BYTES_D576");
-static_assert(kSmemBytes<512> == 215040, "update launch.rs SMEM_BYTES_D512");
+static_assert(kSmemBytes<576> == 232448, "update launch.rs SMEM_BYTES_D576");
+static_assert(kSmemBytes<512> == 216064, "update launch.rs SMEM_BYTES_D512");
 
 }  // namespace flashmla::sparse_fwd

@@ -94,7 +94,7 @@ __device__ __forceinline__ void gather_group(SmemPlan<kDqk>& sm, const Ring& pos
     MBarrier::arrive_on_cp_async_noinc(&sm.kv_full[pos.stage][kGroup]);
 }
 
-template <int kDqk>
+template <int kDqk, bool kAlt>
 __device__ __forceinline__ void producer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
     if (w.n_tiles == 0) return;  // consumers will not wait for anything
@@ -158,6 +158,13 @@ __device__ __forceinline__ void producer(const SparseFwdParams& p, SmemPlan<kDqk
         const Ring pos = Ring::of(i);
         const uint32_t stage_base = kv_base + pos.stage * C::kStageBytes;
         if constexpr (C::kRopeSlabs > 0) gather_group<kDqk, kGroupRope>(sm, pos, stage_base, src, ok);
+        if (kAlt && pos.stage == 1) {
+            // Alternating pipeline: stage 1 belongs to the consumer that owns the right half, which releases it
+            // first (the left half is released by the other consumer's PV).
+            gather_group<kDqk, kGroupRight>(sm, pos, stage_base, src, ok);
+            gather_group<kDqk, kGroupLeft>(sm, pos, stage_base, src, ok);
+            continue;
+        }
         gather_group<kDqk, kGroupLeft>(sm, pos, stage_base, src, ok);
         gather_group<kDqk, kGroupRight>(sm, pos, stage_base, src, ok);
     }
@@ -599,8 +606,306 @@ __device__ __forceinline__ void value_consumer(const SparseFwdParams& p, SmemPla
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Alternating pipeline (short contexts; docs/sparse-fwd.md, "Alternating pipeline"). Consumer c (WG 1 + c) owns
+// O[:, 256 c : 256 c + 256] and the tiles i with i % 2 == c (stage c). Per own tile i: QK(i) -> remote PV(i - 1)
+// (the other consumer's P from shared memory, on this consumer's O half) -> mask, row max chained from tile i - 1
+// -> P(i) -> local PV(i) (P from registers) -> P(i) published for the other consumer. Each consumer's softmax
+// overlaps the other's QK; the running reference max is handed from tile to tile through shared memory.
+// Hand-offs between the consumers go through mbarriers (SmemPlan::alt_bar; every thread of the sender arrives, so
+// each thread's shared-memory accesses are released by its own arrival); the epilogue uses full named barriers.
+inline constexpr int kAltP = 0, kAltM = 1, kAltF = 2;
+enum class AltBar : uint32_t { Epi = 7, Sums = 9 };
+template <class Id>
+__device__ __forceinline__ void bar_sync(Id id) {
+    asm volatile("barrier.sync %0, %1;" ::"r"(static_cast<uint32_t>(id)), "r"(kConsumerThreads) : "memory");
+}
+// Parity of the phase that the arrival for tile i of consumer `owner` completes (its (i - owner) / 2-th).
+__device__ __forceinline__ uint32_t alt_parity(int i, int owner) { return static_cast<uint32_t>(((i - owner) / 2) & 1); }
+
+template <int kDqk, int kC>
+__device__ __forceinline__ void alt_issue_qk(SmemPlan<kDqk>& sm, const Ring& pos, uint64_t desc_q,
+                                             const uint32_t (&q_rope)[Config<kDqk>::kRopeFragSteps][4],
+                                             float (&s)[kSRegs]) {
+    using C = Config<kDqk>;
+    const uint64_t desc_k = make_wgmma_desc_sw128(smem_addr(sm.kv[pos.stage]), kUnusedLbo, kSw128AtomBytes);
+    wgmma_fence();
+    constexpr int kOwn = kC == 0 ? kGroupLeft : kGroupRight;
+    constexpr int kOther = kC == 0 ? kGroupRight : kGroupLeft;
+    if constexpr (C::kRopeSlabs > 0) {
+        qk_group<kDqk, kGroupRope, true>(sm, pos, desc_q, desc_k, q_rope, s);
+        qk_group<kDqk, kOwn, false>(sm, pos, desc_q, desc_k, q_rope, s);
+    } else {
+        qk_group<kDqk, kOwn, true>(sm, pos, desc_q, desc_k, q_rope, s);
+    }
+    qk_group<kDqk, kOther, false>(sm, pos, desc_q, desc_k, q_rope, s);
+    wgmma_commit();
+}
+
+__device__ __forceinline__ void alt_scale(float (&o)[kORegs], float a0, float a1) {
+#pragma unroll
+    for (int j = 0; j < kORegs / 4; ++j) {
+        o[4 * j + 0] *= a0;
+        o[4 * j + 1] *= a0;
+        o[4 * j + 2] *= a1;
+        o[4 * j + 3] *= a1;
+    }
+}
+
+// Remote PV of tile j (the other consumer's): waits for P(j), brings O and l to tile j's reference, queues
+// O += P(j) V (A from p[1 - c], B = this consumer's V half of stage 1 - c). One commit group.
+template <int kDqk, int kC>
+__device__ __forceinline__ void alt_remote_pv(SmemPlan<kDqk>& sm, int j, const int (&rows)[2], float (&o)[kORegs],
+                                              float (&l)[2]) {
+    MBarrier::wait(&sm.alt_bar[kAltP][1 - kC], alt_parity(j, 1 - kC));
+    const int slot = j % 2;
+    const float a0 = sm.row_scale[slot][rows[0]];
+    const float a1 = sm.row_scale[slot][rows[1]];
+    l[0] *= a0;
+    l[1] *= a1;
+    if (__any_sync(kFullMask, a0 != 1.f || a1 != 1.f)) alt_scale(o, a0, a1);
+    const uint32_t stage_addr = smem_addr(sm.kv[1 - kC]);
+    const uint32_t p_addr = smem_addr(sm.p[1 - kC]);
+    wgmma_fence();
+#pragma unroll
+    for (int kb = 0; kb < kPvSteps; ++kb) {
+        const uint64_t desc_p = make_wgmma_desc_sw128(p_addr + kb * 32, kUnusedLbo, kSw128AtomBytes);
+        wgmma_m64n256k16_ss_kmn(o, desc_p, v_desc<kDqk>(stage_addr, kC * kSlabsPerHalf, kb), true);
+    }
+    wgmma_commit();
+}
+
+template <int kDqk, int kC>
+__device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
+    using C = Config<kDqk>;
+    const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * (1 + kC);
+    const int lane = t % 32;
+    const AccFrag f = AccFrag::of_thread(t);
+    const int rows[2] = {f.row0, f.row1()};
+    const float scale = p.sm_scale_log2;
+    const uint64_t desc_q = make_wgmma_desc_sw128(smem_addr(sm.q), kUnusedLbo, kSw128AtomBytes);
+    const int32_t* idx_row = p.indices + static_cast<int64_t>(w.token) * p.indices_stride_t;
+    const int n = w.n_tiles;
+
+    float o[kORegs];
+#pragma unroll
+    for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+    float s[kSRegs];
+#pragma unroll
+    for (int i = 0; i < kSRegs; ++i) s[i] = 0.f;
+    float l[2] = {0.f, 0.f};            // this consumer's partial row sums, relative to the latest reference
+    float m_ref[2] = {-kInf, -kInf};  // chain state after the latest tile this consumer saw
+    float m_run[2] = {-kInf, -kInf};
+    uint32_t q_rope[C::kRopeFragSteps][4];
+#pragma unroll
+    for (int ks = 0; ks < C::kRopeFragSteps; ++ks) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) q_rope[ks][e] = 0u;
+    }
+    if (n > kC) {
+        if constexpr (C::kRopeSteps > 0) {
+            const uint16_t* q_tok = p.q + static_cast<int64_t>(w.token) * p.q_stride_t;
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                if (rows[rr] < w.heads) {
+                    const uint16_t* q_row = q_tok + static_cast<int64_t>(w.head0 + rows[rr]) * p.q_stride_h;
+#pragma unroll
+                    for (int ks = 0; ks < C::kRopeSteps; ++ks) {
+                        const uint32_t* src = reinterpret_cast<const uint32_t*>(q_row + kDv + 16 * ks + 2 * f.quad);
+                        q_rope[ks][rr] = __ldg(src);
+                        q_rope[ks][2 + rr] = __ldg(src + 4);
+                    }
+                }
+            }
+        }
+    }
+    if (n > 0) MBarrier::wait(&sm.q_full, 0);
+
+    for (int i = kC; i < n; i += 2) {
+        const Ring pos = Ring::of(i);
+        const TileMask mask = TileMask::of(TileIndices::load(idx_row, i, w.topk_eff, lane), p.s_kv);
+        alt_issue_qk<kDqk, kC>(sm, pos, desc_q, q_rope, s);
+        if (i >= 1) {
+            alt_remote_pv<kDqk, kC>(sm, i - 1, rows, o, l);
+            wgmma_wait<1>();  // QK(i) done
+        } else {
+            wgmma_wait<0>();
+        }
+        wgmma_fence_regs(s);
+        if constexpr (C::kRopeSlabs > 0) release_by_warp(&sm.kv_empty[pos.stage][kGroupRope], lane);
+
+        if (mask.lo != kFullMask || mask.hi != kFullMask) {
+            const uint32_t v_lo = mask.lo >> (2 * f.quad);
+            const uint32_t v_hi = mask.hi >> (2 * f.quad);
+#pragma unroll
+            for (int j = 0; j < kSBlocks; ++j) {
+                const uint32_t v = j < kSBlocks / 2 ? v_lo : v_hi;
+                const uint32_t bit = 1u << (8 * (j % (kSBlocks / 2)));
+                const bool va = (v & bit) != 0;
+                const bool vb = (v & (bit << 1)) != 0;
+                s[4 * j + 0] = va ? s[4 * j + 0] : -kInf;
+                s[4 * j + 1] = vb ? s[4 * j + 1] : -kInf;
+                s[4 * j + 2] = va ? s[4 * j + 2] : -kInf;
+                s[4 * j + 3] = vb ? s[4 * j + 3] : -kInf;
+            }
+        }
+        // Chain: the state after tile i - 1 (published by the other consumer), then this tile.
+        if (i >= 1) {
+            MBarrier::wait(&sm.alt_bar[kAltM][1 - kC], alt_parity(i - 1, 1 - kC));
+            const int ps = (i - 1) % 2;
+            m_ref[0] = sm.chain_ref[ps][rows[0]];
+            m_ref[1] = sm.chain_ref[ps][rows[1]];
+            m_run[0] = sm.chain_run[ps][rows[0]];
+            m_run[1] = sm.chain_run[ps][rows[1]];
+        }
+        float alpha[2];
+        float m_exp[2];
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            float tm[kSBlocks];
+#pragma unroll
+            for (int j = 0; j < kSBlocks; ++j) tm[j] = fmaxf(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]);
+#pragma unroll
+            for (int w2 = kSBlocks / 2; w2 >= 1; w2 /= 2) {
+#pragma unroll
+                for (int j = 0; j < w2; ++j) tm[j] = fmaxf(tm[j], tm[j + w2]);
+            }
+            m_run[rr] = fmaxf(m_run[rr], quad_max(tm[0]) * scale);
+            alpha[rr] = 1.f;
+            if (m_run[rr] > m_ref[rr] + kRescaleThreshold) {
+                alpha[rr] = exp2f(m_ref[rr] - m_run[rr]);
+                m_ref[rr] = m_run[rr];
+            }
+            m_exp[rr] = m_ref[rr] == -kInf ? 0.f : m_ref[rr];
+        }
+        if (f.quad == 0) {
+            const int cs = i % 2;
+            sm.chain_ref[cs][rows[0]] = m_ref[0];
+            sm.chain_ref[cs][rows[1]] = m_ref[1];
+            sm.chain_run[cs][rows[0]] = m_run[0];
+            sm.chain_run[cs][rows[1]] = m_run[1];
+            sm.row_scale[cs][rows[0]] = alpha[0];
+            sm.row_scale[cs][rows[1]] = alpha[1];
+        }
+        if (i + 1 < n) MBarrier::arrive(&sm.alt_bar[kAltM][kC]);
+
+        // P(i).
+        uint32_t pa[kPvSteps][4];
+        float psum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < kSBlocks; ++j) {
+            s[4 * j + 0] = exp2f(fmaf(s[4 * j + 0], scale, -m_exp[0]));
+            s[4 * j + 1] = exp2f(fmaf(s[4 * j + 1], scale, -m_exp[0]));
+            s[4 * j + 2] = exp2f(fmaf(s[4 * j + 2], scale, -m_exp[1]));
+            s[4 * j + 3] = exp2f(fmaf(s[4 * j + 3], scale, -m_exp[1]));
+            psum[0] += s[4 * j + 0] + s[4 * j + 1];
+            psum[1] += s[4 * j + 2] + s[4 * j + 3];
+        }
+#pragma unroll
+        for (int kb = 0; kb < kPvSteps; ++kb) {
+            pa[kb][0] = pack_bf16x2(s[8 * kb + 0], s[8 * kb + 1]);
+            pa[kb][1] = pack_bf16x2(s[8 * kb + 2], s[8 * kb + 3]);
+            pa[kb][2] = pack_bf16x2(s[8 * kb + 4], s[8 * kb + 5]);
+            pa[kb][3] = pack_bf16x2(s[8 * kb + 6], s[8 * kb + 7]);
+        }
+        // Remote PV(i - 1) must be done before O is rescaled to tile i's reference.
+        wgmma_wait<0>();
+        wgmma_fence_regs(o);
+        if (i >= 1) {
+            release_by_warp(&sm.kv_empty[1 - kC][kC == 0 ? kGroupLeft : kGroupRight], lane);
+            if (i + 1 < n) MBarrier::arrive(&sm.alt_bar[kAltF][1 - kC]);  // p[1 - c] free for P(i + 1)
+        }
+        l[0] = l[0] * alpha[0] + psum[0];
+        l[1] = l[1] * alpha[1] + psum[1];
+        if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) alt_scale(o, alpha[0], alpha[1]);
+        wgmma_fence();
+#pragma unroll
+        for (int kb = 0; kb < kPvSteps; ++kb) {
+            wgmma_m64n256k16_rs_mn(o, pa[kb], v_desc<kDqk>(smem_addr(sm.kv[kC]), kC * kSlabsPerHalf, kb), true);
+        }
+        wgmma_commit();
+        // Publish P(i) for the other consumer (p[c] was consumed by its PV(i - 2)).
+        if (i >= 2) MBarrier::wait(&sm.alt_bar[kAltF][kC], alt_parity(i - 2, kC));
+        const uint32_t p_addr = smem_addr(sm.p[kC]);
+#pragma unroll
+        for (int j = 0; j < kSBlocks; ++j) {
+            st_shared_u32(p_addr + sw128_chunk_offset(rows[0], j) + 4 * f.quad, pa[j / 2][(j % 2) * 2 + 0]);
+            st_shared_u32(p_addr + sw128_chunk_offset(rows[1], j) + 4 * f.quad, pa[j / 2][(j % 2) * 2 + 1]);
+        }
+        fence_proxy_async_shared();
+        MBarrier::arrive(&sm.alt_bar[kAltP][kC]);
+        wgmma_wait<0>();
+        wgmma_fence_regs(o);
+        wgmma_fence_regs(pa[0]);
+        wgmma_fence_regs(pa[1]);
+        wgmma_fence_regs(pa[2]);
+        wgmma_fence_regs(pa[3]);
+        release_by_warp(&sm.kv_empty[kC][kC == 0 ? kGroupLeft : kGroupRight], lane);
+    }
+    // The other consumer's last tile, when it is the final one.
+    if (n >= 1 && (n - 1) % 2 != kC) {
+        alt_remote_pv<kDqk, kC>(sm, n - 1, rows, o, l);
+        wgmma_wait<0>();
+        wgmma_fence_regs(o);
+        release_by_warp(&sm.kv_empty[1 - kC][kC == 0 ? kGroupLeft : kGroupRight], lane);
+    }
+
+    // Epilogue: final chain state of tile n - 1; row sums of both consumers.
+    bar_sync(AltBar::Epi);
+    float fin_ref[2] = {-kInf, -kInf};
+    float fin_run[2] = {-kInf, -kInf};
+    if (n > 0) {
+        const int cs = (n - 1) % 2;
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            fin_ref[rr] = sm.chain_ref[cs][rows[rr]];
+            fin_run[rr] = sm.chain_run[cs][rows[rr]];
+        }
+    }
+    float lq[2] = {quad_sum(l[0]), quad_sum(l[1])};
+    float* sums = &sm.row_inv[0];  // [64]: consumer 1's sums, then 1 / denominator
+    if (kC == 1 && f.quad == 0) {
+        sums[rows[0]] = lq[0];
+        sums[rows[1]] = lq[1];
+    }
+    bar_sync(AltBar::Sums);
+    float inv[2];
+    if (kC == 0) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            const float ltot = lq[rr] + sums[rows[rr]];
+            const int head = w.head0 + rows[rr];
+            const bool exists = rows[rr] < w.heads;
+            const bool empty = fin_run[rr] == -kInf;
+            float denom = ltot;
+            if (p.attn_sink != nullptr && exists && !empty) {
+                const float sink = __ldg(p.attn_sink + static_cast<int64_t>(head) * p.attn_sink_stride);
+                denom += exp2f(sink * kLog2e - fin_ref[rr]);
+            }
+            inv[rr] = empty ? 0.f : 1.f / denom;
+            if (f.quad == 0 && exists) {
+                const int64_t tok = w.token;
+                p.max_logits[tok * p.max_logits_stride_t + head * p.max_logits_stride_h] =
+                    empty ? -kInf : fin_run[rr] * kLn2;
+                p.lse[tok * p.lse_stride_t + head * p.lse_stride_h] = empty ? kInf : (fin_ref[rr] + log2f(ltot)) * kLn2;
+            }
+        }
+    }
+    bar_sync(AltBar::Epi);  // consumer 1 read its sums slot; consumer 0 may now overwrite it with 1 / denominator
+    if (kC == 0 && f.quad == 0) {
+        sums[rows[0]] = inv[0];
+        sums[rows[1]] = inv[1];
+    }
+    bar_sync(AltBar::Sums);
+    if (kC == 1) {
+        inv[0] = sums[rows[0]];
+        inv[1] = sums[rows[1]];
+    }
+    stage_and_store_output<kDqk>(p, sm, w, f, kC, o, inv);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // The kernel body (instantiated by sparse_fwd.cu per d_qk). `smem` is the dynamic shared memory.
-template <int kDqk>
+template <int kDqk, bool kAlt>
 __device__ __forceinline__ void sparse_fwd(const SparseFwdParams& p, uint8_t* smem) {
     using Plan = SmemPlan<kDqk>;
     using C = Config<kDqk>;
@@ -622,6 +927,11 @@ __device__ __forceinline__ void sparse_fwd(const SparseFwdParams& p, uint8_t* sm
                 MBarrier::init(&sm.kv_empty[st][g], kWarpsPerWarpgroup);  // one releasing warpgroup per group
             }
         }
+#pragma unroll
+        for (int k = 0; k < 3; ++k) {
+#pragma unroll
+            for (int c = 0; c < kConsumers; ++c) MBarrier::init(&sm.alt_bar[k][c], kWarpgroupThreads);
+        }
     }
     __syncthreads();
 
@@ -629,13 +939,23 @@ __device__ __forceinline__ void sparse_fwd(const SparseFwdParams& p, uint8_t* sm
     const Role role = static_cast<Role>(threadIdx.x / kWarpgroupThreads);
     if (role == Role::Producer) {
         setmaxnreg_dec<kProducerRegs>();
-        producer<kDqk>(p, sm, w);
-    } else if (role == Role::Score) {
-        setmaxnreg_inc<kScoreRegs>();
-        score_consumer<kDqk>(p, sm, w);
-    } else {
-        setmaxnreg_inc<kValueRegs>();
-        value_consumer<kDqk>(p, sm, w);
+        producer<kDqk, kAlt>(p, sm, w);
+    } else if (role == Role::Score) {  // alternating pipeline: consumer 0
+        if constexpr (kAlt) {
+            setmaxnreg_inc<kAltRegs>();
+            alt_consumer<kDqk, 0>(p, sm, w);
+        } else {
+            setmaxnreg_inc<kScoreRegs>();
+            score_consumer<kDqk>(p, sm, w);
+        }
+    } else {  // alternating pipeline: consumer 1
+        if constexpr (kAlt) {
+            setmaxnreg_inc<kAltRegs>();
+            alt_consumer<kDqk, 1>(p, sm, w);
+        } else {
+            setmaxnreg_inc<kValueRegs>();
+            value_consumer<kDqk>(p, sm, w);
+        }
     }
 }
 

@@ -1,8 +1,11 @@
 //! GPU path of the sparse prefill forward: checks the limits of the sm_90a kernel
 //! (`csrc/sm90/sparse_fwd/`, design in `docs/sparse-fwd.md`), lowers validated arguments to its
 //! [`SparseFwdParams`] and launches one CTA of 384 threads per (query token, group of 64 heads):
-//! a producer warpgroup gathering KV tiles, a score warpgroup (Q K^T, softmax, half of P V) and a
-//! value warpgroup (the other half of P V).
+//! a producer warpgroup gathering KV tiles and two consumer warpgroups, each owning half of the
+//! output columns. Two pipelines ([`SparseFwdPipeline`], chosen per call by [`pipeline_for`]):
+//! "split" (a score warpgroup runs Q K^T and the softmax for every tile, a value warpgroup the other
+//! half of P V) for long contexts, and "alternating" (the consumers take alternate tiles, each
+//! running Q K^T, the softmax and its P V half, and exchange P) where the gathered KV fits in L2.
 //!
 //! Kernel limits checked here (beyond [`super::validate`]): `h_q <= 128`; `q` and `kv` rows 16-byte
 //! aligned (the gather copies 16-byte chunks); `indices`, `topk_length`, `attn_sink`, `max_logits`
@@ -26,13 +29,13 @@ pub const HEADS_PER_CTA: usize = 64;
 pub const MAX_HEADS: usize = 128;
 /// KV rows per pipeline tile (`kTileRows`).
 pub const TILE_ROWS: usize = 64;
-/// Threads per CTA (`kThreads`): producer, score and value warpgroups.
+/// Threads per CTA (`kThreads`): a producer and two consumer warpgroups.
 pub const THREADS_PER_CTA: u32 = 384;
-/// Dynamic shared memory of the d_qk = 576 kernel (`kSmemBytes<576>`, static_asserted in
-/// config.cuh).
-pub const SMEM_BYTES_D576: u32 = 231_424;
-/// Dynamic shared memory of the d_qk = 512 kernel (`kSmemBytes<512>`).
-pub const SMEM_BYTES_D512: u32 = 215_040;
+/// Dynamic shared memory of the d_qk = 576 kernels (`kSmemBytes<576>`, static_asserted in
+/// config.cuh; both pipelines share the plan).
+pub const SMEM_BYTES_D576: u32 = 232_448;
+/// Dynamic shared memory of the d_qk = 512 kernels (`kSmemBytes<512>`).
+pub const SMEM_BYTES_D512: u32 = 216_064;
 /// The gather and the vector output path move 16-byte chunks (8 bf16).
 pub const CHUNK_ALIGN_BYTES: u64 = 16;
 /// `flags` bit: `out` rows are 16-byte aligned (`kFlagOutVec16` in params.h).
@@ -120,14 +123,51 @@ const _: () = {
 };
 
 /// Kernel symbol and dynamic shared memory for a `d_qk`.
-pub fn kernel_for(d_qk: usize) -> Result<(&'static str, u32)> {
-    match d_qk {
-        576 => Ok(("sparse_fwd_d576", SMEM_BYTES_D576)),
-        512 => Ok(("sparse_fwd_d512", SMEM_BYTES_D512)),
+pub fn kernel_for(d_qk: usize, pipeline: SparseFwdPipeline) -> Result<(&'static str, u32)> {
+    let alt = pipeline == SparseFwdPipeline::Alternating;
+    match (d_qk, alt) {
+        (576, false) => Ok(("sparse_fwd_d576", SMEM_BYTES_D576)),
+        (576, true) => Ok(("sparse_fwd_alt_d576", SMEM_BYTES_D576)),
+        (512, false) => Ok(("sparse_fwd_d512", SMEM_BYTES_D512)),
+        (512, true) => Ok(("sparse_fwd_alt_d512", SMEM_BYTES_D512)),
         _ => Err(Error::unsupported(
             format!("sparse_fwd kernel for d_qk = {d_qk}"),
             "the sm_90a kernel is built for d_qk 512 and 576",
         )),
+    }
+}
+
+/// The two forward kernel designs (`docs/sparse-fwd.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SparseFwdPipeline {
+    /// Score + value warpgroups: tolerant of gather latency (long contexts).
+    Split,
+    /// Consumers alternate tiles: more overlap, needs fast (L2-resident) gathers.
+    Alternating,
+}
+
+/// Largest KV tensor (`s_kv * d_qk * 2` bytes) for which [`pipeline_for`] picks the alternating
+/// pipeline (with `h_q > 64`): its gathers then hit L2 (50 MB on H100). Measured on H100: +3-9% at
+/// V3.2 s_kv 8K (9.4 MB), +4-8% at MODEL1 h_q 128 8K, +2-5% on the small shapes; mixed at 32K
+/// (38 MB), 2-6% slower at 128K, and 2% slower with one head group per token (h_q 64, 8K).
+pub const ALTERNATING_MAX_KV_BYTES: u64 = 16 << 20;
+
+/// Environment variable that forces a pipeline (`split` or `alternating`) for tests and
+/// benchmarks; any other value, or none, leaves the choice to the KV size.
+pub const PIPELINE_ENV: &str = "FLASHMLA_SPARSE_FWD_PIPELINE";
+
+/// The pipeline a call uses (see [`ALTERNATING_MAX_KV_BYTES`], [`PIPELINE_ENV`]).
+pub fn pipeline_for(s_kv: usize, d_qk: usize, h_q: usize) -> SparseFwdPipeline {
+    match std::env::var(PIPELINE_ENV).as_deref() {
+        Ok("split") => return SparseFwdPipeline::Split,
+        Ok("alternating") => return SparseFwdPipeline::Alternating,
+        _ => {}
+    }
+    let kv_bytes = (s_kv as u64).saturating_mul(d_qk as u64 * 2);
+    if kv_bytes <= ALTERNATING_MAX_KV_BYTES && h_q > HEADS_PER_CTA {
+        SparseFwdPipeline::Alternating
+    } else {
+        SparseFwdPipeline::Split
     }
 }
 
@@ -138,7 +178,7 @@ pub fn lower(
     args: &SparseFwdArgs<'_, DeviceView>,
     out: &SparseFwdOutput<DeviceView>,
 ) -> Result<Option<(&'static str, LaunchConfig, SparseFwdParams)>> {
-    let (kernel, smem) = kernel_for(dims.d_qk)?;
+    let (kernel, smem) = kernel_for(dims.d_qk, pipeline_for(dims.s_kv, dims.d_qk, dims.h_q))?;
     if dims.h_q > MAX_HEADS {
         return Err(Error::unsupported(
             format!("sparse_fwd on the GPU with h_q = {}", dims.h_q),
@@ -376,11 +416,42 @@ mod tests {
     }
 
     #[test]
+    fn short_contexts_take_the_alternating_pipeline() {
+        // The KV size decides unless the environment forces a pipeline (not set in these tests).
+        if std::env::var_os(PIPELINE_ENV).is_some() {
+            return;
+        }
+        use SparseFwdPipeline::{Alternating, Split};
+        assert_eq!(pipeline_for(8192, 576, 128), Alternating);
+        assert_eq!(pipeline_for(14563, 576, 65), Alternating);
+        assert_eq!(pipeline_for(14564, 576, 128), Split);
+        assert_eq!(pipeline_for(32768, 576, 128), Split);
+        assert_eq!(pipeline_for(16384, 512, 128), Alternating);
+        assert_eq!(pipeline_for(8192, 512, 64), Split);
+        assert_eq!(pipeline_for(usize::MAX, 512, 128), Split);
+        let c = case(4096, 128, 576, 8192, 2048);
+        let (name, cfg, _) = lower(&c.dims, &args(&c), &c.out).unwrap().unwrap();
+        assert_eq!(
+            (name, cfg.shared_mem_bytes),
+            ("sparse_fwd_alt_d576", SMEM_BYTES_D576)
+        );
+        assert_eq!(
+            kernel_for(512, SparseFwdPipeline::Split).unwrap(),
+            ("sparse_fwd_d512", SMEM_BYTES_D512)
+        );
+    }
+
+    #[test]
     fn odd_head_counts_round_up_to_groups_of_64() {
         for (h_q, groups) in [(1, 1), (64, 1), (65, 2), (100, 2), (128, 2)] {
             let c = case(3, h_q, 512, 10, 7);
             let (name, cfg, p) = lower(&c.dims, &args(&c), &c.out).unwrap().unwrap();
-            assert_eq!(name, "sparse_fwd_d512");
+            let want = if h_q > 64 {
+                "sparse_fwd_alt_d512"
+            } else {
+                "sparse_fwd_d512"
+            };
+            assert_eq!(name, want);
             assert_eq!(
                 (cfg.grid.0, p.num_head_groups),
                 (3 * groups, groups as i32),
