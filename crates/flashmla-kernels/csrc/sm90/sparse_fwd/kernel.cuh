@@ -234,6 +234,78 @@ struct TileMask {
     }
 };
 
+// Q's rope columns (512..575) of the thread's two rows as register A fragments: a[0] = (row0, c, c+1),
+// a[1] = (row0+8, c, c+1), a[2] = (row0, c+8, c+9), a[3] = (row0+8, c+8, c+9) with c = 512 + 16 ks + 2 quad
+// (smem_layout.cuh). Rows past h_q stay zero.
+template <int kDqk>
+__device__ __forceinline__ void load_q_rope(const SparseFwdParams& p, const CtaWork& w, const AccFrag& f,
+                                            const int (&rows)[2], uint32_t (&q_rope)[Config<kDqk>::kRopeFragSteps][4]) {
+    using C = Config<kDqk>;
+    if constexpr (C::kRopeSteps > 0) {
+        const uint16_t* q_tok = p.q + static_cast<int64_t>(w.token) * p.q_stride_t;
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            if (rows[rr] < w.heads) {
+                const uint16_t* q_row = q_tok + static_cast<int64_t>(w.head0 + rows[rr]) * p.q_stride_h;
+#pragma unroll
+                for (int ks = 0; ks < C::kRopeSteps; ++ks) {
+                    // 4-byte loads: q rows are 16-byte aligned (host-checked) and the column is even.
+                    const uint32_t* src = reinterpret_cast<const uint32_t*>(q_row + kDv + 16 * ks + 2 * f.quad);
+                    q_rope[ks][rr] = __ldg(src);
+                    q_rope[ks][2 + rr] = __ldg(src + 4);  // columns + 8
+                }
+            }
+        }
+    }
+}
+
+// Column n of S is tile row n. Invalid rows (bad index, tail) -> -inf (a select, not an add, so an inf in Q cannot
+// turn into NaN); their K and V rows were zero-filled by the producer. The mask is warp-uniform, so fully valid
+// tiles (the common case) skip it.
+__device__ __forceinline__ void mask_invalid_rows(float (&s)[kSRegs], const TileMask& mask, const AccFrag& f) {
+    if (mask.lo != kFullMask || mask.hi != kFullMask) {
+        const uint32_t v_lo = mask.lo >> (2 * f.quad);
+        const uint32_t v_hi = mask.hi >> (2 * f.quad);
+#pragma unroll
+        for (int j = 0; j < kSBlocks; ++j) {
+            const uint32_t v = j < kSBlocks / 2 ? v_lo : v_hi;
+            const uint32_t bit = 1u << (8 * (j % (kSBlocks / 2)));
+            const bool va = (v & bit) != 0;         // column 8 j + 2 q
+            const bool vb = (v & (bit << 1)) != 0;  // column 8 j + 2 q + 1
+            s[4 * j + 0] = va ? s[4 * j + 0] : -kInf;
+            s[4 * j + 1] = vb ? s[4 * j + 1] : -kInf;
+            s[4 * j + 2] = va ? s[4 * j + 2] : -kInf;
+            s[4 * j + 3] = vb ? s[4 * j + 3] : -kInf;
+        }
+    }
+}
+
+// Online-softmax bookkeeping of one tile: the running max of the base-2 logits and the lazily raised reference
+// (raised only when the running max exceeds it by kRescaleThreshold; also on the first valid entry, where m_ref is
+// -inf and alpha = exp2(-inf) = 0). Row maxima as trees (short dependency chains). m_exp is the reference to
+// subtract, 0 while a row has seen no valid entry (keeps exp2 away from NaN).
+__device__ __forceinline__ void update_row_max(const float (&s)[kSRegs], float scale, float (&m_run)[2],
+                                               float (&m_ref)[2], float (&alpha)[2], float (&m_exp)[2]) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        float t[kSBlocks];
+#pragma unroll
+        for (int j = 0; j < kSBlocks; ++j) t[j] = fmaxf(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]);
+#pragma unroll
+        for (int w2 = kSBlocks / 2; w2 >= 1; w2 /= 2) {
+#pragma unroll
+            for (int j = 0; j < w2; ++j) t[j] = fmaxf(t[j], t[j + w2]);
+        }
+        m_run[rr] = fmaxf(m_run[rr], quad_max(t[0]) * scale);
+        alpha[rr] = 1.f;
+        if (m_run[rr] > m_ref[rr] + kRescaleThreshold) {
+            alpha[rr] = exp2f(m_ref[rr] - m_run[rr]);
+            m_ref[rr] = m_run[rr];
+        }
+        m_exp[rr] = m_ref[rr] == -kInf ? 0.f : m_ref[rr];
+    }
+}
+
 // Both consumers stage their scaled O half (bf16) into the Q region, row-major 64 x 1024 B with the chunk swizzle
 // chunk ^ (row % 8) (conflict-free for the fragment writes and the row-chunk reads), then copy it out with
 // coalesced 16-byte stores. Called after every wgmma read of Q has completed.
@@ -305,8 +377,9 @@ __device__ __forceinline__ void qk_group(SmemPlan<kDqk>& sm, const Ring& pos, ui
     }
 }
 
-// S = Q K^T of one tile: all column groups in the producer's fill order, one commit group.
-template <int kDqk>
+// S = Q K^T of one tile: all column groups in the producer's fill order (rope, then the two halves in the order
+// given: the split pipeline left then right; the alternating one the consumer's own half first), one commit group.
+template <int kDqk, int kFirstHalf = kGroupLeft, int kSecondHalf = kGroupRight>
 __device__ __forceinline__ void issue_qk(SmemPlan<kDqk>& sm, const Ring& pos, uint64_t desc_q,
                                          const uint32_t (&q_rope)[Config<kDqk>::kRopeFragSteps][4],
                                          float (&s)[kSRegs]) {
@@ -316,11 +389,11 @@ __device__ __forceinline__ void issue_qk(SmemPlan<kDqk>& sm, const Ring& pos, ui
     wgmma_fence();  // s was read and written by the softmax since the last QK
     if constexpr (C::kRopeSlabs > 0) {
         qk_group<kDqk, kGroupRope, true>(sm, pos, desc_q, desc_k, q_rope, s);
-        qk_group<kDqk, kGroupLeft, false>(sm, pos, desc_q, desc_k, q_rope, s);
+        qk_group<kDqk, kFirstHalf, false>(sm, pos, desc_q, desc_k, q_rope, s);
     } else {
-        qk_group<kDqk, kGroupLeft, true>(sm, pos, desc_q, desc_k, q_rope, s);
+        qk_group<kDqk, kFirstHalf, true>(sm, pos, desc_q, desc_k, q_rope, s);
     }
-    qk_group<kDqk, kGroupRight, false>(sm, pos, desc_q, desc_k, q_rope, s);
+    qk_group<kDqk, kSecondHalf, false>(sm, pos, desc_q, desc_k, q_rope, s);
     wgmma_commit();
 }
 
@@ -363,22 +436,7 @@ __device__ __forceinline__ void score_consumer(const SparseFwdParams& p, SmemPla
     TileMask mask{0u, 0u};
     TileIndices ix_next{-1, -1};
     if (w.n_tiles > 0) {
-        if constexpr (C::kRopeSteps > 0) {
-            const uint16_t* q_tok = p.q + static_cast<int64_t>(w.token) * p.q_stride_t;
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr) {
-                if (rows[rr] < w.heads) {
-                    const uint16_t* q_row = q_tok + static_cast<int64_t>(w.head0 + rows[rr]) * p.q_stride_h;
-#pragma unroll
-                    for (int ks = 0; ks < C::kRopeSteps; ++ks) {
-                        // 4-byte loads: q rows are 16-byte aligned (host-checked) and the column is even.
-                        const uint32_t* src = reinterpret_cast<const uint32_t*>(q_row + kDv + 16 * ks + 2 * f.quad);
-                        q_rope[ks][rr] = __ldg(src);
-                        q_rope[ks][2 + rr] = __ldg(src + 4);  // columns + 8
-                    }
-                }
-            }
-        }
+        load_q_rope<kDqk>(p, w, f, rows, q_rope);
         mask = TileMask::of(TileIndices::load(idx_row, 0, w.topk_eff, lane), p.s_kv);
         if (w.n_tiles > 1) ix_next = TileIndices::load(idx_row, 1, w.topk_eff, lane);
         MBarrier::wait(&sm.q_full, 0);
@@ -396,46 +454,11 @@ __device__ __forceinline__ void score_consumer(const SparseFwdParams& p, SmemPla
         wgmma_fence_regs(o);
         if constexpr (C::kRopeSlabs > 0) release_by_warp(&sm.kv_empty[pos.stage][kGroupRope], lane);
 
-        // ---- Mask: column n of S is tile row n. Invalid rows (bad index, tail) -> -inf (a select, not an add,
-        // so an inf in Q cannot turn into NaN). Their K and V rows were zero-filled by the producer. The mask is
-        // warp-uniform, so fully valid tiles (the common case) skip it.
-        if (mask.lo != kFullMask || mask.hi != kFullMask) {
-            const uint32_t v_lo = mask.lo >> (2 * f.quad);
-            const uint32_t v_hi = mask.hi >> (2 * f.quad);
-#pragma unroll
-            for (int j = 0; j < kSBlocks; ++j) {
-                const uint32_t v = j < kSBlocks / 2 ? v_lo : v_hi;
-                const uint32_t bit = 1u << (8 * (j % (kSBlocks / 2)));
-                const bool va = (v & bit) != 0;         // column 8 j + 2 q
-                const bool vb = (v & (bit << 1)) != 0;  // column 8 j + 2 q + 1
-                s[4 * j + 0] = va ? s[4 * j + 0] : -kInf;
-                s[4 * j + 1] = vb ? s[4 * j + 1] : -kInf;
-                s[4 * j + 2] = va ? s[4 * j + 2] : -kInf;
-                s[4 * j + 3] = vb ? s[4 * j + 3] : -kInf;
-            }
-        }
-
-        // ---- Online softmax with a lazily raised reference max. Row maxima as trees (short dependency chains).
+        // ---- Mask invalid rows, then the online softmax with a lazily raised reference max.
+        mask_invalid_rows(s, mask, f);
         float alpha[2];
         float m_exp[2];
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            float t[kSBlocks];
-#pragma unroll
-            for (int j = 0; j < kSBlocks; ++j) t[j] = fmaxf(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]);
-#pragma unroll
-            for (int w2 = kSBlocks / 2; w2 >= 1; w2 /= 2) {
-#pragma unroll
-                for (int j = 0; j < w2; ++j) t[j] = fmaxf(t[j], t[j + w2]);
-            }
-            m_run[rr] = fmaxf(m_run[rr], quad_max(t[0]) * scale);
-            alpha[rr] = 1.f;
-            if (m_run[rr] > m_ref[rr] + kRescaleThreshold) {  // also the first valid entry (m_ref = -inf)
-                alpha[rr] = exp2f(m_ref[rr] - m_run[rr]);     // 0 when m_ref = -inf
-                m_ref[rr] = m_run[rr];
-            }
-            m_exp[rr] = m_ref[rr] == -kInf ? 0.f : m_ref[rr];  // no valid entry yet: keep exp2 away from NaN
-        }
+        update_row_max(s, scale, m_run, m_ref, alpha, m_exp);
         if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) {  // PV(i - 1) has completed
 #pragma unroll
             for (int j = 0; j < kORegs / 4; ++j) {
@@ -622,25 +645,6 @@ __device__ __forceinline__ void bar_sync(Id id) {
 // Parity of the phase that the arrival for tile i of consumer `owner` completes (its (i - owner) / 2-th).
 __device__ __forceinline__ uint32_t alt_parity(int i, int owner) { return static_cast<uint32_t>(((i - owner) / 2) & 1); }
 
-template <int kDqk, int kC>
-__device__ __forceinline__ void alt_issue_qk(SmemPlan<kDqk>& sm, const Ring& pos, uint64_t desc_q,
-                                             const uint32_t (&q_rope)[Config<kDqk>::kRopeFragSteps][4],
-                                             float (&s)[kSRegs]) {
-    using C = Config<kDqk>;
-    const uint64_t desc_k = make_wgmma_desc_sw128(smem_addr(sm.kv[pos.stage]), kUnusedLbo, kSw128AtomBytes);
-    wgmma_fence();
-    constexpr int kOwn = kC == 0 ? kGroupLeft : kGroupRight;
-    constexpr int kOther = kC == 0 ? kGroupRight : kGroupLeft;
-    if constexpr (C::kRopeSlabs > 0) {
-        qk_group<kDqk, kGroupRope, true>(sm, pos, desc_q, desc_k, q_rope, s);
-        qk_group<kDqk, kOwn, false>(sm, pos, desc_q, desc_k, q_rope, s);
-    } else {
-        qk_group<kDqk, kOwn, true>(sm, pos, desc_q, desc_k, q_rope, s);
-    }
-    qk_group<kDqk, kOther, false>(sm, pos, desc_q, desc_k, q_rope, s);
-    wgmma_commit();
-}
-
 __device__ __forceinline__ void alt_scale(float (&o)[kORegs], float a0, float a1) {
 #pragma unroll
     for (int j = 0; j < kORegs / 4; ++j) {
@@ -701,29 +705,14 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
 #pragma unroll
         for (int e = 0; e < 4; ++e) q_rope[ks][e] = 0u;
     }
-    if (n > kC) {
-        if constexpr (C::kRopeSteps > 0) {
-            const uint16_t* q_tok = p.q + static_cast<int64_t>(w.token) * p.q_stride_t;
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr) {
-                if (rows[rr] < w.heads) {
-                    const uint16_t* q_row = q_tok + static_cast<int64_t>(w.head0 + rows[rr]) * p.q_stride_h;
-#pragma unroll
-                    for (int ks = 0; ks < C::kRopeSteps; ++ks) {
-                        const uint32_t* src = reinterpret_cast<const uint32_t*>(q_row + kDv + 16 * ks + 2 * f.quad);
-                        q_rope[ks][rr] = __ldg(src);
-                        q_rope[ks][2 + rr] = __ldg(src + 4);
-                    }
-                }
-            }
-        }
-    }
+    if (n > kC) load_q_rope<kDqk>(p, w, f, rows, q_rope);
     if (n > 0) MBarrier::wait(&sm.q_full, 0);
 
     for (int i = kC; i < n; i += 2) {
         const Ring pos = Ring::of(i);
         const TileMask mask = TileMask::of(TileIndices::load(idx_row, i, w.topk_eff, lane), p.s_kv);
-        alt_issue_qk<kDqk, kC>(sm, pos, desc_q, q_rope, s);
+        issue_qk<kDqk, kC == 0 ? kGroupLeft : kGroupRight, kC == 0 ? kGroupRight : kGroupLeft>(sm, pos, desc_q,
+                                                                                              q_rope, s);
         if (i >= 1) {
             alt_remote_pv<kDqk, kC>(sm, i - 1, rows, o, l);
             wgmma_wait<1>();  // QK(i) done
@@ -733,21 +722,7 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
         wgmma_fence_regs(s);
         if constexpr (C::kRopeSlabs > 0) release_by_warp(&sm.kv_empty[pos.stage][kGroupRope], lane);
 
-        if (mask.lo != kFullMask || mask.hi != kFullMask) {
-            const uint32_t v_lo = mask.lo >> (2 * f.quad);
-            const uint32_t v_hi = mask.hi >> (2 * f.quad);
-#pragma unroll
-            for (int j = 0; j < kSBlocks; ++j) {
-                const uint32_t v = j < kSBlocks / 2 ? v_lo : v_hi;
-                const uint32_t bit = 1u << (8 * (j % (kSBlocks / 2)));
-                const bool va = (v & bit) != 0;
-                const bool vb = (v & (bit << 1)) != 0;
-                s[4 * j + 0] = va ? s[4 * j + 0] : -kInf;
-                s[4 * j + 1] = vb ? s[4 * j + 1] : -kInf;
-                s[4 * j + 2] = va ? s[4 * j + 2] : -kInf;
-                s[4 * j + 3] = vb ? s[4 * j + 3] : -kInf;
-            }
-        }
+        mask_invalid_rows(s, mask, f);
         // Chain: the state after tile i - 1 (published by the other consumer), then this tile.
         if (i >= 1) {
             MBarrier::wait(&sm.alt_bar[kAltM][1 - kC], alt_parity(i - 1, 1 - kC));
@@ -759,24 +734,7 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
         }
         float alpha[2];
         float m_exp[2];
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            float tm[kSBlocks];
-#pragma unroll
-            for (int j = 0; j < kSBlocks; ++j) tm[j] = fmaxf(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]);
-#pragma unroll
-            for (int w2 = kSBlocks / 2; w2 >= 1; w2 /= 2) {
-#pragma unroll
-                for (int j = 0; j < w2; ++j) tm[j] = fmaxf(tm[j], tm[j + w2]);
-            }
-            m_run[rr] = fmaxf(m_run[rr], quad_max(tm[0]) * scale);
-            alpha[rr] = 1.f;
-            if (m_run[rr] > m_ref[rr] + kRescaleThreshold) {
-                alpha[rr] = exp2f(m_ref[rr] - m_run[rr]);
-                m_ref[rr] = m_run[rr];
-            }
-            m_exp[rr] = m_ref[rr] == -kInf ? 0.f : m_ref[rr];
-        }
+        update_row_max(s, scale, m_run, m_ref, alpha, m_exp);
         if (f.quad == 0) {
             const int cs = i % 2;
             sm.chain_ref[cs][rows[0]] = m_ref[0];
