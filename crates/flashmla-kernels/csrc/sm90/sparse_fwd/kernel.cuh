@@ -306,6 +306,17 @@ __device__ __forceinline__ void update_row_max(const float (&s)[kSRegs], float s
     }
 }
 
+// O *= alpha per row (the thread's two rows): brings an O half to a raised reference max.
+__device__ __forceinline__ void scale_o_rows(float (&o)[kORegs], float a0, float a1) {
+#pragma unroll
+    for (int j = 0; j < kORegs / 4; ++j) {
+        o[4 * j + 0] *= a0;
+        o[4 * j + 1] *= a0;
+        o[4 * j + 2] *= a1;
+        o[4 * j + 3] *= a1;
+    }
+}
+
 // Both consumers stage their scaled O half (bf16) into the Q region, row-major 64 x 1024 B with the chunk swizzle
 // chunk ^ (row % 8) (conflict-free for the fragment writes and the row-chunk reads), then copy it out with
 // coalesced 16-byte stores. Called after every wgmma read of Q has completed.
@@ -460,13 +471,7 @@ __device__ __forceinline__ void score_consumer(const SparseFwdParams& p, SmemPla
         float m_exp[2];
         update_row_max(s, scale, m_run, m_ref, alpha, m_exp);
         if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) {  // PV(i - 1) has completed
-#pragma unroll
-            for (int j = 0; j < kORegs / 4; ++j) {
-                o[4 * j + 0] *= alpha[0];
-                o[4 * j + 1] *= alpha[0];
-                o[4 * j + 2] *= alpha[1];
-                o[4 * j + 3] *= alpha[1];
-            }
+            scale_o_rows(o, alpha[0], alpha[1]);
         }
 
         // ---- P = exp2(S - m) in two halves of 32 kv rows; each half's PV k-steps on O[:, 0:256] (A = P from
@@ -600,13 +605,7 @@ __device__ __forceinline__ void value_consumer(const SparseFwdParams& p, SmemPla
 
         const float alpha[2] = {sm.row_scale[pos.stage][rows[0]], sm.row_scale[pos.stage][rows[1]]};
         if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) {  // PV(i - 1) has completed
-#pragma unroll
-            for (int j = 0; j < kORegs / 4; ++j) {
-                o[4 * j + 0] *= alpha[0];
-                o[4 * j + 1] *= alpha[0];
-                o[4 * j + 2] *= alpha[1];
-                o[4 * j + 3] *= alpha[1];
-            }
+            scale_o_rows(o, alpha[0], alpha[1]);
         }
 
         const uint32_t p_addr = smem_addr(sm.p[pos.stage]);
@@ -638,22 +637,9 @@ __device__ __forceinline__ void value_consumer(const SparseFwdParams& p, SmemPla
 // each thread's shared-memory accesses are released by its own arrival); the epilogue uses full named barriers.
 inline constexpr int kAltP = 0, kAltM = 1, kAltF = 2;
 enum class AltBar : uint32_t { Epi = 7, Sums = 9 };
-template <class Id>
-__device__ __forceinline__ void bar_sync(Id id) {
-    asm volatile("barrier.sync %0, %1;" ::"r"(static_cast<uint32_t>(id)), "r"(kConsumerThreads) : "memory");
-}
 // Parity of the phase that the arrival for tile i of consumer `owner` completes (its (i - owner) / 2-th).
 __device__ __forceinline__ uint32_t alt_parity(int i, int owner) { return static_cast<uint32_t>(((i - owner) / 2) & 1); }
 
-__device__ __forceinline__ void alt_scale(float (&o)[kORegs], float a0, float a1) {
-#pragma unroll
-    for (int j = 0; j < kORegs / 4; ++j) {
-        o[4 * j + 0] *= a0;
-        o[4 * j + 1] *= a0;
-        o[4 * j + 2] *= a1;
-        o[4 * j + 3] *= a1;
-    }
-}
 
 // Remote PV of tile j (the other consumer's): waits for P(j), brings O and l to tile j's reference, queues
 // O += P(j) V (A from p[1 - c], B = this consumer's V half of stage 1 - c). One commit group.
@@ -666,7 +652,7 @@ __device__ __forceinline__ void alt_remote_pv(SmemPlan<kDqk>& sm, int j, const i
     const float a1 = sm.row_scale[slot][rows[1]];
     l[0] *= a0;
     l[1] *= a1;
-    if (__any_sync(kFullMask, a0 != 1.f || a1 != 1.f)) alt_scale(o, a0, a1);
+    if (__any_sync(kFullMask, a0 != 1.f || a1 != 1.f)) scale_o_rows(o, a0, a1);
     const uint32_t stage_addr = smem_addr(sm.kv[1 - kC]);
     const uint32_t p_addr = smem_addr(sm.p[1 - kC]);
     wgmma_fence();
@@ -774,7 +760,7 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
         }
         l[0] = l[0] * alpha[0] + psum[0];
         l[1] = l[1] * alpha[1] + psum[1];
-        if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) alt_scale(o, alpha[0], alpha[1]);
+        if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) scale_o_rows(o, alpha[0], alpha[1]);
         wgmma_fence();
 #pragma unroll
         for (int kb = 0; kb < kPvSteps; ++kb) {
@@ -808,7 +794,7 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
     }
 
     // Epilogue: final chain state of tile n - 1; row sums of both consumers.
-    bar_sync(AltBar::Epi);
+    named_barrier_sync_unaligned(AltBar::Epi, kConsumerThreads);
     float fin_ref[2] = {-kInf, -kInf};
     float fin_run[2] = {-kInf, -kInf};
     if (n > 0) {
@@ -825,7 +811,7 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
         sums[rows[0]] = lq[0];
         sums[rows[1]] = lq[1];
     }
-    bar_sync(AltBar::Sums);
+    named_barrier_sync_unaligned(AltBar::Sums, kConsumerThreads);
     float inv[2];
     if (kC == 0) {
 #pragma unroll
@@ -848,12 +834,13 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
             }
         }
     }
-    bar_sync(AltBar::Epi);  // consumer 1 read its sums slot; consumer 0 may now overwrite it with 1 / denominator
+    // Consumer 1 has read its sums slot; consumer 0 may now overwrite it with 1 / denominator.
+    named_barrier_sync_unaligned(AltBar::Epi, kConsumerThreads);
     if (kC == 0 && f.quad == 0) {
         sums[rows[0]] = inv[0];
         sums[rows[1]] = inv[1];
     }
-    bar_sync(AltBar::Sums);
+    named_barrier_sync_unaligned(AltBar::Sums, kConsumerThreads);
     if (kC == 1) {
         inv[0] = sums[rows[0]];
         inv[1] = sums[rows[1]];
