@@ -18,6 +18,10 @@ pub enum BenchSuite {
     Standard,
     /// One small shape per op (smoke test).
     Small,
+    /// The V3.2 sparse shape (`s_q` 4096, `h_q` 128, `d_qk` 576, `topk` 2048) at `s_kv` from 8K to
+    /// 128K in finer steps than the standard suite (sparse forward and backward; the KV-cache ops
+    /// time their standard shapes).
+    Context,
 }
 
 /// Which index pattern the sparse ops use.
@@ -60,6 +64,29 @@ pub struct BenchArgs {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
+    /// A/B comparison inside one process: `VAR=a,b,...` times every shape once per value with the
+    /// environment variable VAR set to it (e.g. `FLASHMLA_SPARSE_FWD_PIPELINE=split,alternating`),
+    /// on the same inputs, the values alternating over `--rounds` rounds; one record per value.
+    #[arg(long)]
+    ab: Option<String>,
+    /// Rounds of the `--ab` alternation (each round times `--reps` runs per value).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+}
+
+/// The `--ab` spec: the variable and its values (`None`: no A/B, one unnamed variant).
+fn ab_variants(spec: Option<&str>) -> Result<(Option<String>, Vec<String>), String> {
+    let Some(spec) = spec else {
+        return Ok((None, vec![String::new()]));
+    };
+    let (var, values) = spec
+        .split_once('=')
+        .ok_or_else(|| format!("--ab: expected VAR=value,value..., got {spec:?}"))?;
+    let values: Vec<String> = values.split(',').map(str::to_string).collect();
+    if var.is_empty() || var.contains('\0') || values.iter().any(|v| v.contains('\0')) {
+        return Err(format!("--ab: expected VAR=value,value..., got {spec:?}"));
+    }
+    Ok((Some(var.to_string()), values))
 }
 
 /// One benchmark record (PERF.md "Benchmark records").
@@ -93,6 +120,9 @@ pub struct Record {
     /// Device memory the op allocates beyond its inputs and outputs, bytes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub extra_bytes: Option<usize>,
+    /// `VAR=value` of an `--ab` run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub variant: Option<String>,
     /// Median time per call, microseconds.
     pub time_us: f64,
     /// Fastest and slowest repetition, microseconds.
@@ -182,6 +212,12 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
             known.join("\n")
         ));
     }
+    let (ab_var, ab_values) = ab_variants(args.ab.as_deref())?;
+    let rounds = if ab_var.is_some() {
+        args.rounds.max(1)
+    } else {
+        1
+    };
     let gpu = Gpu::new(args.device).map_err(|e| e.to_string())?;
     let info = gpu.info().clone();
     println!(
@@ -192,41 +228,75 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
         info.driver_version,
         meta::COMMIT
     );
+    let saved = ab_var.as_ref().map(std::env::var_os);
     let bar = progress(benches.len() as u64, "bench");
     let mut records = Vec::new();
-    for b in &benches {
+    let mut outcome = Ok(());
+    'benches: for b in &benches {
         bar.set_message(b.record.op.clone());
-        let mut f = (b.setup)(&gpu).map_err(|e| format!("{}: {e}", b.record.op))?;
-        let mut ms = gpu
-            .time_ms(args.warmup, args.reps.max(1), &mut f)
-            .map_err(|e| format!("{}: {e}", b.record.op))?;
-        let (lo, hi) = ms
-            .iter()
-            .fold((f32::MAX, 0f32), |(l, h), &x| (l.min(x), h.max(x)));
-        let med = median(&mut ms);
-        let secs = med * 1e-3;
-        let mut r = b.record.clone();
-        r.time_us = med * 1e3;
-        r.min_us = lo as f64 * 1e3;
-        r.max_us = hi as f64 * 1e3;
-        r.tflops = (b.flop > 0.0).then(|| b.flop / secs / 1e12);
-        r.gb_per_s = (b.bytes > 0.0).then(|| b.bytes / secs / 1e9);
-        r.reps = ms.len();
-        r.gpu = info.name.clone();
-        r.driver = info.driver_version.clone();
-        r.sm_clock_mhz = info.sm_clock_mhz;
-        r.commit = meta::COMMIT.to_string();
-        r.date = meta::today();
-        records.push(r);
+        let mut f = match (b.setup)(&gpu) {
+            Ok(f) => f,
+            Err(e) => {
+                outcome = Err(format!("{}: {e}", b.record.op));
+                break;
+            }
+        };
+        let mut samples: Vec<Vec<f32>> = vec![Vec::new(); ab_values.len()];
+        for _ in 0..rounds {
+            for (value, ms) in ab_values.iter().zip(samples.iter_mut()) {
+                if let Some(var) = &ab_var {
+                    // Single-threaded here: nothing reads the environment concurrently.
+                    std::env::set_var(var, value);
+                }
+                match gpu.time_ms(args.warmup, args.reps.max(1), &mut f) {
+                    Ok(t) => ms.extend(t),
+                    Err(e) => {
+                        outcome = Err(format!("{}: {e}", b.record.op));
+                        break 'benches;
+                    }
+                }
+            }
+        }
+        for (value, mut ms) in ab_values.iter().zip(samples) {
+            let (lo, hi) = ms
+                .iter()
+                .fold((f32::MAX, 0f32), |(l, h), &x| (l.min(x), h.max(x)));
+            let med = median(&mut ms);
+            let secs = med * 1e-3;
+            let mut r = b.record.clone();
+            r.variant = ab_var.as_ref().map(|var| format!("{var}={value}"));
+            r.time_us = med * 1e3;
+            r.min_us = lo as f64 * 1e3;
+            r.max_us = hi as f64 * 1e3;
+            r.tflops = (b.flop > 0.0).then(|| b.flop / secs / 1e12);
+            r.gb_per_s = (b.bytes > 0.0).then(|| b.bytes / secs / 1e9);
+            r.reps = ms.len();
+            r.gpu = info.name.clone();
+            r.driver = info.driver_version.clone();
+            r.sm_clock_mhz = info.sm_clock_mhz;
+            r.commit = meta::COMMIT.to_string();
+            r.date = meta::today();
+            records.push(r);
+        }
         bar.inc(1);
     }
     bar.finish_and_clear();
+    if let (Some(var), Some(old)) = (&ab_var, saved) {
+        match old {
+            Some(v) => std::env::set_var(var, v),
+            None => std::env::remove_var(var),
+        }
+    }
+    outcome?;
     let rows: Vec<Vec<String>> = records
         .iter()
         .map(|r| {
             vec![
                 r.op.clone(),
-                shape_label(r),
+                match &r.variant {
+                    Some(v) => format!("{} {v}", shape_label(r)),
+                    None => shape_label(r),
+                },
                 format!("{:.1}", r.time_us),
                 r.tflops.map_or("-".into(), |t| format!("{t:.1}")),
                 r.gb_per_s.map_or("-".into(), |g| format!("{g:.0}")),
@@ -266,7 +336,19 @@ fn shape_label(r: &Record) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::shape_selected;
+    use super::{ab_variants, shape_selected};
+
+    #[test]
+    fn ab_specs_parse_or_name_the_expectation() {
+        assert_eq!(ab_variants(None).unwrap(), (None, vec![String::new()]));
+        let (var, values) = ab_variants(Some("FLASHMLA_X=split,alternating")).unwrap();
+        assert_eq!(var.as_deref(), Some("FLASHMLA_X"));
+        assert_eq!(values, ["split", "alternating"]);
+        for bad in ["novalue", "=a,b"] {
+            let e = ab_variants(Some(bad)).unwrap_err();
+            assert!(e.contains("VAR=value"), "{e}");
+        }
+    }
 
     #[test]
     fn shape_specs_select_by_every_field_and_any_spec() {

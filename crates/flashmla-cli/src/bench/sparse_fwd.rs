@@ -23,6 +23,12 @@ pub fn shapes(suite: BenchSuite) -> Vec<(usize, usize, usize, usize, usize)> {
             v
         }
         BenchSuite::Small => vec![(1024, 2048, 128, 576, 512)],
+        BenchSuite::Context => [
+            8192, 12288, 16384, 20480, 24576, 32768, 49152, 65536, 131072,
+        ]
+        .into_iter()
+        .map(|s_kv| (4096, s_kv, 128, 576, 2048))
+        .collect(),
     }
 }
 

@@ -107,6 +107,7 @@ __device__ __forceinline__ void producer(const SparseFwdParams& p, SmemPlan<kDqk
     // Source operand of zero-filled copies: never read, but kept inside a mapped tensor anyway. q[0, 0, :] exists
     // whenever a CTA runs (s_q >= 1, h_q >= 1); kv may be empty (s_kv = 0).
     const uint16_t* const dummy_src = p.q;
+    const bool pf_rows = kAlt && (p.flags & kFlagPrefetchRows) != 0;
 
     // Q [64 heads x columns 0..511] -> sm.q (rows past h_q zero-filled). The rope columns go to registers.
     {
@@ -149,8 +150,14 @@ __device__ __forceinline__ void producer(const SparseFwdParams& p, SmemPlan<kDqk
             // group: the rope and left lines of tile i are gathered right after this, and prefetching lines that
             // are about to be read measured slower (docs/perf-log.md). Tiles 0 and 1 are gathered at once anyway.
             // Thread chunk c < 4 takes the line of slab 4 + c of each of its rows; valid rows only.
-            if (i >= kStages && ok[k] && chunk < kSlabsPerHalf) {
-                prefetch_l2(row + (kSlabsPerHalf + chunk) * kSw128ColsBf16);
+            // Alternating pipeline with kFlagPrefetchRows: both halves of a stage are refilled with less than a
+            // tile of cover there (docs/sparse-fwd.md), so thread chunk c takes slab c, i.e. all value columns.
+            if (i >= kStages && ok[k]) {
+                if (pf_rows) {
+                    prefetch_l2(row + chunk * kSw128ColsBf16);
+                } else if (chunk < kSlabsPerHalf) {
+                    prefetch_l2(row + (kSlabsPerHalf + chunk) * kSw128ColsBf16);
+                }
             }
         }
         if (i + 1 < w.n_tiles) load_tile_indices(idx_row, i + 1, w.topk_eff, row_in_pass, idx_next);

@@ -14,6 +14,9 @@ namespace flashmla::sparse_fwd {
 
 // `flags` bits.
 inline constexpr uint32_t kFlagOutVec16 = 1u << 0;  // out base and strides allow 16-byte row-chunk stores
+// Alternating pipeline: the producer prefetches the value columns (slabs 0..7) of every row of tile i into L2 about a
+// tile before gathering it, instead of the right column group only (set by the host for KV tensors beyond L2 reach).
+inline constexpr uint32_t kFlagPrefetchRows = 1u << 1;
 
 struct SparseFwdParams {
     const uint16_t* q;            // [s_q, h_q, d_qk] bf16; strides (q_stride_t, q_stride_h, 1)

@@ -40,6 +40,8 @@ pub const SMEM_BYTES_D512: u32 = 216_064;
 pub const CHUNK_ALIGN_BYTES: u64 = 16;
 /// `flags` bit: `out` rows are 16-byte aligned (`kFlagOutVec16` in params.h).
 pub const FLAG_OUT_VEC16: u32 = 1;
+/// `flags` bit: the alternating pipeline prefetches whole rows into L2 (`kFlagPrefetchRows`).
+pub const FLAG_PREFETCH_ROWS: u32 = 2;
 /// Largest `blockIdx.x` + 1 the driver accepts.
 const MAX_GRID_X: usize = i32::MAX as usize;
 /// log2(e): the kernel keeps logits in base 2, so the host folds it into the scale.
@@ -147,14 +149,29 @@ pub enum SparseFwdPipeline {
 }
 
 /// Largest KV tensor (`s_kv * d_qk * 2` bytes) for which [`pipeline_for`] picks the alternating
-/// pipeline (with `h_q > 64`): its gathers then hit L2 (50 MB on H100). Measured on H100: +3-9% at
-/// V3.2 s_kv 8K (9.4 MB), +4-8% at MODEL1 h_q 128 8K, +2-5% on the small shapes; mixed at 32K
-/// (38 MB), 2-6% slower at 128K, and 2% slower with one head group per token (h_q 64, 8K).
-pub const ALTERNATING_MAX_KV_BYTES: u64 = 16 << 20;
+/// pipeline (with `h_q > 64`). Measured on H100 against the split pipeline, same process, V3.2
+/// shape (`topk` 2048, `d_qk` 576): +5-9% at s_kv 8K-32K, +2-3% at 48K / 64K (72 MiB), equal at
+/// 128K (144 MiB); MODEL1 `h_q` 128 (`topk` 1024, `d_qk` 512): +4% at 8K, -0.6 / -1.5% at 32K /
+/// 64K. With one head group per token (`h_q <= 64`) it measured 2% slower at 8K.
+pub const ALTERNATING_MAX_KV_BYTES: u64 = 80 << 20;
+
+/// KV tensors larger than this make the alternating pipeline prefetch whole rows into L2 a tile
+/// ahead ([`FLAG_PREFETCH_ROWS`]): +1-2.5% from s_kv 16K (18 MiB at `d_qk` 576) up, 1% slower at
+/// 8K-12K, where the gathers hit L2 anyway.
+pub const PREFETCH_ROWS_MIN_KV_BYTES: u64 = 16 << 20;
 
 /// Environment variable that forces a pipeline (`split` or `alternating`) for tests and
 /// benchmarks; any other value, or none, leaves the choice to the KV size.
 pub const PIPELINE_ENV: &str = "FLASHMLA_SPARSE_FWD_PIPELINE";
+
+/// Environment variable that forces the alternating pipeline's L2 prefetch (`rows`: whole rows,
+/// `right`: the right column group only, as the split pipeline does) for benchmarks; any other
+/// value, or none, leaves the choice to the KV size.
+pub const PREFETCH_ENV: &str = "FLASHMLA_SPARSE_FWD_PREFETCH";
+
+fn kv_bytes(s_kv: usize, d_qk: usize) -> u64 {
+    (s_kv as u64).saturating_mul(d_qk as u64 * 2)
+}
 
 /// The pipeline a call uses (see [`ALTERNATING_MAX_KV_BYTES`], [`PIPELINE_ENV`]).
 pub fn pipeline_for(s_kv: usize, d_qk: usize, h_q: usize) -> SparseFwdPipeline {
@@ -163,11 +180,20 @@ pub fn pipeline_for(s_kv: usize, d_qk: usize, h_q: usize) -> SparseFwdPipeline {
         Ok("alternating") => return SparseFwdPipeline::Alternating,
         _ => {}
     }
-    let kv_bytes = (s_kv as u64).saturating_mul(d_qk as u64 * 2);
-    if kv_bytes <= ALTERNATING_MAX_KV_BYTES && h_q > HEADS_PER_CTA {
+    if kv_bytes(s_kv, d_qk) <= ALTERNATING_MAX_KV_BYTES && h_q > HEADS_PER_CTA {
         SparseFwdPipeline::Alternating
     } else {
         SparseFwdPipeline::Split
+    }
+}
+
+/// Whether the alternating pipeline prefetches whole rows (see [`PREFETCH_ROWS_MIN_KV_BYTES`],
+/// [`PREFETCH_ENV`]); the split pipeline ignores the flag.
+pub fn prefetch_rows_for(s_kv: usize, d_qk: usize) -> bool {
+    match std::env::var(PREFETCH_ENV).as_deref() {
+        Ok("rows") => true,
+        Ok("right") => false,
+        _ => kv_bytes(s_kv, d_qk) > PREFETCH_ROWS_MIN_KV_BYTES,
     }
 }
 
@@ -291,8 +317,12 @@ pub fn lower(
         h_q: to_i32("q.shape[1]", dims.h_q)?,
         topk: to_i32("indices.shape[2]", dims.topk)?,
         num_head_groups: to_i32("ceil(h_q / 64)", num_head_groups)?,
-        flags: if rows_aligned(&out.out, CHUNK_ALIGN_BYTES) {
+        flags: (if rows_aligned(&out.out, CHUNK_ALIGN_BYTES) {
             FLAG_OUT_VEC16
+        } else {
+            0
+        }) | if prefetch_rows_for(dims.s_kv, dims.d_qk) {
+            FLAG_PREFETCH_ROWS
         } else {
             0
         },
@@ -397,9 +427,12 @@ mod tests {
 
     #[test]
     fn lowers_the_v32_shape() {
+        if std::env::var_os(PIPELINE_ENV).is_some() || std::env::var_os(PREFETCH_ENV).is_some() {
+            return;
+        }
         let c = case(4096, 128, 576, 32768, 2048);
         let (name, cfg, p) = lower(&c.dims, &args(&c), &c.out).unwrap().unwrap();
-        assert_eq!(name, "sparse_fwd_d576");
+        assert_eq!(name, "sparse_fwd_alt_d576");
         assert_eq!(cfg.grid, (8192, 1, 1));
         assert_eq!(cfg.block, (384, 1, 1));
         assert_eq!(cfg.shared_mem_bytes, SMEM_BYTES_D576);
@@ -410,9 +443,21 @@ mod tests {
         assert_eq!((p.out_stride_t, p.out_stride_h), (128 * 512, 512));
         assert_eq!(
             (p.num_head_groups, p.flags, p.topk_length, p.attn_sink),
-            (2, FLAG_OUT_VEC16, 0, 0)
+            (2, FLAG_OUT_VEC16 | FLAG_PREFETCH_ROWS, 0, 0)
         );
         assert!((p.sm_scale_log2 - 0.1 * LOG2_E).abs() < 1e-7);
+    }
+
+    #[test]
+    fn row_prefetch_starts_beyond_16_mib_of_kv() {
+        if std::env::var_os(PREFETCH_ENV).is_some() {
+            return;
+        }
+        assert!(!prefetch_rows_for(14563, 576));
+        assert!(prefetch_rows_for(14564, 576));
+        assert!(!prefetch_rows_for(16384, 512));
+        assert!(prefetch_rows_for(16385, 512));
+        assert!(prefetch_rows_for(usize::MAX, 576));
     }
 
     #[test]
@@ -423,10 +468,12 @@ mod tests {
         }
         use SparseFwdPipeline::{Alternating, Split};
         assert_eq!(pipeline_for(8192, 576, 128), Alternating);
-        assert_eq!(pipeline_for(14563, 576, 65), Alternating);
-        assert_eq!(pipeline_for(14564, 576, 128), Split);
-        assert_eq!(pipeline_for(32768, 576, 128), Split);
-        assert_eq!(pipeline_for(16384, 512, 128), Alternating);
+        assert_eq!(pipeline_for(65536, 576, 65), Alternating);
+        assert_eq!(pipeline_for(72817, 576, 128), Alternating);
+        assert_eq!(pipeline_for(72818, 576, 128), Split);
+        assert_eq!(pipeline_for(131072, 576, 128), Split);
+        assert_eq!(pipeline_for(81920, 512, 128), Alternating);
+        assert_eq!(pipeline_for(81921, 512, 128), Split);
         assert_eq!(pipeline_for(8192, 512, 64), Split);
         assert_eq!(pipeline_for(usize::MAX, 512, 128), Split);
         let c = case(4096, 128, 576, 8192, 2048);
