@@ -13,7 +13,7 @@ const PAGE: usize = 64;
 /// Quantise and dequantise for both formats; the standard size moves >= 4x the L2 per call.
 pub fn benches(suite: BenchSuite) -> Vec<Bench> {
     let blocks = match suite {
-        BenchSuite::Standard | BenchSuite::Context => 2048, // 131072 tokens: 237 MB moved per V3.2 call
+        BenchSuite::Standard | BenchSuite::Sweep => 2048, // 131072 tokens: 237 MB moved per V3.2 call
         BenchSuite::Small => 64,
     };
     let mut v = Vec::new();

@@ -18,10 +18,11 @@ pub enum BenchSuite {
     Standard,
     /// One small shape per op (smoke test).
     Small,
-    /// The V3.2 sparse shape (`s_q` 4096, `h_q` 128, `d_qk` 576, `topk` 2048) at `s_kv` from 8K to
-    /// 128K in finer steps than the standard suite (sparse forward and backward; the KV-cache ops
-    /// time their standard shapes).
-    Context,
+    /// The V3.2 sparse shape (`s_q` 4096, `h_q` 128, `d_qk` 576) at `topk` 2048 and `s_kv` from 8K
+    /// to 128K in finer steps than the standard suite, then at `s_kv` 8K with `topk` 512 to 8192 (how
+    /// the time splits into per-tile and per-CTA work); sparse forward and backward only, the
+    /// KV-cache ops time their standard shapes.
+    Sweep,
 }
 
 /// Which index pattern the sparse ops use.
