@@ -24,10 +24,12 @@ pub fn shapes(suite: BenchSuite) -> Vec<(usize, usize, usize, usize, usize)> {
         }
         BenchSuite::Small => vec![(1024, 2048, 128, 576, 512)],
         BenchSuite::Sweep => {
-            let mut v: Vec<_> = [8192, 12288, 16384, 20480, 24576, 32768, 49152, 65536, 131072]
-                .into_iter()
-                .map(|s_kv| (4096, s_kv, 128, 576, 2048))
-                .collect();
+            let mut v: Vec<_> = [
+                8192, 12288, 16384, 20480, 24576, 32768, 49152, 65536, 131072,
+            ]
+            .into_iter()
+            .map(|s_kv| (4096, s_kv, 128, 576, 2048))
+            .collect();
             v.extend([512, 1024, 4096, 8192].map(|topk| (4096, 8192, 128, 576, topk)));
             v
         }
