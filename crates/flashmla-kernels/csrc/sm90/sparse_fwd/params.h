@@ -15,7 +15,8 @@ namespace flashmla::sparse_fwd {
 // `flags` bits.
 inline constexpr uint32_t kFlagOutVec16 = 1u << 0;  // out base and strides allow 16-byte row-chunk stores
 // Alternating pipeline: the producer prefetches the value columns (slabs 0..7) of every row of tile i into L2 about a
-// tile before gathering it, instead of the right column group only (set by the host for KV tensors beyond L2 reach).
+// tile before gathering it (set by the host for KV tensors beyond L2 reach); without the flag it prefetches nothing.
+// The split pipeline ignores the flag and always prefetches its right column group.
 inline constexpr uint32_t kFlagPrefetchRows = 1u << 1;
 
 struct SparseFwdParams {

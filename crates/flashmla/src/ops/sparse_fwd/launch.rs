@@ -156,8 +156,9 @@ pub enum SparseFwdPipeline {
 pub const ALTERNATING_MAX_KV_BYTES: u64 = 80 << 20;
 
 /// KV tensors larger than this make the alternating pipeline prefetch whole rows into L2 a tile
-/// ahead ([`FLAG_PREFETCH_ROWS`]): +1-2.5% from s_kv 16K (18 MiB at `d_qk` 576) up, 1% slower at
-/// 8K-12K, where the gathers hit L2 anyway.
+/// ahead ([`FLAG_PREFETCH_ROWS`]); smaller ones make it prefetch nothing. Measured on H100 in one
+/// process, V3.2 shape, no prefetch against whole rows: +4.4% at s_kv 8K, +0.6% at 12K, equal at
+/// 16K (18 MiB at `d_qk` 576), -1.5% at 20K / 24K, -2.7% at 32K.
 pub const PREFETCH_ROWS_MIN_KV_BYTES: u64 = 16 << 20;
 
 /// Environment variable that forces a pipeline (`split` or `alternating`) for tests and
@@ -165,8 +166,7 @@ pub const PREFETCH_ROWS_MIN_KV_BYTES: u64 = 16 << 20;
 pub const PIPELINE_ENV: &str = "FLASHMLA_SPARSE_FWD_PIPELINE";
 
 /// Environment variable that forces the alternating pipeline's L2 prefetch (`rows`: whole rows,
-/// `right`: the right column group only, as the split pipeline does) for benchmarks; any other
-/// value, or none, leaves the choice to the KV size.
+/// `off`: none) for benchmarks; any other value, or none, leaves the choice to the KV size.
 pub const PREFETCH_ENV: &str = "FLASHMLA_SPARSE_FWD_PREFETCH";
 
 fn kv_bytes(s_kv: usize, d_qk: usize) -> u64 {
@@ -192,7 +192,7 @@ pub fn pipeline_for(s_kv: usize, d_qk: usize, h_q: usize) -> SparseFwdPipeline {
 pub fn prefetch_rows_for(s_kv: usize, d_qk: usize) -> bool {
     match std::env::var(PREFETCH_ENV).as_deref() {
         Ok("rows") => true,
-        Ok("right") => false,
+        Ok("off") => false,
         _ => kv_bytes(s_kv, d_qk) > PREFETCH_ROWS_MIN_KV_BYTES,
     }
 }
