@@ -149,11 +149,15 @@ pub enum SparseFwdPipeline {
 }
 
 /// Largest KV tensor (`s_kv * d_qk * 2` bytes) for which [`pipeline_for`] picks the alternating
-/// pipeline (with `h_q > 64`). Measured on H100 against the split pipeline, same process, V3.2
-/// shape (`topk` 2048, `d_qk` 576): +5-9% at s_kv 8K-32K, +2-3% at 48K / 64K (72 MiB), equal at
-/// 128K (144 MiB); MODEL1 `h_q` 128 (`topk` 1024, `d_qk` 512): +4% at 8K, -0.6 / -1.5% at 32K /
-/// 64K. With one head group per token (`h_q <= 64`) it measured 2% slower at 8K.
-pub const ALTERNATING_MAX_KV_BYTES: u64 = 80 << 20;
+/// pipeline (with `h_q > 64`) at `d_qk` 512. Measured on H100 against the split pipeline in one
+/// process, MODEL1 `h_q` 128 (`topk` 1024): +4% at s_kv 8K, -0.6 / -1.2% at 32K, -1.5 / -2.9% at 64K
+/// (two machines). With one head group per token (`h_q <= 64`) it measured 2% slower at 8K.
+pub const ALTERNATING_MAX_KV_BYTES: u64 = 16 << 20;
+
+/// The same limit at `d_qk` 576, where the RoPE column group, read first by QK, gives the stage's
+/// refill more cover. V3.2 shape (`topk` 2048), two machines: +5% at s_kv 8K, +5 / +1.5% at 32K,
+/// +3 / +1% at 48K (54 MiB), +2.2 / -0.6% at 64K (72 MiB), 0 / -2.2% at 128K.
+pub const ALTERNATING_MAX_KV_BYTES_D576: u64 = 64 << 20;
 
 /// KV tensors larger than this make the alternating pipeline prefetch whole rows into L2 a tile
 /// ahead ([`FLAG_PREFETCH_ROWS`]); smaller ones make it prefetch nothing. Measured on H100 in one
@@ -173,14 +177,20 @@ fn kv_bytes(s_kv: usize, d_qk: usize) -> u64 {
     (s_kv as u64).saturating_mul(d_qk as u64 * 2)
 }
 
-/// The pipeline a call uses (see [`ALTERNATING_MAX_KV_BYTES`], [`PIPELINE_ENV`]).
+/// The pipeline a call uses (see [`ALTERNATING_MAX_KV_BYTES`], [`ALTERNATING_MAX_KV_BYTES_D576`],
+/// [`PIPELINE_ENV`]).
 pub fn pipeline_for(s_kv: usize, d_qk: usize, h_q: usize) -> SparseFwdPipeline {
     match std::env::var(PIPELINE_ENV).as_deref() {
         Ok("split") => return SparseFwdPipeline::Split,
         Ok("alternating") => return SparseFwdPipeline::Alternating,
         _ => {}
     }
-    if kv_bytes(s_kv, d_qk) <= ALTERNATING_MAX_KV_BYTES && h_q > HEADS_PER_CTA {
+    let max = if d_qk == 576 {
+        ALTERNATING_MAX_KV_BYTES_D576
+    } else {
+        ALTERNATING_MAX_KV_BYTES
+    };
+    if kv_bytes(s_kv, d_qk) <= max && h_q > HEADS_PER_CTA {
         SparseFwdPipeline::Alternating
     } else {
         SparseFwdPipeline::Split
@@ -468,12 +478,12 @@ mod tests {
         }
         use SparseFwdPipeline::{Alternating, Split};
         assert_eq!(pipeline_for(8192, 576, 128), Alternating);
-        assert_eq!(pipeline_for(65536, 576, 65), Alternating);
-        assert_eq!(pipeline_for(72817, 576, 128), Alternating);
-        assert_eq!(pipeline_for(72818, 576, 128), Split);
-        assert_eq!(pipeline_for(131072, 576, 128), Split);
-        assert_eq!(pipeline_for(81920, 512, 128), Alternating);
-        assert_eq!(pipeline_for(81921, 512, 128), Split);
+        assert_eq!(pipeline_for(49152, 576, 65), Alternating);
+        assert_eq!(pipeline_for(58254, 576, 128), Alternating);
+        assert_eq!(pipeline_for(58255, 576, 128), Split);
+        assert_eq!(pipeline_for(65536, 576, 128), Split);
+        assert_eq!(pipeline_for(16384, 512, 128), Alternating);
+        assert_eq!(pipeline_for(16385, 512, 128), Split);
         assert_eq!(pipeline_for(8192, 512, 64), Split);
         assert_eq!(pipeline_for(usize::MAX, 512, 128), Split);
         let c = case(4096, 128, 576, 8192, 2048);
