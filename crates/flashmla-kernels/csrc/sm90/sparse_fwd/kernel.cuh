@@ -216,6 +216,13 @@ __device__ __forceinline__ void store_out_chunk(uint16_t* dst, uint4 v, bool vec
     }
 }
 
+// Zeroes a register array (accumulators before their first use).
+template <int N>
+__device__ __forceinline__ void zero_regs(float (&a)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) a[i] = 0.f;
+}
+
 // Shapes of the consumers' register tiles.
 inline constexpr int kSRegs = kHeadsPerCta * kTileRows / kWarpgroupThreads;       // 32: S, 64 x 64 f32
 inline constexpr int kORegs = kHeadsPerCta * kDvPerConsumer / kWarpgroupThreads;  // 128: O half, 64 x 256 f32
@@ -434,11 +441,9 @@ __device__ __forceinline__ void score_consumer(const SparseFwdParams& p, SmemPla
     const int32_t* idx_row = p.indices + static_cast<int64_t>(w.token) * p.indices_stride_t;
 
     float o[kORegs];
-#pragma unroll
-    for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+    zero_regs(o);
     float s[kSRegs];
-#pragma unroll
-    for (int i = 0; i < kSRegs; ++i) s[i] = 0.f;
+    zero_regs(s);
     float m_run[2] = {-kInf, -kInf};  // running max of the base-2 logits (max_logits)
     float m_ref[2] = {-kInf, -kInf};  // reference P, O and l are relative to (lazy: m_run - 8 < m_ref <= m_run)
     float row_sum[2] = {0.f, 0.f};    // this thread's partial sum of P over its columns, relative to m_ref
@@ -596,8 +601,7 @@ __device__ __forceinline__ void value_consumer(const SparseFwdParams& p, SmemPla
     const int rows[2] = {f.row0, f.row1()};
 
     float o[kORegs];
-#pragma unroll
-    for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+    zero_regs(o);
 
     // The output is staged in the Q region, which the producer filled with cp.async: observe that directly.
     if (w.n_tiles > 0) MBarrier::wait(&sm.q_full, 0);
@@ -685,11 +689,9 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
     const int n = w.n_tiles;
 
     float o[kORegs];
-#pragma unroll
-    for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+    zero_regs(o);
     float s[kSRegs];
-#pragma unroll
-    for (int i = 0; i < kSRegs; ++i) s[i] = 0.f;
+    zero_regs(s);
     float l[2] = {0.f, 0.f};            // this consumer's partial row sums, relative to the latest reference
     float m_ref[2] = {-kInf, -kInf};  // chain state after the latest tile this consumer saw
     float m_run[2] = {-kInf, -kInf};
