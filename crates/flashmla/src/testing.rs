@@ -66,7 +66,15 @@ pub enum IndexPattern {
     Hot,
     /// Random rows where about a quarter of the entries repeat an earlier entry of the same row (a multiset).
     Duplicates,
+    /// Distinct random rows of a window of [`WINDOW_ROWS`] rows that slides from the first rows to the last ones as
+    /// the token goes from 0 to `s_q - 1`: the tokens that run at the same time select from almost the same rows,
+    /// so a kernel's KV and `d_kv` working set stays small whatever `s_kv` is (a benchmark aid: the best any
+    /// KV-row reordering of random indices could give).
+    Window,
 }
+
+/// Rows of the sliding window of [`IndexPattern::Window`].
+pub const WINDOW_ROWS: usize = 8192;
 
 /// Rows shared by every token under [`IndexPattern::Hot`].
 pub const HOT_ROWS: usize = 96;
@@ -97,6 +105,11 @@ pub fn sparse_indices(
                 }
             }
             IndexPattern::Hot => fill_distinct(rng, row, 0, s_kv.min(HOT_ROWS)),
+            IndexPattern::Window => {
+                let w = s_kv.min(WINDOW_ROWS);
+                let lo = (s_kv - w) * t / s_q.saturating_sub(1).max(1);
+                fill_distinct(rng, row, lo, lo + w)
+            }
             IndexPattern::Duplicates => {
                 fill_distinct(rng, row, 0, s_kv);
                 for j in 1..row.len() {
@@ -588,6 +601,29 @@ mod tests {
         let idx = sparse_indices(&mut r, 4, 100_000, 2048, IndexPattern::Local, 0.0, 0);
         let tail = idx.iter().filter(|&&v| v >= 80_000).count();
         assert!(tail as f64 >= 0.96 * idx.len() as f64 - 1.0);
+    }
+
+    #[test]
+    fn window_indices_slide_with_the_token_and_stay_distinct() {
+        let mut r = rng(11);
+        let (s_q, s_kv, topk) = (5, 40_000, 1024);
+        let idx = sparse_indices(&mut r, s_q, s_kv, topk, IndexPattern::Window, 0.0, 0);
+        for (t, row) in idx.chunks(topk).enumerate() {
+            let lo = (s_kv - WINDOW_ROWS) * t / (s_q - 1);
+            assert!(row
+                .iter()
+                .all(|&v| (lo..lo + WINDOW_ROWS).contains(&(v as usize))));
+            let mut sorted = row.to_vec();
+            sorted.sort_unstable();
+            sorted.dedup();
+            assert_eq!(sorted.len(), topk, "token {t}: distinct rows");
+        }
+        // The last token's window ends at the last row; a KV tensor smaller than the window uses all of it.
+        assert!(idx[(s_q - 1) * topk..]
+            .iter()
+            .any(|&v| v as usize >= s_kv - 512));
+        let small = sparse_indices(&mut r, 3, 300, 200, IndexPattern::Window, 0.0, 0);
+        assert!(small.iter().all(|&v| (0..300).contains(&v)));
     }
 
     #[test]

@@ -32,8 +32,10 @@ pub enum IndexChoice {
     Random,
     /// 31 of 32 indices in the last 20000 rows.
     Local,
-    /// Both.
+    /// Random and local.
     Both,
+    /// Random rows of an 8192-row window that slides with the token (the best a KV-row reordering could give).
+    Window,
 }
 
 /// Arguments of `flashmla bench`.

@@ -2,7 +2,7 @@
 //! then dP, dV, dQ, dK). The timed call is the whole op (workspace zeroing, delta, main kernel, cast, sink
 //! gradient); the record carries the op's extra device memory.
 
-use super::sparse_fwd::{patterns, shapes};
+use super::sparse_fwd::{pattern_name, patterns, shapes};
 use super::{Bench, BenchSuite, IndexChoice, Record};
 use crate::device_ops::SparseBwdOnGpu;
 use flashmla::ops::sparse_bwd::SparseBwdOptions;
@@ -15,11 +15,7 @@ pub fn benches(suite: BenchSuite, choice: IndexChoice) -> Vec<Bench> {
     let mut v = Vec::new();
     for (s_q, s_kv, h_q, d_qk, topk) in shapes(suite) {
         for pattern in patterns(choice) {
-            let name = if pattern == IndexPattern::Random {
-                "random"
-            } else {
-                "local"
-            };
+            let name = pattern_name(pattern);
             let record = Record {
                 op: "sparse_bwd".into(),
                 s_q: Some(s_q),

@@ -42,6 +42,18 @@ pub fn patterns(choice: IndexChoice) -> Vec<IndexPattern> {
         IndexChoice::Random => vec![IndexPattern::Random],
         IndexChoice::Local => vec![IndexPattern::Local],
         IndexChoice::Both => vec![IndexPattern::Random, IndexPattern::Local],
+        IndexChoice::Window => vec![IndexPattern::Window],
+    }
+}
+
+/// The name of an index pattern in the records.
+pub fn pattern_name(pattern: IndexPattern) -> &'static str {
+    match pattern {
+        IndexPattern::Random => "random",
+        IndexPattern::Local => "local",
+        IndexPattern::Window => "window",
+        IndexPattern::Hot => "hot",
+        IndexPattern::Duplicates => "duplicates",
     }
 }
 
@@ -50,11 +62,7 @@ pub fn benches(suite: BenchSuite, choice: IndexChoice) -> Vec<Bench> {
     let mut v = Vec::new();
     for (s_q, s_kv, h_q, d_qk, topk) in shapes(suite) {
         for pattern in patterns(choice) {
-            let name = if pattern == IndexPattern::Random {
-                "random"
-            } else {
-                "local"
-            };
+            let name = pattern_name(pattern);
             let record = Record {
                 op: "sparse_fwd".into(),
                 s_q: Some(s_q),

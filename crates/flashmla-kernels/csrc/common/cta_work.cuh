@@ -16,12 +16,13 @@ struct CtaWork {
     int n_tiles;   // ceil(topk_eff / kTileRows)
 };
 
-// `Params` has num_head_groups, h_q, topk, topk_length (nullable) and topk_length_stride.
+// `Params` has num_head_groups, h_q, topk, topk_length (nullable) and topk_length_stride. `token0`: the first token
+// of the launch (a launch may cover a range of tokens; the host checked that token0 + grid / groups <= s_q).
 template <int kHeadsPerCta, int kTileRows, class Params>
-__device__ __forceinline__ CtaWork cta_work(const Params& p) {
+__device__ __forceinline__ CtaWork cta_work(const Params& p, int token0 = 0) {
     CtaWork w;
     const int group = static_cast<int>(blockIdx.x) % p.num_head_groups;
-    w.token = static_cast<int>(blockIdx.x) / p.num_head_groups;
+    w.token = token0 + static_cast<int>(blockIdx.x) / p.num_head_groups;
     w.head0 = group * kHeadsPerCta;
     w.heads = min(kHeadsPerCta, p.h_q - w.head0);
     w.topk_eff = p.topk;

@@ -61,6 +61,19 @@ static_assert(kWarpgroupThreads * (kProducerRegs + kConsumers * kConsumerRegs) <
 inline constexpr int kThreadsPerRow = kSw128ChunksPerRow;                // 8
 inline constexpr int kRowsPerPass = kWarpgroupThreads / kThreadsPerRow;  // 16
 inline constexpr int kPassesPerTile = kTileRows / kRowsPerPass;          // 4
+
+// Bucketed entry order (SparseBwdParams::kv_buckets > 1; kernel.cuh, "Bucketed order"). Each producer warp keeps a
+// 6-bit bucket id per entry of its quarter of the token's index row in kBucketIdWords registers per lane (5 ids per
+// word, id 63 = no bucket), so a row of at most kMaxBucketedTopk entries can be bucketed; longer rows keep the
+// index order. launch.rs mirrors kMaxKvBuckets and kMaxBucketedTopk (MAX_KV_BUCKETS, MAX_BUCKETED_TOPK).
+inline constexpr int kBucketIdBits = 6;
+inline constexpr uint32_t kNoBucket = (1u << kBucketIdBits) - 1;   // 63: invalid entry, in no bucket
+inline constexpr int kMaxKvBuckets = static_cast<int>(kNoBucket);  // 63: ids 0..62
+inline constexpr int kBucketIdsPerWord = 32 / kBucketIdBits;       // 5
+inline constexpr int kBucketIdWords = 4;
+inline constexpr int kScanSlots = kTileRows / 4;  // 16: tile rows filled by each producer warp
+inline constexpr int kMaxBucketTiles = kBucketIdsPerWord * kBucketIdWords * 32 / kScanSlots;  // 40
+inline constexpr int kMaxBucketedTopk = kMaxBucketTiles * kTileRows;                          // 2560
 static_assert(kHeadsPerCta == kTileRows, "Q/dO and KV tiles share the gather geometry");
 
 // Named barriers among the 256 consumer threads (id 0 is __syncthreads, used only before the role split). The two

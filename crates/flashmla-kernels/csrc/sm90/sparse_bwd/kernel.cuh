@@ -55,6 +55,157 @@ inline constexpr float kInf = __builtin_huge_valf();
 using Ring = RingPos<1>;
 
 
+// The lane index, read with a volatile asm at every use: values derived from it cannot be hoisted out of a loop (the
+// compiler would, keep them in registers for the whole loop, and spill them).
+__device__ __forceinline__ uint32_t lane_id_volatile() {
+    uint32_t l;
+    asm volatile("mov.u32 %0, %%laneid;" : "=r"(l));
+    return l;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Bucketed order (p.kv_buckets = nb > 1: the host picks it when the f32 accumulator plus the KV rows exceed what L2
+// holds, and then launches the grid in waves of co-resident CTAs: launch.rs). The KV rows are split into nb buckets
+// of R = ceil(s_kv / nb) rows, and the producer emits the token's valid entries bucket by bucket, in ascending bucket
+// order: pass b takes, in index-row order, the entries whose row lies in bucket b and packs them into the tiles of
+// 64 as they come; the rows left over at the end of the last tiles are invalid (-1). So the CTA processes the same
+// number of tiles and the same valid entries (duplicates once per occurrence) in another order, and no invalid
+// entry (nothing from one reaches an output anyway). The order is a function of the index row and topk_eff only: a
+// pair's two CTAs have the same row and topk_eff, so their tiles hold the same rows (the dKV exchange pairs rows by
+// position). The CTAs of one wave start together and progress at about the same pace, so they all add into about
+// the same 1/nb of the accumulator and gather from the same 1/nb of kv at any moment: a working set that L2 holds.
+//
+// Each producer warp w fills the 16 tile rows 16 k + 4 w + j (k, j in 0..3) of every tile from its own segment of the
+// index row, positions [16 n_tiles w, 16 n_tiles (w + 1)) clipped to topk_eff (4 segments of 16 n_tiles >= topk_eff
+// positions, each fitting the warp's 16 rows of the n_tiles tiles), making the nb passes over that segment alone: no
+// shared memory, no barrier. At the start of the token the warp loads its segment once and keeps each entry's bucket
+// as a 6-bit id in registers (entry 32 c + lane of the segment: lane `lane`, field c % 5 of word c / 5; kNoBucket for
+// invalid entries and positions past the segment), so the passes touch no memory: per 32-entry chunk one ballot of
+// the entries in the current bucket and popc ranks; a tile's 16 slots (slot s = 4 k + j in lane s) record segment
+// positions, whose indices are loaded once per tile (one round trip) and handed out with shuffles. A chunk that
+// yields more than the tile needs leaves the cursor just after the last entry taken.
+
+// Whether this CTA's row is bucketed (uniform over the CTA, and over a pair: same n_tiles).
+__device__ __forceinline__ bool bucketed_row(const SparseBwdParams& p, const CtaWork& w) {
+    return p.kv_buckets > 1 && p.kv_buckets <= kMaxKvBuckets && w.n_tiles <= kMaxBucketTiles;
+}
+
+// Lane of the r-th (from 0) set bit of m; r < popc(m).
+__device__ __forceinline__ int nth_set_lane(uint32_t m, int r) {
+    int x = 0;  // the largest x with popc(m & (2^x - 1)) <= r
+#pragma unroll
+    for (int step = 16; step > 0; step >>= 1) {
+        if (__popc(m & ((1u << (x + step)) - 1u)) <= r) x += step;
+    }
+    return x;
+}
+
+// First position of a producer warp's segment of the index row (its end: the next warp's start, or topk_eff).
+__device__ __forceinline__ int bucket_segment_begin(const CtaWork& w, int warp) {
+    return min(kScanSlots * w.n_tiles * warp, w.topk_eff);  // kScanSlots * n_tiles <= 640
+}
+
+// A producer warp's bucket ids and its cursor between tiles, in as few registers as possible (the producer has 40).
+// `cursor` is warp-uniform: bits 0-9 the next segment position of the current pass, bits 10-15 the bucket of the
+// current pass (0..nb; nb: done), bits 16-20 the chunks of 32 in the segment.
+struct BucketScan {
+    uint32_t ids[kBucketIdWords];  // this lane's entries of the segment: bucket ids, pass b takes id b
+    uint32_t cursor;
+};
+inline constexpr int kCursorStepShift = 10;
+inline constexpr int kCursorChunksShift = 16;
+static_assert(kScanSlots * kMaxBucketTiles <= (1 << kCursorStepShift) && kMaxKvBuckets < (1 << 6) &&
+                  kBucketIdsPerWord * kBucketIdWords < (1 << 5),
+              "cursor fields");
+
+// Loads this warp's segment of the index row and computes its bucket ids; the cursor starts at pass 0.
+__device__ __forceinline__ void bucket_scan_init(const SparseBwdParams& p, const int32_t* idx_row, const CtaWork& w,
+                                                 int warp, BucketScan& sc) {
+    const int nb = p.kv_buckets;
+    const int rows = p.s_kv / nb + (p.s_kv % nb != 0 ? 1 : 0);  // R = ceil(s_kv / nb) without overflow
+    // v / R by a float reciprocal (20 divisions otherwise): off by one at most near a bucket boundary, which only
+    // moves the entry to a neighbouring bucket; the clamp keeps every valid entry in a bucket.
+    const float inv_rows = 1.0f / static_cast<float>(max(rows, 1));
+    const int lane = static_cast<int>(lane_id_volatile());
+    const int begin = bucket_segment_begin(w, warp);
+    const int end = warp + 1 < 4 ? bucket_segment_begin(w, warp + 1) : w.topk_eff;
+    const int32_t* src = idx_row + begin + lane;  // one base: the 20 loads differ by immediate offsets
+    const int len = end - begin - lane;
+#pragma unroll
+    for (int wd = 0; wd < kBucketIdWords; ++wd) {
+        uint32_t word = 0;
+#pragma unroll
+        for (int f = 0; f < kBucketIdsPerWord; ++f) {
+            const int j = 32 * (kBucketIdsPerWord * wd + f);
+            const int v = j < len ? __ldg(src + j) : -1;
+            uint32_t id = kNoBucket;
+            if (v >= 0 && v < p.s_kv) {
+                id = static_cast<uint32_t>(min(static_cast<int>(static_cast<float>(v) * inv_rows), nb - 1));
+            }
+            word |= id << (kBucketIdBits * f);
+        }
+        sc.ids[wd] = word;
+    }
+    const uint32_t n_chunks = static_cast<uint32_t>(end - begin + 31) / 32;
+    sc.cursor = (n_chunks << kCursorChunksShift) | (n_chunks > 0 ? 0u : static_cast<uint32_t>(nb) << kCursorStepShift);
+}
+
+// Picks this warp's 16 rows of the next tile and returns this thread's 4 of them (tile row 16 k + row_in_pass, -1
+// when invalid), like load_tile_indices.
+__device__ __forceinline__ void scan_bucket_tile(const SparseBwdParams& p, const int32_t* idx_row, const CtaWork& w,
+                                                 BucketScan& sc, int (&idx)[kPassesPerTile]) {
+    const uint32_t nb = static_cast<uint32_t>(p.kv_buckets);
+    const int lane = static_cast<int>(lane_id_volatile());
+    uint32_t pos = sc.cursor & ((1u << kCursorStepShift) - 1);
+    uint32_t step = (sc.cursor >> kCursorStepShift) & ((1u << (kCursorChunksShift - kCursorStepShift)) - 1);
+    const uint32_t n_chunks = sc.cursor >> kCursorChunksShift;
+    int out = -1;   // segment position of slot `lane` (lanes < 16)
+    int count = 0;  // slots filled
+    while (count < kScanSlots && step < nb) {
+        const uint32_t c = pos / 32;
+        const uint32_t word = c < kBucketIdsPerWord       ? sc.ids[0]
+                              : c < 2 * kBucketIdsPerWord ? sc.ids[1]
+                              : c < 3 * kBucketIdsPerWord ? sc.ids[2]
+                                                          : sc.ids[3];
+        const uint32_t id = (word >> (kBucketIdBits * (c % kBucketIdsPerWord))) & kNoBucket;
+        const uint32_t m = __ballot_sync(0xffffffffu, id == step) & (0xffffffffu << (pos % 32));
+        bool whole = true;
+        if (m != 0) {
+            const int n = __popc(m);
+            const int take = min(n, kScanSlots - count);
+            // Slots [count, count + take) get the chunk's first `take` selected entries: slot `lane` the r-th.
+            const int r = lane - count;
+            if (r >= 0 && r < take) out = static_cast<int>(32 * c) + nth_set_lane(m, r);
+            count += take;
+            if (take < n) {  // the tile is full: resume after the last entry taken (a lane < 31)
+                pos = 32 * c + static_cast<uint32_t>(nth_set_lane(m, take - 1)) + 1;
+                whole = false;
+            }
+        }
+        if (whole) {
+            pos = 32 * (c + 1);
+            if (c + 1 == n_chunks) {
+                pos = 0;
+                ++step;
+            }
+        }
+    }
+    sc.cursor = (n_chunks << kCursorChunksShift) | (step << kCursorStepShift) | pos;
+    // A recorded position lies in the segment (< topk_eff) and holds a valid row. The segment's start is recomputed
+    // from a volatile read of the thread index (hoisted out of the tile loop, its 64-bit offset would spill).
+    uint32_t tid;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    const int v = out >= 0 ? __ldg(idx_row + bucket_segment_begin(w, static_cast<int>(tid / 32)) + out) : -1;
+#pragma unroll
+    for (int k = 0; k < kPassesPerTile; ++k) {
+        // Tile row 16 k + row_in_pass, row_in_pass = 4 warp + lane / 8: slot 4 k + lane / 8.
+        idx[k] = __shfl_sync(0xffffffffu, v, 4 * k + static_cast<int>(lane_id_volatile()) / 8);
+    }
+}
+static_assert(kTileRows == 64 && kRowsPerPass == 16 && kPassesPerTile == 4 && kThreadsPerRow == 8,
+              "scan_bucket_tile: warp w gathers tile rows 16 k + 4 w + lane / 8");
+static_assert(kScanSlots * kMaxBucketTiles <= kBucketIdsPerWord * kBucketIdWords * 32, "ids cover a segment");
+
 // ---------------------------------------------------------------------------------------------------------------
 // Producer warpgroup. Thread t copies 16-byte chunk (t % 8) of one 128-byte slab row; the 16 row groups (t / 8)
 // cover 16 rows per pass, so pass k handles tile row 16k + t/8 (same geometry as the forward).
@@ -90,12 +241,73 @@ __device__ __forceinline__ void publish_group(uint64_t* bar, int pending) {
     MBarrier::arrive(bar);
 }
 
-template <int kDqk, bool kPair>
-__device__ __forceinline__ void producer(const SparseBwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
+// The producer's tile loop: gathers the w.n_tiles KV tiles whose indices come from load_tile_indices (index order)
+// or scan_bucket_tile (kBucketed); `idx_next` holds tile 0's on entry. Indices of tile i + 1 are loaded while tile i
+// is waited for and issued (bucketed order: picked after tile i is issued).
+template <int kDqk, bool kBucketed>
+__device__ __forceinline__ void producer_tiles(const SparseBwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w,
+                                               const int32_t* idx_row, BucketScan& sc,
+                                               int (&idx_next)[kPassesPerTile]) {
     using C = Config<kDqk>;
     // d_qk 576: the last KV slabs double as the exchange / staging slots, refilled after the drain.
     constexpr int kLate = C::kLateSlabs;
     constexpr int kEarly = C::kDqkSlabs - kLate;
+    const int t = static_cast<int>(threadIdx.x);  // 0..127: the producer is warpgroup 0
+    const int row_in_pass = t / kThreadsPerRow;
+    const int chunk = t % kThreadsPerRow;
+    const uint32_t thread_off = sw128_chunk_offset(row_in_pass, chunk);
+    const int chunk_elems = chunk * (kSw128ChunkBytes / 2);
+    const uint16_t* const dummy_src = p.q;  // zero-filled copies' source (see producer)
+    const uint32_t kv_base = smem_addr(sm.kv) + thread_off;
+    for (int i = 0; i < w.n_tiles; ++i) {
+        const uint16_t* src[kPassesPerTile];
+        bool ok[kPassesPerTile];
+        int row[kPassesPerTile];
+#pragma unroll
+        for (int k = 0; k < kPassesPerTile; ++k) {
+            // Invalid: any value < 0 or >= s_kv (including the -1 of the tail). Never dereferenced.
+            ok[k] = idx_next[k] >= 0 && idx_next[k] < p.s_kv;
+            row[k] = ok[k] ? idx_next[k] : -1;
+            src[k] = (ok[k] ? p.kv + static_cast<int64_t>(idx_next[k]) * p.kv_stride_t : dummy_src) + chunk_elems;
+        }
+        if (!kBucketed && i + 1 < w.n_tiles) load_tile_indices(idx_row, i + 1, w.topk_eff, row_in_pass, idx_next);
+
+        // Wait until the previous tile's readers (S, dP, dQ of both consumers) have retired. That also frees
+        // row_idx[i & 1]: its last reader, dKV(i - 2), precedes dQ(i - 1) in both consumers.
+        const Ring pos = Ring::of(i);
+        MBarrier::wait(&sm.kv_empty, pos.empty_parity);
+        if (chunk == 0) {
+#pragma unroll
+            for (int k = 0; k < kPassesPerTile; ++k) sm.row_idx[i & 1][k * kRowsPerPass + row_in_pass] = row[k];
+        }
+#pragma unroll
+        for (int slab = 0; slab < kEarly; ++slab) issue_kv_slab<kDqk>(kv_base, src, ok, slab);
+        // Q / dO are the group before this tile's kEarly slab groups (tile 0 only).
+        if (i == 0) publish_group(&sm.qdo_full, kEarly);
+#pragma unroll
+        for (int slab = 0; slab < kEarly; ++slab) publish_group(&sm.kv_full[slab], kEarly - 1 - slab);
+        if constexpr (kLate > 0) {
+            // The late slabs hold the exchange / staging slots until every consumer thread finished the last chunk of
+            // the previous tile (x_drained completes once per tile; tile 0 passes at once).
+            MBarrier::wait(&sm.x_drained, pos.empty_parity);
+#pragma unroll
+            for (int slab = kEarly; slab < C::kDqkSlabs; ++slab) issue_kv_slab<kDqk>(kv_base, src, ok, slab);
+#pragma unroll
+            for (int slab = kEarly; slab < C::kDqkSlabs; ++slab) {
+                publish_group(&sm.kv_full[slab], C::kDqkSlabs - 1 - slab);
+            }
+        }
+        // Bucketed order: pick tile i + 1 once tile i is issued (its sources no longer need registers; the scan runs
+        // while the consumers compute S, dP and dQ of tile i, before the next kv_empty wait).
+        if constexpr (kBucketed) {
+            if (i + 1 < w.n_tiles) scan_bucket_tile(p, idx_row, w, sc, idx_next);
+        }
+    }
+}
+
+template <int kDqk, bool kPair>
+__device__ __forceinline__ void producer(const SparseBwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
+    using C = Config<kDqk>;
     if (w.n_tiles == 0) return;  // consumers wait for nothing
 
     const int t = static_cast<int>(threadIdx.x);  // 0..127: the producer is warpgroup 0
@@ -134,49 +346,18 @@ __device__ __forceinline__ void producer(const SparseBwdParams& p, SmemPlan<kDqk
         cp_async_commit_group();
     }
 
-    // KV tiles. Indices of tile i + 1 are loaded while tile i is waited for and issued.
+    // KV tiles, in index order or in bucketed order (two instantiations of the tile loop, so that the index-order
+    // one is compiled exactly as without the bucketed order).
     const int32_t* idx_row = p.indices + static_cast<int64_t>(w.token) * p.indices_stride_t;
+    BucketScan sc;
     int idx_next[kPassesPerTile];
-    load_tile_indices(idx_row, 0, w.topk_eff, row_in_pass, idx_next);
-    const uint32_t kv_base = smem_addr(sm.kv) + thread_off;
-    for (int i = 0; i < w.n_tiles; ++i) {
-        const uint16_t* src[kPassesPerTile];
-        bool ok[kPassesPerTile];
-        int row[kPassesPerTile];
-#pragma unroll
-        for (int k = 0; k < kPassesPerTile; ++k) {
-            // Invalid: any value < 0 or >= s_kv (including the -1 of the tail). Never dereferenced.
-            ok[k] = idx_next[k] >= 0 && idx_next[k] < p.s_kv;
-            row[k] = ok[k] ? idx_next[k] : -1;
-            src[k] = (ok[k] ? p.kv + static_cast<int64_t>(idx_next[k]) * p.kv_stride_t : dummy_src) + chunk_elems;
-        }
-        if (i + 1 < w.n_tiles) load_tile_indices(idx_row, i + 1, w.topk_eff, row_in_pass, idx_next);
-
-        // Wait until the previous tile's readers (S, dP, dQ of both consumers) have retired. That also frees
-        // row_idx[i & 1]: its last reader, dKV(i - 2), precedes dQ(i - 1) in both consumers.
-        const Ring pos = Ring::of(i);
-        MBarrier::wait(&sm.kv_empty, pos.empty_parity);
-        if (chunk == 0) {
-#pragma unroll
-            for (int k = 0; k < kPassesPerTile; ++k) sm.row_idx[i & 1][k * kRowsPerPass + row_in_pass] = row[k];
-        }
-#pragma unroll
-        for (int slab = 0; slab < kEarly; ++slab) issue_kv_slab<kDqk>(kv_base, src, ok, slab);
-        // Q / dO are the group before this tile's kEarly slab groups (tile 0 only).
-        if (i == 0) publish_group(&sm.qdo_full, kEarly);
-#pragma unroll
-        for (int slab = 0; slab < kEarly; ++slab) publish_group(&sm.kv_full[slab], kEarly - 1 - slab);
-        if constexpr (kLate > 0) {
-            // The late slabs hold the exchange / staging slots until every consumer thread finished the last chunk of
-            // the previous tile (x_drained completes once per tile; tile 0 passes at once).
-            MBarrier::wait(&sm.x_drained, pos.empty_parity);
-#pragma unroll
-            for (int slab = kEarly; slab < C::kDqkSlabs; ++slab) issue_kv_slab<kDqk>(kv_base, src, ok, slab);
-#pragma unroll
-            for (int slab = kEarly; slab < C::kDqkSlabs; ++slab) {
-                publish_group(&sm.kv_full[slab], C::kDqkSlabs - 1 - slab);
-            }
-        }
+    if (bucketed_row(p, w)) {
+        bucket_scan_init(p, idx_row, w, t / 32, sc);
+        scan_bucket_tile(p, idx_row, w, sc, idx_next);
+        producer_tiles<kDqk, true>(p, sm, w, idx_row, sc, idx_next);
+    } else {
+        load_tile_indices(idx_row, 0, w.topk_eff, row_in_pass, idx_next);
+        producer_tiles<kDqk, false>(p, sm, w, idx_row, sc, idx_next);
     }
 }
 
@@ -258,14 +439,9 @@ __device__ __forceinline__ PairLink pair_link(SmemPlan<kDqk>& sm, int consumer, 
 //     other term of frag_base sets: slots are 128-byte aligned);
 //   row order (pass k in [0, 4), lanes 8 l3 .. 8 l3 + 7): row 4 k + l3, chunk c = lane % 8, i.e.
 //     (row_base ^ ((k & 1) << 6)) + 512 k with row_base = slot + 128 l3 + 16 (c ^ l3).
-// The lane is read with a volatile asm in every call, so the compiler cannot hoist these addresses out of the tile
+// The lane is read with lane_id_volatile in every call, so the compiler cannot hoist these addresses out of the tile
 // loop (it would, and then spill them).
 inline constexpr int kXRowPasses = kXSlotRows * kXChunksPerRow / 32;  // 4: four rows x 128 bytes per instruction
-__device__ __forceinline__ uint32_t lane_id_volatile() {
-    uint32_t l;
-    asm volatile("mov.u32 %0, %%laneid;" : "=r"(l));
-    return l;
-}
 // d_qk 576: reports that this thread's last access of its slot in the tile is done (x_drained, kConsumerThreads
 // arrivals per tile), after which the producer refills the KV slabs the slots alias. EVERY thread arrives, each
 // after its own slot accesses: a lane-0 arrival after __syncwarp() would be just as correct, but ptxas compiles that
@@ -951,7 +1127,7 @@ __device__ __forceinline__ void sparse_bwd_main(const SparseBwdParams& p, uint8_
         __syncthreads();
     }
 
-    const CtaWork w = cta_work<kHeadsPerCta, kTileRows>(p);
+    const CtaWork w = cta_work<kHeadsPerCta, kTileRows>(p, p.token0);
     const int wg = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
     if (wg == 0) {
         setmaxnreg_dec<kProducerRegs>();

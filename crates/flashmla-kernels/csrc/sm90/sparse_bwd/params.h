@@ -71,10 +71,14 @@ struct SparseBwdParams {
     uint32_t flags;               // kFlag* bits
     float sm_scale;               // folded into dS, so d_q and d_kv need no extra scaling
     float sm_scale_log2;          // sm_scale * log2(e): logits are kept in base 2 inside the kernel
+    int32_t kv_buckets;           // main kernel's entry order: 1 = index order; 2..=kMaxKvBuckets = ascending KV-row
+                                  // buckets (kernel.cuh, "Bucketed order"), picked by the host when the accumulator
+                                  // and the KV rows do not fit L2
+    int32_t token0;               // main kernel: first token of this launch (the host may split the grid in waves)
     int32_t reserved;             // keeps the size a multiple of 8; always 0
 };
 
-inline constexpr size_t kSparseBwdParamsBytes = 296;
+inline constexpr size_t kSparseBwdParamsBytes = 304;
 static_assert(sizeof(SparseBwdParams) == kSparseBwdParamsBytes, "mirror of launch.rs SparseBwdParams");
 static_assert(offsetof(SparseBwdParams, q) == 0, "mirror of launch.rs");
 static_assert(offsetof(SparseBwdParams, lse) == 56, "mirror of launch.rs");
@@ -86,6 +90,8 @@ static_assert(offsetof(SparseBwdParams, s_q) == 256, "mirror of launch.rs");
 static_assert(offsetof(SparseBwdParams, flags) == 280, "mirror of launch.rs");
 static_assert(offsetof(SparseBwdParams, sm_scale) == 284, "mirror of launch.rs");
 static_assert(offsetof(SparseBwdParams, sm_scale_log2) == 288, "mirror of launch.rs");
-static_assert(offsetof(SparseBwdParams, reserved) == 292, "mirror of launch.rs");
+static_assert(offsetof(SparseBwdParams, kv_buckets) == 292, "mirror of launch.rs");
+static_assert(offsetof(SparseBwdParams, token0) == 296, "mirror of launch.rs");
+static_assert(offsetof(SparseBwdParams, reserved) == 300, "mirror of launch.rs");
 
 }  // namespace flashmla::sparse_bwd

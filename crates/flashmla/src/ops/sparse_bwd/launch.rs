@@ -30,6 +30,15 @@
 //!
 //! `d_kv` is accumulated with f32 atomics, so its low bits depend on the order in which CTAs add
 //! (not bitwise reproducible run to run); `d_q`, `delta` and `d_attn_sink` are deterministic.
+//!
+//! **Entry order and waves.** When the accumulator plus the KV rows do not fit L2 ([`kv_buckets`]),
+//! the main kernel walks each token's entries in ascending KV-row buckets, and the host launches it
+//! in waves of as many tokens as the GPU runs at once ([`SparseBwdPlan::split_main_in_waves`]): the
+//! CTAs of a wave start together and keep in step, so at any moment they all add into (and gather
+//! from) about the same `1 / nb` of the accumulator (and of `kv`), which L2 holds. Experiment aid:
+//! the environment variable `FLASHMLA_SPARSE_BWD_KV_BUCKETS=n` ([`KV_BUCKETS_ENV`]) replaces the
+//! host's choice for every call of the process (1 = index order in one launch, clamped to
+//! 1..=[`MAX_KV_BUCKETS`]); results are the same up to the f32 reduction order.
 
 use super::{SparseBwdArgs, SparseBwdDims, SparseBwdOutput};
 use crate::cuda::{Gpu, LaunchConfig};
@@ -84,6 +93,20 @@ pub const FLAG_FIXED_POINT: u32 = 1 << 5;
 pub const FLAG_DRAIN_FIRST: u32 = 1 << 6;
 /// Accumulator (f32) plus KV (bf16) bytes above which `FLAG_DRAIN_FIRST` is set: most of the H100's 50 MB L2.
 const DRAIN_FIRST_MIN_BYTES: usize = 40 << 20;
+/// Most KV-row buckets the main kernel takes (`kMaxKvBuckets`: 6-bit bucket ids, one value reserved).
+pub const MAX_KV_BUCKETS: usize = 63;
+/// Longest index row (`topk`) the main kernel buckets (`kMaxBucketedTopk`: the bucket ids of a row
+/// live in the producer's registers); longer rows keep the index order.
+pub const MAX_BUCKETED_TOPK: usize = 2560;
+/// Shortest index row (`topk`) the host buckets ([`kv_buckets`]).
+pub const MIN_BUCKETED_TOPK: usize = 1024;
+/// Accumulator plus KV bytes up to which the index order is kept: that much stays L2-resident on an
+/// H100 (50 MB L2) anyway (the same threshold as `FLAG_DRAIN_FIRST`).
+pub const KV_BUCKETS_OFF_BYTES: usize = DRAIN_FIRST_MIN_BYTES;
+/// Accumulator plus KV bytes per bucket: what the CTAs of a wave touch at a time, well inside L2.
+pub const KV_BUCKET_BYTES: usize = 8 << 20;
+/// Environment variable that overrides [`kv_buckets`] (an experiment aid; module docs).
+pub const KV_BUCKETS_ENV: &str = "FLASHMLA_SPARSE_BWD_KV_BUCKETS";
 /// 4-byte words per accumulator value in deterministic mode (int64 fixed point).
 const FIXED_POINT_WORDS: usize = 2;
 /// Largest `blockIdx.x` + 1 the driver accepts.
@@ -186,12 +209,17 @@ pub struct SparseBwdParams {
     pub sm_scale: f32,
     /// `sm_scale * log2(e)`.
     pub sm_scale_log2: f32,
+    /// Entry order of the main kernel: 1 = index order, 2..=[`MAX_KV_BUCKETS`] = ascending KV-row
+    /// buckets ([`kv_buckets`]).
+    pub kv_buckets: i32,
+    /// First token of a main-kernel launch (set per launch: [`Launch::token0`]).
+    pub token0: i32,
     /// Always 0.
     pub reserved: i32,
 }
 
 const _: () = {
-    assert!(size_of::<SparseBwdParams>() == 296);
+    assert!(size_of::<SparseBwdParams>() == 304);
     assert!(offset_of!(SparseBwdParams, q) == 0);
     assert!(offset_of!(SparseBwdParams, lse) == 56);
     assert!(offset_of!(SparseBwdParams, dkv_acc) == 88);
@@ -202,7 +230,9 @@ const _: () = {
     assert!(offset_of!(SparseBwdParams, flags) == 280);
     assert!(offset_of!(SparseBwdParams, sm_scale) == 284);
     assert!(offset_of!(SparseBwdParams, sm_scale_log2) == 288);
-    assert!(offset_of!(SparseBwdParams, reserved) == 292);
+    assert!(offset_of!(SparseBwdParams, kv_buckets) == 292);
+    assert!(offset_of!(SparseBwdParams, token0) == 296);
+    assert!(offset_of!(SparseBwdParams, reserved) == 300);
 };
 
 /// Choices of a GPU backward call that the arguments do not carry.
@@ -242,6 +272,8 @@ pub struct Launch {
     pub kernel: &'static str,
     /// Geometry.
     pub cfg: LaunchConfig,
+    /// First token ([`SparseBwdParams::token0`]) of a main-kernel launch; 0 for the others.
+    pub token0: usize,
 }
 
 /// Where the main kernel adds `d_kv`.
@@ -278,6 +310,35 @@ pub fn workspace_shape(dims: &SparseBwdDims, options: &SparseBwdOptions) -> [usi
         1
     };
     [dims.fwd.s_kv, words * dims.fwd.d_qk]
+}
+
+/// How many KV-row buckets the main kernel walks each token's entries in (1: index order, one
+/// launch). The accumulator (f32, or int64 fixed point in deterministic mode) and the bf16 KV rows
+/// together take `s_kv * d_qk * (4 or 8 + 2)` bytes; above [`KV_BUCKETS_OFF_BYTES`] the rows are
+/// split into `ceil(bytes / KV_BUCKET_BYTES)` buckets, at most [`MAX_KV_BUCKETS`] and at most one
+/// per tile of a full index row. Example: V3.2 (s_kv 32768, d_qk 576, topk 2048): 113 MB -> 14
+/// buckets of 2341 rows. Rows shorter than [`MIN_BUCKETED_TOPK`] or longer than
+/// [`MAX_BUCKETED_TOPK`] keep the index order.
+pub fn kv_buckets(dims: &SparseBwdDims, options: &SparseBwdOptions) -> i32 {
+    let f = &dims.fwd;
+    if !(MIN_BUCKETED_TOPK..=MAX_BUCKETED_TOPK).contains(&f.topk) {
+        return 1;
+    }
+    let acc_bytes = if options.deterministic { 8 } else { 4 };
+    let bytes = f.s_kv.saturating_mul(f.d_qk).saturating_mul(acc_bytes + 2);
+    if bytes <= KV_BUCKETS_OFF_BYTES {
+        return 1;
+    }
+    let cap = f.topk.div_ceil(TILE_ROWS).min(MAX_KV_BUCKETS);
+    // <= MAX_KV_BUCKETS: fits i32.
+    bytes.div_ceil(KV_BUCKET_BYTES).clamp(2, cap.max(2)) as i32
+}
+
+/// [`KV_BUCKETS_ENV`], if set to a number: clamped to 1..=[`MAX_KV_BUCKETS`].
+fn kv_buckets_override() -> Option<i32> {
+    let v = std::env::var(KV_BUCKETS_ENV).ok()?;
+    let n: usize = v.trim().parse().ok()?;
+    Some(n.clamp(1, MAX_KV_BUCKETS) as i32)
 }
 
 /// Main kernel symbol and dynamic shared memory for a `d_qk` (f32 or fixed-point reduction; `pair`:
@@ -498,6 +559,8 @@ pub fn lower(
         flags,
         sm_scale: args.sm_scale,
         sm_scale_log2,
+        kv_buckets: kv_buckets(dims, options),
+        token0: 0,
         reserved: 0,
     };
 
@@ -517,6 +580,7 @@ pub fn lower(
                 stream_ctas(acc_values / ZERO_VALUES_PER_ITEM),
                 SMALL_THREADS,
             )?,
+            token0: 0,
         });
     }
     if rows > 0 {
@@ -524,6 +588,7 @@ pub fn lower(
             stage: Stage::Delta,
             kernel: "sparse_bwd_delta",
             cfg: linear(rows.div_ceil(DELTA_ROWS_PER_CTA), SMALL_THREADS)?,
+            token0: 0,
         });
         let ctas = f
             .s_q
@@ -548,6 +613,7 @@ pub fn lower(
                 shared_mem_bytes: smem,
                 cluster,
             },
+            token0: 0,
         });
     }
     if acc_values > 0 && accumulator == Accumulator::Workspace {
@@ -558,6 +624,7 @@ pub fn lower(
                 stream_ctas(acc_values / FINALIZE_VALUES_PER_ITEM),
                 SMALL_THREADS,
             )?,
+            token0: 0,
         });
     }
     if args.attn_sink.is_some() {
@@ -565,6 +632,7 @@ pub fn lower(
             stage: Stage::SinkGrad,
             kernel: "sparse_bwd_sink_grad",
             cfg: linear(f.h_q, SMALL_THREADS)?,
+            token0: 0,
         });
     }
     Ok(SparseBwdPlan {
@@ -576,6 +644,38 @@ pub fn lower(
 }
 
 impl SparseBwdPlan {
+    /// With a bucketed entry order (`params.kv_buckets > 1`), replaces the main-kernel launch by
+    /// launches of at most `sm_count / num_head_groups` tokens each (one CTA per SM: the tokens the
+    /// GPU runs at once), in token order, so that the CTAs of each launch start together and walk
+    /// their buckets in step. Does nothing in index order.
+    pub fn split_main_in_waves(&mut self, sm_count: usize) {
+        if self.params.kv_buckets <= 1 {
+            return;
+        }
+        let Some(at) = self.launches.iter().position(|l| l.stage == Stage::Main) else {
+            return;
+        };
+        let main = self.launches[at];
+        let groups = self.params.num_head_groups.max(1) as usize;
+        let s_q = self.params.s_q.max(0) as usize;
+        let wave = (sm_count / groups).max(1);
+        let waves: Vec<Launch> = (0..s_q.div_ceil(wave))
+            .map(|k| {
+                let token0 = k * wave;
+                let tokens = wave.min(s_q - token0);
+                let mut cfg = main.cfg;
+                // <= the single launch's grid, which fits u32.
+                cfg.grid.0 = (tokens * groups) as u32;
+                Launch {
+                    token0,
+                    cfg,
+                    ..main
+                }
+            })
+            .collect();
+        self.launches.splice(at..=at, waves);
+    }
+
     /// Whether the plan accumulates into a workspace that [`Self::set_workspace`] must provide
     /// (false when the accumulator is `d_kv` itself or `d_kv` is empty).
     pub fn needs_workspace(&self) -> bool {
@@ -638,6 +738,10 @@ pub(crate) fn launch(
     let device = Location::Cuda(gpu.ordinal());
     expect_location("q", args.q, device)?;
     let mut plan = lower(dims, args, out, options)?;
+    if let Some(nb) = kv_buckets_override() {
+        plan.params.kv_buckets = nb;
+    }
+    plan.split_main_in_waves(gpu.info().sm_count as usize);
     // Owned workspace, if any: dropped (freed in stream order, after the launches) on return.
     let mut _owned = None;
     if plan.needs_workspace() {
@@ -665,7 +769,10 @@ pub(crate) fn launch(
         // (its release is stream-ordered). The kernels read q/kv/out/d_out/lse/indices inside their
         // views (kv only at indices in 0..s_kv), write d_q, delta, d_attn_sink and the accumulator /
         // d_kv rows inside theirs; by the DeviceView contract outputs do not alias inputs.
-        unsafe { gpu.launch(&kernel, &l.cfg, &plan.params)? };
+        let mut params = plan.params;
+        // < s_q, which fits i32 (lower checked).
+        params.token0 = l.token0 as i32;
+        unsafe { gpu.launch(&kernel, &l.cfg, &params)? };
     }
     Ok(())
 }
@@ -944,6 +1051,76 @@ mod tests {
         assert_eq!(flags(8192), 0); // 28 MB: L2-resident
         assert_eq!(flags(16384), FLAG_DRAIN_FIRST); // 57 MB
         assert_eq!(flags(131072), FLAG_DRAIN_FIRST);
+    }
+
+    #[test]
+    fn kv_buckets_follow_the_l2_budget() {
+        let nb = |s_kv, d_qk, topk, det| {
+            let c = case(1, 128, d_qk, s_kv, topk, DType::Bf16);
+            let o = SparseBwdOptions {
+                deterministic: det,
+                ..Default::default()
+            };
+            kv_buckets(&c.dims, &o)
+        };
+        // V3.2 (d_qk 576, topk 2048): 8K fits L2 (28 MB); beyond, 8 MiB per bucket, at most one per tile.
+        assert_eq!(nb(8192, 576, 2048, false), 1);
+        assert_eq!(nb(16384, 576, 2048, false), 7);
+        assert_eq!(nb(32768, 576, 2048, false), 14);
+        assert_eq!(nb(65536, 576, 2048, false), 27);
+        assert_eq!(nb(131072, 576, 2048, false), 32);
+        assert_eq!(nb(usize::MAX / 2, 576, 2048, false), 32);
+        // The fixed-point accumulator (8 bytes per value).
+        assert_eq!(nb(8192, 576, 2048, true), 6);
+        // MODEL1 h_q 128 (topk 1024); rows outside the kernel's range keep the index order.
+        assert_eq!(nb(32768, 512, 1024, false), 12);
+        assert_eq!(nb(131072, 576, MIN_BUCKETED_TOPK - 1, false), 1);
+        assert_eq!(nb(32768, 576, MAX_BUCKETED_TOPK, false), 14);
+        assert_eq!(nb(32768, 576, MAX_BUCKETED_TOPK + 1, false), 1);
+        assert_eq!(nb(95, 576, 128, false), 1);
+        assert_eq!(nb(0, 576, 2048, false), 1);
+    }
+
+    #[test]
+    fn bucketed_plans_launch_the_main_kernel_in_waves_of_resident_tokens() {
+        let c = case(200, 128, 576, 32768, 2048, DType::Bf16);
+        let mut p = plan(&c, &SparseBwdOptions::default()).unwrap();
+        assert_eq!(p.params.kv_buckets, 14);
+        let before = p.launches.len();
+        p.split_main_in_waves(132);
+        let mains: Vec<Launch> = p
+            .launches
+            .iter()
+            .copied()
+            .filter(|l| l.stage == Stage::Main)
+            .collect();
+        // 66 two-CTA clusters per wave: tokens 0..66, 66..132, 132..198, 198..200.
+        assert_eq!(
+            mains
+                .iter()
+                .map(|l| (l.token0, l.cfg.grid.0))
+                .collect::<Vec<_>>(),
+            vec![(0, 132), (66, 132), (132, 132), (198, 4)]
+        );
+        assert!(mains.iter().all(|l| l.cfg.cluster == Some((2, 1, 1))));
+        assert_eq!(p.launches.len(), before + 3);
+        // Stream order is kept: zeroing and delta before the waves, finalisation after.
+        assert_eq!(
+            stages(&p),
+            [
+                vec![Stage::ZeroAcc, Stage::Delta],
+                vec![Stage::Main; 4],
+                vec![Stage::Finalize]
+            ]
+            .concat()
+        );
+        // Index order: one launch, whatever the GPU.
+        let small = case(200, 128, 576, 4096, 2048, DType::Bf16);
+        let mut p = plan(&small, &SparseBwdOptions::default()).unwrap();
+        assert_eq!(p.params.kv_buckets, 1);
+        let one = p.clone();
+        p.split_main_in_waves(132);
+        assert_eq!(p, one);
     }
 
     #[test]
