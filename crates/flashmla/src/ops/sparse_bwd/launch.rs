@@ -98,11 +98,20 @@ pub const MAX_KV_BUCKETS: usize = 63;
 /// Longest index row (`topk`) the main kernel buckets (`kMaxBucketedTopk`: the bucket ids of a row
 /// live in the producer's registers); longer rows keep the index order.
 pub const MAX_BUCKETED_TOPK: usize = 2560;
-/// Shortest index row (`topk`) the host buckets ([`kv_buckets`]).
-pub const MIN_BUCKETED_TOPK: usize = 1024;
+/// Shortest index row (`topk`) the host buckets with two head groups per token (pair mode): MODEL1's
+/// topk 1024 at h_q 128 measured 6% slower with buckets at s_kv 32K (16 tiles per token: the waves'
+/// tails weigh more).
+pub const MIN_BUCKETED_TOPK_PAIR: usize = 2048;
+/// Shortest index row (`topk`) the host buckets with one head group (solo mode, `h_q <= 64`), which
+/// reduces twice the bytes per head and gains more (MODEL1 h_q 64, topk 512: +13% at s_kv 32K).
+pub const MIN_BUCKETED_TOPK_SOLO: usize = 512;
 /// Accumulator plus KV bytes up to which the index order is kept: that much stays L2-resident on an
 /// H100 (50 MB L2) anyway (the same threshold as `FLAG_DRAIN_FIRST`).
 pub const KV_BUCKETS_OFF_BYTES: usize = DRAIN_FIRST_MIN_BYTES;
+/// Accumulator plus KV bytes beyond which the index order is kept again: measured at V3.2 s_kv 128K
+/// (453 MB), 7 buckets (65 MB each) ran 1% slower than the index order and 32 buckets (14 MB each,
+/// one tile per token and bucket) 8% slower: the CTAs of a wave drift apart by more than a bucket.
+pub const KV_BUCKETS_MAX_BYTES: usize = 256 << 20;
 /// Accumulator plus KV bytes per bucket: what the CTAs of a wave touch at a time, well inside L2.
 pub const KV_BUCKET_BYTES: usize = 8 << 20;
 /// Environment variable that overrides [`kv_buckets`] (an experiment aid; module docs).
@@ -314,19 +323,25 @@ pub fn workspace_shape(dims: &SparseBwdDims, options: &SparseBwdOptions) -> [usi
 
 /// How many KV-row buckets the main kernel walks each token's entries in (1: index order, one
 /// launch). The accumulator (f32, or int64 fixed point in deterministic mode) and the bf16 KV rows
-/// together take `s_kv * d_qk * (4 or 8 + 2)` bytes; above [`KV_BUCKETS_OFF_BYTES`] the rows are
-/// split into `ceil(bytes / KV_BUCKET_BYTES)` buckets, at most [`MAX_KV_BUCKETS`] and at most one
-/// per tile of a full index row. Example: V3.2 (s_kv 32768, d_qk 576, topk 2048): 113 MB -> 14
-/// buckets of 2341 rows. Rows shorter than [`MIN_BUCKETED_TOPK`] or longer than
+/// together take `s_kv * d_qk * (4 or 8 + 2)` bytes; between [`KV_BUCKETS_OFF_BYTES`] and
+/// [`KV_BUCKETS_MAX_BYTES`] the rows are split into `ceil(bytes / KV_BUCKET_BYTES)` buckets, at most
+/// one per tile of a full index row. Example: V3.2 (s_kv 32768, d_qk 576, topk 2048, h_q 128): 113
+/// MB -> 14 buckets of 2341 rows (measured +11.5% against the index order; 7 buckets: +7%). Rows
+/// shorter than [`MIN_BUCKETED_TOPK_PAIR`] / [`MIN_BUCKETED_TOPK_SOLO`] or longer than
 /// [`MAX_BUCKETED_TOPK`] keep the index order.
 pub fn kv_buckets(dims: &SparseBwdDims, options: &SparseBwdOptions) -> i32 {
     let f = &dims.fwd;
-    if !(MIN_BUCKETED_TOPK..=MAX_BUCKETED_TOPK).contains(&f.topk) {
+    let min_topk = if f.h_q > HEADS_PER_CTA {
+        MIN_BUCKETED_TOPK_PAIR
+    } else {
+        MIN_BUCKETED_TOPK_SOLO
+    };
+    if !(min_topk..=MAX_BUCKETED_TOPK).contains(&f.topk) {
         return 1;
     }
     let acc_bytes = if options.deterministic { 8 } else { 4 };
     let bytes = f.s_kv.saturating_mul(f.d_qk).saturating_mul(acc_bytes + 2);
-    if bytes <= KV_BUCKETS_OFF_BYTES {
+    if bytes <= KV_BUCKETS_OFF_BYTES || bytes > KV_BUCKETS_MAX_BYTES {
         return 1;
     }
     let cap = f.topk.div_ceil(TILE_ROWS).min(MAX_KV_BUCKETS);
@@ -1055,30 +1070,33 @@ mod tests {
 
     #[test]
     fn kv_buckets_follow_the_l2_budget() {
-        let nb = |s_kv, d_qk, topk, det| {
-            let c = case(1, 128, d_qk, s_kv, topk, DType::Bf16);
+        let nb = |h_q, s_kv, d_qk, topk, det| {
+            let c = case(1, h_q, d_qk, s_kv, topk, DType::Bf16);
             let o = SparseBwdOptions {
                 deterministic: det,
                 ..Default::default()
             };
             kv_buckets(&c.dims, &o)
         };
-        // V3.2 (d_qk 576, topk 2048): 8K fits L2 (28 MB); beyond, 8 MiB per bucket, at most one per tile.
-        assert_eq!(nb(8192, 576, 2048, false), 1);
-        assert_eq!(nb(16384, 576, 2048, false), 7);
-        assert_eq!(nb(32768, 576, 2048, false), 14);
-        assert_eq!(nb(65536, 576, 2048, false), 27);
-        assert_eq!(nb(131072, 576, 2048, false), 32);
-        assert_eq!(nb(usize::MAX / 2, 576, 2048, false), 32);
+        // V3.2 (d_qk 576, topk 2048): 8K fits L2 (28 MB); then 8 MiB per bucket; 128K (453 MB) is too big.
+        assert_eq!(nb(128, 8192, 576, 2048, false), 1);
+        assert_eq!(nb(128, 16384, 576, 2048, false), 7);
+        assert_eq!(nb(128, 32768, 576, 2048, false), 14);
+        assert_eq!(nb(128, 65536, 576, 2048, false), 27);
+        assert_eq!(nb(128, 131072, 576, 2048, false), 1);
+        assert_eq!(nb(128, usize::MAX / 2, 576, 2048, false), 1);
         // The fixed-point accumulator (8 bytes per value).
-        assert_eq!(nb(8192, 576, 2048, true), 6);
-        // MODEL1 h_q 128 (topk 1024); rows outside the kernel's range keep the index order.
-        assert_eq!(nb(32768, 512, 1024, false), 12);
-        assert_eq!(nb(131072, 576, MIN_BUCKETED_TOPK - 1, false), 1);
-        assert_eq!(nb(32768, 576, MAX_BUCKETED_TOPK, false), 14);
-        assert_eq!(nb(32768, 576, MAX_BUCKETED_TOPK + 1, false), 1);
-        assert_eq!(nb(95, 576, 128, false), 1);
-        assert_eq!(nb(0, 576, 2048, false), 1);
+        assert_eq!(nb(128, 8192, 576, 2048, true), 6);
+        // MODEL1: h_q 128 / topk 1024 keeps the index order; h_q 64 / topk 512 (solo) buckets, one per tile.
+        assert_eq!(nb(128, 32768, 512, 1024, false), 1);
+        assert_eq!(nb(64, 32768, 512, 512, false), 8);
+        assert_eq!(nb(64, 32768, 576, 2048, false), 14);
+        assert_eq!(nb(64, 32768, 512, MIN_BUCKETED_TOPK_SOLO - 1, false), 1);
+        // Rows outside the kernel's range; tiny shapes.
+        assert_eq!(nb(128, 32768, 576, MAX_BUCKETED_TOPK, false), 14);
+        assert_eq!(nb(128, 32768, 576, MAX_BUCKETED_TOPK + 1, false), 1);
+        assert_eq!(nb(128, 95, 576, 128, false), 1);
+        assert_eq!(nb(128, 0, 576, 2048, false), 1);
     }
 
     #[test]
