@@ -8,7 +8,9 @@
 //                    chunks straight into the 128B-swizzled layout; invalid rows zero-filled without being read).
 //                    Each slab is one cp.async group: the producer waits for it, issues the generic->async proxy
 //                    fence itself and then arrives on the slab's barrier, so the consumers never fence. Tile i+1 is
-//                    gathered as soon as both consumers' dQ(i) retired, i.e. during dKV(i).
+//                    gathered as soon as both consumers' dQ(i) retired, i.e. during dKV(i). When the host asks for
+//                    it (p.kv_buckets > 1: accumulator + KV larger than L2, grid launched in waves) the entries go in
+//                    ascending KV-row bucket order ("Bucketed order" below).
 //   WG 1, 2 (consumers c = 0, 1), per tile:
 //     c = 0: S = Q K^T, c = 1: dP = dO V^T, each over all 64 tile rows           (wgmma 64x64, K = d_qk / 512)
 //     c = 0: P = exp2(S * sm_scale * log2e - lse2'), 0 for invalid rows -> bf16 P tile (+ its rounding error)
