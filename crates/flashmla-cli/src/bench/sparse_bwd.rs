@@ -7,7 +7,7 @@ use super::{Bench, BenchSuite, IndexChoice, Record};
 use crate::device_ops::SparseBwdOnGpu;
 use flashmla::ops::sparse_bwd::SparseBwdOptions;
 use flashmla::ops::sparse_fwd::D_V;
-use flashmla::testing::{peer_bf16, rng, IndexPattern, SparseCase};
+use flashmla::testing::{peer_bf16, rng, SparseCase};
 use flashmla::{DType, HostTensor};
 
 /// The backward benchmarks (same shapes as the forward's).
