@@ -43,7 +43,6 @@
 #include "common/smem_access.cuh"
 #include "common/smem_layout.cuh"
 #include "common/vec_access.cuh"
-#include "common/wave_sync.cuh"
 #include "common/wgmma.cuh"
 #include "sm90/sparse_bwd/config.cuh"
 #include "sm90/sparse_bwd/params.h"
@@ -209,25 +208,6 @@ static_assert(kTileRows == 64 && kRowsPerPass == 16 && kPassesPerTile == 4 && kT
               "scan_bucket_tile: warp w gathers tile rows 16 k + 4 w + lane / 8");
 static_assert(kScanSlots * kMaxBucketTiles <= kBucketIdsPerWord * kBucketIdWords * 32, "ids cover a segment");
 
-// Rendezvous of the wave (common/wave_sync.cuh; p.wave_sync != nullptr and p.sync_tiles = S > 0: the host sets them
-// with the bucketed order). Sync point k is reached when a bucketed CTA is about to gather tile k S (after the previous
-// tile's readers retired), so a CTA that runs ahead of its wave by S tiles waits there (its consumers drain the
-// gathered tile and stall) until the others caught up: the wave then walks the same buckets at the same time, which
-// is what keeps its working set in L2. Only producer warp 0 takes part; warps 1-3 gather their rows of the next tile
-// at most, and the consumers cannot start it without warp 0's rows.
-
-// Sync points of a full row (ceil(topk / 64) tiles), and of this CTA's row when it is bucketed (0 otherwise).
-__device__ __forceinline__ int wave_sync_points(const SparseBwdParams& p, int n_tiles) {
-    return n_tiles > 0 ? (n_tiles - 1) / p.sync_tiles : 0;
-}
-
-// Producer thread 0, once per CTA when the rendezvous is on: arrives at every point this CTA will not reach.
-__device__ __forceinline__ void wave_sync_skip_unreached(const SparseBwdParams& p, const CtaWork& w, bool bucketed) {
-    const int all = wave_sync_points(p, (p.topk + kTileRows - 1) / kTileRows);
-    const int reached = bucketed ? wave_sync_points(p, w.n_tiles) : 0;
-    if (all > reached) red_add_relaxed_gpu(p.wave_sync, static_cast<uint32_t>(all - reached));
-}
-
 // ---------------------------------------------------------------------------------------------------------------
 // Producer warpgroup. Thread t copies 16-byte chunk (t % 8) of one 128-byte slab row; the 16 row groups (t / 8)
 // cover 16 rows per pass, so pass k handles tile row 16k + t/8 (same geometry as the forward).
@@ -281,11 +261,6 @@ __device__ __forceinline__ void producer_tiles(const SparseBwdParams& p, SmemPla
     const int chunk_elems = chunk * (kSw128ChunkBytes / 2);
     const uint16_t* const dummy_src = p.q;  // zero-filled copies' source (see producer)
     const uint32_t kv_base = smem_addr(sm.kv) + thread_off;
-    // Rendezvous (bucketed order only): the next tile at which producer warp 0 meets its wave, and whether it still
-    // waits there (false after a timeout).
-    const bool sync_on = kBucketed && p.wave_sync != nullptr && p.sync_tiles > 0;
-    int next_sync = sync_on ? p.sync_tiles : w.n_tiles;
-    bool sync_wait = true;
     for (int i = 0; i < w.n_tiles; ++i) {
         const uint16_t* src[kPassesPerTile];
         bool ok[kPassesPerTile];
@@ -303,14 +278,6 @@ __device__ __forceinline__ void producer_tiles(const SparseBwdParams& p, SmemPla
         // row_idx[i & 1]: its last reader, dKV(i - 2), precedes dQ(i - 1) in both consumers.
         const Ring pos = Ring::of(i);
         MBarrier::wait(&sm.kv_empty, pos.empty_parity);
-        if (i == next_sync) {
-            next_sync += p.sync_tiles;
-            if (t < 32) {  // warp-uniform
-                bool keep = sync_wait;
-                if (t == 0) keep = wave_sync_point(p.wave_sync, static_cast<uint32_t>(i / p.sync_tiles), sync_wait);
-                sync_wait = __shfl_sync(0xffffffffu, keep, 0);
-            }
-        }
         if (chunk == 0) {
 #pragma unroll
             for (int k = 0; k < kPassesPerTile; ++k) sm.row_idx[i & 1][k * kRowsPerPass + row_in_pass] = row[k];
@@ -343,8 +310,6 @@ __device__ __forceinline__ void producer_tiles(const SparseBwdParams& p, SmemPla
 template <int kDqk, bool kPair>
 __device__ __forceinline__ void producer(const SparseBwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
-    const bool bucketed = bucketed_row(p, w);
-    if (p.wave_sync != nullptr && p.sync_tiles > 0 && threadIdx.x == 0) wave_sync_skip_unreached(p, w, bucketed);
     if (w.n_tiles == 0) return;  // consumers wait for nothing
 
     const int t = static_cast<int>(threadIdx.x);  // 0..127: the producer is warpgroup 0
@@ -388,7 +353,7 @@ __device__ __forceinline__ void producer(const SparseBwdParams& p, SmemPlan<kDqk
     const int32_t* idx_row = p.indices + static_cast<int64_t>(w.token) * p.indices_stride_t;
     BucketScan sc;
     int idx_next[kPassesPerTile];
-    if (bucketed) {
+    if (bucketed_row(p, w)) {
         bucket_scan_init(p, idx_row, w, t / 32, sc);
         scan_bucket_tile(p, idx_row, w, sc, idx_next);
         producer_tiles<kDqk, true>(p, sm, w, idx_row, sc, idx_next);

@@ -75,12 +75,10 @@ struct SparseBwdParams {
                                   // buckets (kernel.cuh, "Bucketed order"), picked by the host when the accumulator
                                   // and the KV rows do not fit L2
     int32_t token0;               // main kernel: first token of this launch (the host may split the grid in waves)
-    int32_t sync_tiles;           // main kernel, bucketed order: tiles between the wave's rendezvous points
-                                  // (common/wave_sync.cuh); 0 = none
-    uint32_t* wave_sync;          // main kernel: this launch's zeroed rendezvous counter; nullptr = none
+    int32_t reserved;             // keeps the size a multiple of 8; always 0
 };
 
-inline constexpr size_t kSparseBwdParamsBytes = 312;
+inline constexpr size_t kSparseBwdParamsBytes = 304;
 static_assert(sizeof(SparseBwdParams) == kSparseBwdParamsBytes, "mirror of launch.rs SparseBwdParams");
 static_assert(offsetof(SparseBwdParams, q) == 0, "mirror of launch.rs");
 static_assert(offsetof(SparseBwdParams, lse) == 56, "mirror of launch.rs");
@@ -94,7 +92,6 @@ static_assert(offsetof(SparseBwdParams, sm_scale) == 284, "mirror of launch.rs")
 static_assert(offsetof(SparseBwdParams, sm_scale_log2) == 288, "mirror of launch.rs");
 static_assert(offsetof(SparseBwdParams, kv_buckets) == 292, "mirror of launch.rs");
 static_assert(offsetof(SparseBwdParams, token0) == 296, "mirror of launch.rs");
-static_assert(offsetof(SparseBwdParams, sync_tiles) == 300, "mirror of launch.rs");
-static_assert(offsetof(SparseBwdParams, wave_sync) == 304, "mirror of launch.rs");
+static_assert(offsetof(SparseBwdParams, reserved) == 300, "mirror of launch.rs");
 
 }  // namespace flashmla::sparse_bwd

@@ -116,12 +116,6 @@ pub const KV_BUCKETS_MAX_BYTES: usize = 256 << 20;
 pub const KV_BUCKET_BYTES: usize = 8 << 20;
 /// Environment variable that overrides [`kv_buckets`] (an experiment aid; module docs).
 pub const KV_BUCKETS_ENV: &str = "FLASHMLA_SPARSE_BWD_KV_BUCKETS";
-/// Tiles between the rendezvous points of a wave in the bucketed order (`SparseBwdParams::sync_tiles`,
-/// `common/wave_sync.cuh`): a CTA that runs this many tiles ahead of the slowest CTA of its wave
-/// waits for it (at most ~20 us, once), so that the wave keeps walking the same buckets.
-pub const SYNC_TILES: i32 = 4;
-/// Environment variable that overrides [`SYNC_TILES`] (0: no rendezvous; an experiment aid).
-pub const SYNC_TILES_ENV: &str = "FLASHMLA_SPARSE_BWD_SYNC_TILES";
 /// 4-byte words per accumulator value in deterministic mode (int64 fixed point).
 const FIXED_POINT_WORDS: usize = 2;
 /// Largest `blockIdx.x` + 1 the driver accepts.
@@ -229,15 +223,12 @@ pub struct SparseBwdParams {
     pub kv_buckets: i32,
     /// First token of a main-kernel launch (set per launch: [`Launch::token0`]).
     pub token0: i32,
-    /// Bucketed order: tiles between the rendezvous points of a wave ([`sync_tiles`]); 0 = none.
-    pub sync_tiles: i32,
-    /// Main kernel: the launch's zeroed `u32` rendezvous counter (set per launch: [`Launch::wave`]);
-    /// 0 = none.
-    pub wave_sync: u64,
+    /// Always 0.
+    pub reserved: i32,
 }
 
 const _: () = {
-    assert!(size_of::<SparseBwdParams>() == 312);
+    assert!(size_of::<SparseBwdParams>() == 304);
     assert!(offset_of!(SparseBwdParams, q) == 0);
     assert!(offset_of!(SparseBwdParams, lse) == 56);
     assert!(offset_of!(SparseBwdParams, dkv_acc) == 88);
@@ -250,8 +241,7 @@ const _: () = {
     assert!(offset_of!(SparseBwdParams, sm_scale_log2) == 288);
     assert!(offset_of!(SparseBwdParams, kv_buckets) == 292);
     assert!(offset_of!(SparseBwdParams, token0) == 296);
-    assert!(offset_of!(SparseBwdParams, sync_tiles) == 300);
-    assert!(offset_of!(SparseBwdParams, wave_sync) == 304);
+    assert!(offset_of!(SparseBwdParams, reserved) == 300);
 };
 
 /// Choices of a GPU backward call that the arguments do not carry.
@@ -293,9 +283,6 @@ pub struct Launch {
     pub cfg: LaunchConfig,
     /// First token ([`SparseBwdParams::token0`]) of a main-kernel launch; 0 for the others.
     pub token0: usize,
-    /// Index of a main-kernel wave ([`SparseBwdPlan::split_main_in_waves`]): its rendezvous counter
-    /// is word `wave` of the counters [`launch`] allocates when `params.sync_tiles > 0`.
-    pub wave: Option<usize>,
 }
 
 /// Where the main kernel adds `d_kv`.
@@ -367,13 +354,6 @@ fn kv_buckets_override() -> Option<i32> {
     let v = std::env::var(KV_BUCKETS_ENV).ok()?;
     let n: usize = v.trim().parse().ok()?;
     Some(n.clamp(1, MAX_KV_BUCKETS) as i32)
-}
-
-/// [`SYNC_TILES_ENV`], if set to a number: clamped to 0..=64.
-fn sync_tiles_override() -> Option<i32> {
-    let v = std::env::var(SYNC_TILES_ENV).ok()?;
-    let n: usize = v.trim().parse().ok()?;
-    Some(n.min(64) as i32)
 }
 
 /// Main kernel symbol and dynamic shared memory for a `d_qk` (f32 or fixed-point reduction; `pair`:
@@ -596,8 +576,7 @@ pub fn lower(
         sm_scale_log2,
         kv_buckets: kv_buckets(dims, options),
         token0: 0,
-        sync_tiles: SYNC_TILES,
-        wave_sync: 0,
+        reserved: 0,
     };
 
     // The accumulator's values: s_kv * d_qk (an empty d_kv needs no zeroing and no finalisation;
@@ -617,7 +596,6 @@ pub fn lower(
                 SMALL_THREADS,
             )?,
             token0: 0,
-            wave: None,
         });
     }
     if rows > 0 {
@@ -626,7 +604,6 @@ pub fn lower(
             kernel: "sparse_bwd_delta",
             cfg: linear(rows.div_ceil(DELTA_ROWS_PER_CTA), SMALL_THREADS)?,
             token0: 0,
-            wave: None,
         });
         let ctas = f
             .s_q
@@ -652,7 +629,6 @@ pub fn lower(
                 cluster,
             },
             token0: 0,
-            wave: None,
         });
     }
     if acc_values > 0 && accumulator == Accumulator::Workspace {
@@ -664,7 +640,6 @@ pub fn lower(
                 SMALL_THREADS,
             )?,
             token0: 0,
-            wave: None,
         });
     }
     if args.attn_sink.is_some() {
@@ -673,7 +648,6 @@ pub fn lower(
             kernel: "sparse_bwd_sink_grad",
             cfg: linear(f.h_q, SMALL_THREADS)?,
             token0: 0,
-            wave: None,
         });
     }
     Ok(SparseBwdPlan {
@@ -710,7 +684,6 @@ impl SparseBwdPlan {
                 Launch {
                     token0,
                     cfg,
-                    wave: Some(k),
                     ..main
                 }
             })
@@ -783,18 +756,7 @@ pub(crate) fn launch(
     if let Some(nb) = kv_buckets_override() {
         plan.params.kv_buckets = nb;
     }
-    if let Some(s) = sync_tiles_override() {
-        plan.params.sync_tiles = s;
-    }
     plan.split_main_in_waves(gpu.info().sm_count as usize);
-    // The waves' rendezvous counters: one zeroed u32 per wave (4 bytes per ~66 tokens), freed in
-    // stream order on return.
-    let waves = plan.launches.iter().filter(|l| l.wave.is_some()).count();
-    let counters = if waves > 0 && plan.params.sync_tiles > 0 {
-        Some(gpu.alloc_filled(DType::I32, &[waves], 0)?)
-    } else {
-        None
-    };
     // Owned workspace, if any: dropped (freed in stream order, after the launches) on return.
     let mut _owned = None;
     if plan.needs_workspace() {
@@ -825,11 +787,6 @@ pub(crate) fn launch(
         let mut params = plan.params;
         // < s_q, which fits i32 (lower checked).
         params.token0 = l.token0 as i32;
-        params.wave_sync = match (&counters, l.wave) {
-            // Word `w` of a buffer of `waves` words.
-            (Some(c), Some(w)) => c.ptr() + 4 * w as u64,
-            _ => 0,
-        };
         unsafe { gpu.launch(&kernel, &l.cfg, &params)? };
     }
     Ok(())
