@@ -142,7 +142,8 @@ __device__ __forceinline__ void bucket_scan_init(const SparseBwdParams& p, const
             const int v = j < len ? __ldg(src + j) : -1;
             uint32_t id = kNoBucket;
             if (v >= 0 && v < p.s_kv) {
-                id = static_cast<uint32_t>(min(static_cast<int>(static_cast<float>(v) * inv_rows), nb - 1));
+                const int b = min(static_cast<int>(static_cast<float>(v) * inv_rows), nb - 1);
+                id = static_cast<uint32_t>(p.kv_buckets_descending != 0 ? nb - 1 - b : b);  // pass `id` takes it
             }
             word |= id << (kBucketIdBits * f);
         }

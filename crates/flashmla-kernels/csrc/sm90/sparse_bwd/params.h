@@ -75,7 +75,8 @@ struct SparseBwdParams {
                                   // buckets (kernel.cuh, "Bucketed order"), picked by the host when the accumulator
                                   // and the KV rows do not fit L2
     int32_t token0;               // main kernel: first token of this launch (the host may split the grid in waves)
-    int32_t reserved;             // keeps the size a multiple of 8; always 0
+    int32_t kv_buckets_descending;  // main kernel, bucketed order: 1 = walk the buckets from the last one (the host
+                                    // alternates the direction between waves); 0 = ascending
 };
 
 inline constexpr size_t kSparseBwdParamsBytes = 304;
@@ -92,6 +93,6 @@ static_assert(offsetof(SparseBwdParams, sm_scale) == 284, "mirror of launch.rs")
 static_assert(offsetof(SparseBwdParams, sm_scale_log2) == 288, "mirror of launch.rs");
 static_assert(offsetof(SparseBwdParams, kv_buckets) == 292, "mirror of launch.rs");
 static_assert(offsetof(SparseBwdParams, token0) == 296, "mirror of launch.rs");
-static_assert(offsetof(SparseBwdParams, reserved) == 300, "mirror of launch.rs");
+static_assert(offsetof(SparseBwdParams, kv_buckets_descending) == 300, "mirror of launch.rs");
 
 }  // namespace flashmla::sparse_bwd

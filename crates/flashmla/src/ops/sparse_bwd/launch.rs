@@ -116,6 +116,9 @@ pub const KV_BUCKETS_MAX_BYTES: usize = 256 << 20;
 pub const KV_BUCKET_BYTES: usize = 8 << 20;
 /// Environment variable that overrides [`kv_buckets`] (an experiment aid; module docs).
 pub const KV_BUCKETS_ENV: &str = "FLASHMLA_SPARSE_BWD_KV_BUCKETS";
+/// Environment variable that, set to `ascending`, makes every wave walk its buckets in ascending
+/// order instead of alternating the direction between waves (an experiment aid; module docs).
+pub const KV_BUCKET_ORDER_ENV: &str = "FLASHMLA_SPARSE_BWD_KV_BUCKET_ORDER";
 /// 4-byte words per accumulator value in deterministic mode (int64 fixed point).
 const FIXED_POINT_WORDS: usize = 2;
 /// Largest `blockIdx.x` + 1 the driver accepts.
@@ -223,8 +226,9 @@ pub struct SparseBwdParams {
     pub kv_buckets: i32,
     /// First token of a main-kernel launch (set per launch: [`Launch::token0`]).
     pub token0: i32,
-    /// Always 0.
-    pub reserved: i32,
+    /// Bucketed order: 1 = the main kernel walks the buckets from the last one down (set per launch:
+    /// [`Launch::descending`]); 0 = ascending.
+    pub kv_buckets_descending: i32,
 }
 
 const _: () = {
@@ -241,7 +245,7 @@ const _: () = {
     assert!(offset_of!(SparseBwdParams, sm_scale_log2) == 288);
     assert!(offset_of!(SparseBwdParams, kv_buckets) == 292);
     assert!(offset_of!(SparseBwdParams, token0) == 296);
-    assert!(offset_of!(SparseBwdParams, reserved) == 300);
+    assert!(offset_of!(SparseBwdParams, kv_buckets_descending) == 300);
 };
 
 /// Choices of a GPU backward call that the arguments do not carry.
@@ -283,6 +287,9 @@ pub struct Launch {
     pub cfg: LaunchConfig,
     /// First token ([`SparseBwdParams::token0`]) of a main-kernel launch; 0 for the others.
     pub token0: usize,
+    /// Bucketed order: this wave walks the buckets in descending order
+    /// ([`SparseBwdParams::kv_buckets_descending`]); false for every other launch.
+    pub descending: bool,
 }
 
 /// Where the main kernel adds `d_kv`.
@@ -576,7 +583,7 @@ pub fn lower(
         sm_scale_log2,
         kv_buckets: kv_buckets(dims, options),
         token0: 0,
-        reserved: 0,
+        kv_buckets_descending: 0,
     };
 
     // The accumulator's values: s_kv * d_qk (an empty d_kv needs no zeroing and no finalisation;
@@ -596,6 +603,7 @@ pub fn lower(
                 SMALL_THREADS,
             )?,
             token0: 0,
+            descending: false,
         });
     }
     if rows > 0 {
@@ -604,6 +612,7 @@ pub fn lower(
             kernel: "sparse_bwd_delta",
             cfg: linear(rows.div_ceil(DELTA_ROWS_PER_CTA), SMALL_THREADS)?,
             token0: 0,
+            descending: false,
         });
         let ctas = f
             .s_q
@@ -629,6 +638,7 @@ pub fn lower(
                 cluster,
             },
             token0: 0,
+            descending: false,
         });
     }
     if acc_values > 0 && accumulator == Accumulator::Workspace {
@@ -640,6 +650,7 @@ pub fn lower(
                 SMALL_THREADS,
             )?,
             token0: 0,
+            descending: false,
         });
     }
     if args.attn_sink.is_some() {
@@ -648,6 +659,7 @@ pub fn lower(
             kernel: "sparse_bwd_sink_grad",
             cfg: linear(f.h_q, SMALL_THREADS)?,
             token0: 0,
+            descending: false,
         });
     }
     Ok(SparseBwdPlan {
@@ -684,6 +696,9 @@ impl SparseBwdPlan {
                 Launch {
                     token0,
                     cfg,
+                    // Odd waves walk the buckets backwards: they start on the buckets the previous wave
+                    // ended on, which L2 still holds.
+                    descending: k % 2 == 1,
                     ..main
                 }
             })
@@ -757,6 +772,11 @@ pub(crate) fn launch(
         plan.params.kv_buckets = nb;
     }
     plan.split_main_in_waves(gpu.info().sm_count as usize);
+    if std::env::var(KV_BUCKET_ORDER_ENV).is_ok_and(|v| v.trim() == "ascending") {
+        for l in &mut plan.launches {
+            l.descending = false;
+        }
+    }
     // Owned workspace, if any: dropped (freed in stream order, after the launches) on return.
     let mut _owned = None;
     if plan.needs_workspace() {
@@ -787,6 +807,7 @@ pub(crate) fn launch(
         let mut params = plan.params;
         // < s_q, which fits i32 (lower checked).
         params.token0 = l.token0 as i32;
+        params.kv_buckets_descending = i32::from(l.descending);
         unsafe { gpu.launch(&kernel, &l.cfg, &params)? };
     }
     Ok(())
