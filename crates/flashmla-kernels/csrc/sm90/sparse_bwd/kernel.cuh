@@ -76,6 +76,8 @@ __device__ __forceinline__ uint32_t lane_id_volatile() {
 // pair's two CTAs have the same row and topk_eff, so their tiles hold the same rows (the dKV exchange pairs rows by
 // position). The CTAs of one wave start together and progress at about the same pace, so they all add into about
 // the same 1/nb of the accumulator and gather from the same 1/nb of kv at any moment: a working set that L2 holds.
+// With p.kv_buckets_descending (odd waves) pass b takes bucket nb - 1 - b, so a wave starts on the buckets the
+// previous one ended on, which are still in L2.
 //
 // Each producer warp w fills the 16 tile rows 16 k + 4 w + j (k, j in 0..3) of every tile from its own segment of the
 // index row, positions [16 n_tiles w, 16 n_tiles (w + 1)) clipped to topk_eff (4 segments of 16 n_tiles >= topk_eff

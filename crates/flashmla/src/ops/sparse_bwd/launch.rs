@@ -35,10 +35,12 @@
 //! the main kernel walks each token's entries in ascending KV-row buckets, and the host launches it
 //! in waves of as many tokens as the GPU runs at once ([`SparseBwdPlan::split_main_in_waves`]): the
 //! CTAs of a wave start together and keep in step, so at any moment they all add into (and gather
-//! from) about the same `1 / nb` of the accumulator (and of `kv`), which L2 holds. Experiment aid:
-//! the environment variable `FLASHMLA_SPARSE_BWD_KV_BUCKETS=n` ([`KV_BUCKETS_ENV`]) replaces the
-//! host's choice for every call of the process (1 = index order in one launch, clamped to
-//! 1..=[`MAX_KV_BUCKETS`]); results are the same up to the f32 reduction order.
+//! from) about the same `1 / nb` of the accumulator (and of `kv`), which L2 holds. Odd waves walk
+//! the buckets backwards, starting where the previous wave ended. Experiment aids: the environment
+//! variable `FLASHMLA_SPARSE_BWD_KV_BUCKETS=n` ([`KV_BUCKETS_ENV`]) replaces the host's choice for
+//! every call of the process (1 = index order in one launch, clamped to 1..=[`MAX_KV_BUCKETS`]);
+//! `FLASHMLA_SPARSE_BWD_KV_BUCKET_ORDER=ascending` ([`KV_BUCKET_ORDER_ENV`]) makes every wave walk
+//! them upwards. Results are the same up to the f32 reduction order.
 
 use super::{SparseBwdArgs, SparseBwdDims, SparseBwdOutput};
 use crate::cuda::{Gpu, LaunchConfig};
@@ -1137,10 +1139,20 @@ mod tests {
         assert_eq!(
             mains
                 .iter()
-                .map(|l| (l.token0, l.cfg.grid.0))
+                .map(|l| (l.token0, l.cfg.grid.0, l.descending))
                 .collect::<Vec<_>>(),
-            vec![(0, 132), (66, 132), (132, 132), (198, 4)]
+            // Odd waves walk the buckets backwards.
+            vec![
+                (0, 132, false),
+                (66, 132, true),
+                (132, 132, false),
+                (198, 4, true)
+            ]
         );
+        assert!(p
+            .launches
+            .iter()
+            .all(|l| l.stage == Stage::Main || !l.descending));
         assert!(mains.iter().all(|l| l.cfg.cluster == Some((2, 1, 1))));
         assert_eq!(p.launches.len(), before + 3);
         // Stream order is kept: zeroing and delta before the waves, finalisation after.
