@@ -116,6 +116,14 @@ pub const KV_BUCKETS_OFF_BYTES: usize = DRAIN_FIRST_MIN_BYTES;
 pub const KV_BUCKETS_MAX_BYTES: usize = 256 << 20;
 /// Accumulator plus KV bytes per bucket: what the CTAs of a wave touch at a time, well inside L2.
 pub const KV_BUCKET_BYTES: usize = 8 << 20;
+/// Accumulator plus KV bytes above which buckets are [`KV_BUCKET_BYTES_COARSE`] large: a wave then
+/// touches each row only about twice (`wave tokens * topk / s_kv`), so there is less to gain per
+/// bucket and fewer, larger buckets lose less to the CTAs drifting across bucket boundaries. V3.2 s_kv
+/// 64K (216 MiB), in one process: 7 buckets 319, 14 buckets 314, 27 buckets 306 TFLOPS (an earlier
+/// machine: 7 buckets 309, 27 buckets 304); at 32K (108 MiB) 14 buckets beat 7 (344 against 330).
+pub const KV_BUCKETS_COARSE_BYTES: usize = 128 << 20;
+/// Bytes per bucket above [`KV_BUCKETS_COARSE_BYTES`].
+pub const KV_BUCKET_BYTES_COARSE: usize = 32 << 20;
 /// Environment variable that overrides [`kv_buckets`] (an experiment aid; module docs).
 pub const KV_BUCKETS_ENV: &str = "FLASHMLA_SPARSE_BWD_KV_BUCKETS";
 /// Environment variable that, set to `ascending`, makes every wave walk its buckets in ascending
@@ -334,8 +342,10 @@ pub fn workspace_shape(dims: &SparseBwdDims, options: &SparseBwdOptions) -> [usi
 /// launch). The accumulator (f32, or int64 fixed point in deterministic mode) and the bf16 KV rows
 /// together take `s_kv * d_qk * (4 or 8 + 2)` bytes; between [`KV_BUCKETS_OFF_BYTES`] and
 /// [`KV_BUCKETS_MAX_BYTES`] the rows are split into `ceil(bytes / KV_BUCKET_BYTES)` buckets, at most
-/// one per tile of a full index row. Example: V3.2 (s_kv 32768, d_qk 576, topk 2048, h_q 128): 113
-/// MB -> 14 buckets of 2341 rows (measured +11.5% against the index order; 7 buckets: +7%). Rows
+/// one per tile of a full index row, and `ceil(bytes / KV_BUCKET_BYTES_COARSE)` above
+/// [`KV_BUCKETS_COARSE_BYTES`]. Example: V3.2 (s_kv 32768, d_qk 576, topk 2048, h_q 128): 113
+/// MB -> 14 buckets of 2341 rows (measured +11.5% against the index order; 7 buckets: +7%); s_kv
+/// 65536: 226 MB -> 7 buckets. Rows
 /// shorter than [`MIN_BUCKETED_TOPK_PAIR`] / [`MIN_BUCKETED_TOPK_SOLO`] or longer than
 /// [`MAX_BUCKETED_TOPK`] keep the index order.
 pub fn kv_buckets(dims: &SparseBwdDims, options: &SparseBwdOptions) -> i32 {
@@ -354,8 +364,13 @@ pub fn kv_buckets(dims: &SparseBwdDims, options: &SparseBwdOptions) -> i32 {
         return 1;
     }
     let cap = f.topk.div_ceil(TILE_ROWS).min(MAX_KV_BUCKETS);
+    let per_bucket = if bytes > KV_BUCKETS_COARSE_BYTES {
+        KV_BUCKET_BYTES_COARSE
+    } else {
+        KV_BUCKET_BYTES
+    };
     // <= MAX_KV_BUCKETS: fits i32.
-    bytes.div_ceil(KV_BUCKET_BYTES).clamp(2, cap.max(2)) as i32
+    bytes.div_ceil(per_bucket).clamp(2, cap.max(2)) as i32
 }
 
 /// [`KV_BUCKETS_ENV`], if set to a number: clamped to 1..=[`MAX_KV_BUCKETS`].
@@ -1101,11 +1116,12 @@ mod tests {
             };
             kv_buckets(&c.dims, &o)
         };
-        // V3.2 (d_qk 576, topk 2048): 8K fits L2 (28 MB); then 8 MiB per bucket; 128K (453 MB) is too big.
+        // V3.2 (d_qk 576, topk 2048): 8K fits L2 (28 MB); then 8 MiB per bucket up to 128 MiB, 32 MiB
+        // beyond; 128K (453 MB) is too big.
         assert_eq!(nb(128, 8192, 576, 2048, false), 1);
         assert_eq!(nb(128, 16384, 576, 2048, false), 7);
         assert_eq!(nb(128, 32768, 576, 2048, false), 14);
-        assert_eq!(nb(128, 65536, 576, 2048, false), 27);
+        assert_eq!(nb(128, 65536, 576, 2048, false), 7);
         assert_eq!(nb(128, 131072, 576, 2048, false), 1);
         assert_eq!(nb(128, usize::MAX / 2, 576, 2048, false), 1);
         // The fixed-point accumulator (8 bytes per value).
@@ -1113,6 +1129,7 @@ mod tests {
         // MODEL1: h_q 128 / topk 1024 keeps the index order; h_q 64 / topk 512 (solo) buckets, one per tile.
         assert_eq!(nb(128, 32768, 512, 1024, false), 1);
         assert_eq!(nb(64, 32768, 512, 512, false), 8);
+        assert_eq!(nb(64, 65536, 512, 512, false), 6); // 192 MiB
         assert_eq!(nb(64, 32768, 576, 2048, false), 14);
         assert_eq!(nb(64, 32768, 512, MIN_BUCKETED_TOPK_SOLO - 1, false), 1);
         // Rows outside the kernel's range; tiny shapes.
