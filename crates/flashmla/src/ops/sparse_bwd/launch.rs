@@ -111,14 +111,15 @@ pub const MIN_BUCKETED_TOPK_SOLO: usize = 512;
 /// H100 (50 MB L2) anyway (the same threshold as `FLAG_DRAIN_FIRST`).
 pub const KV_BUCKETS_OFF_BYTES: usize = DRAIN_FIRST_MIN_BYTES;
 /// Accumulator plus KV bytes beyond which the index order is kept again: measured at V3.2 s_kv 128K
-/// (453 MB), 7 buckets (65 MB each) ran 1% slower than the index order and 32 buckets (14 MB each,
-/// one tile per token and bucket) 8% slower: the CTAs of a wave drift apart by more than a bucket.
+/// (453 MB), 7 / 12 / 16 buckets ran as fast as the index order and 32 buckets 8% slower: a wave
+/// (`sm_count / groups` tokens) selects each row there only about once, so there is no reuse for
+/// the buckets to turn into L2 hits (docs/sparse-bwd.md, "What limits the bucketed order").
 pub const KV_BUCKETS_MAX_BYTES: usize = 256 << 20;
 /// Accumulator plus KV bytes per bucket: what the CTAs of a wave touch at a time, well inside L2.
 pub const KV_BUCKET_BYTES: usize = 8 << 20;
 /// Accumulator plus KV bytes above which buckets are [`KV_BUCKET_BYTES_COARSE`] large: a wave then
 /// touches each row only about twice (`wave tokens * topk / s_kv`), so there is less to gain per
-/// bucket and fewer, larger buckets lose less to the CTAs drifting across bucket boundaries. V3.2 s_kv
+/// bucket and fewer bucket boundaries measured faster. V3.2 s_kv
 /// 64K (216 MiB), in one process: 7 buckets 319, 14 buckets 314, 27 buckets 306 TFLOPS (an earlier
 /// machine: 7 buckets 309, 27 buckets 304); at 32K (108 MiB) 14 buckets beat 7 (344 against 330).
 pub const KV_BUCKETS_COARSE_BYTES: usize = 128 << 20;
