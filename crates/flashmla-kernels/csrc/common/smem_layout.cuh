@@ -48,6 +48,21 @@ __host__ __device__ constexpr uint32_t sw128_chunk_offset(int row, int chunk) {
     return static_cast<uint32_t>(row * kSw128RowBytes + ((chunk ^ (row % kSw128AtomRows)) * kSw128ChunkBytes));
 }
 
+// One thread's part in filling SW128 slabs with 16-byte copies, 8 threads per 128-byte row (the sparse kernels'
+// producer warpgroups): thread t copies chunk t % 8 of row t / 8 of each pass of (threads / 8) rows.
+struct Sw128CopyThread {
+    int row_in_pass;      // t / 8
+    int chunk;            // t % 8
+    uint32_t smem_off;    // sw128_chunk_offset(row_in_pass, chunk); a pass of R rows adds R * 128 bytes
+    int chunk_elems;      // bf16 column of the chunk's first element in a row: 8 * chunk
+
+    __host__ __device__ static constexpr Sw128CopyThread of(int t) {
+        const int row = t / kSw128ChunksPerRow;
+        const int c = t % kSw128ChunksPerRow;
+        return {row, c, sw128_chunk_offset(row, c), c * (kSw128ChunkBytes / 2)};
+    }
+};
+
 // Byte offset, inside a slab, of bf16 element (row, col), col in [0, 64).
 __host__ __device__ constexpr uint32_t sw128_elem_offset(int row, int col) {
     return sw128_chunk_offset(row, col / 8) + static_cast<uint32_t>((col % 8) * 2);

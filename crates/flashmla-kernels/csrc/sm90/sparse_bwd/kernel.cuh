@@ -257,11 +257,8 @@ __device__ __forceinline__ void producer_tiles(const SparseBwdParams& p, SmemPla
     // d_qk 576: the last KV slabs double as the exchange / staging slots, refilled after the drain.
     constexpr int kLate = C::kLateSlabs;
     constexpr int kEarly = C::kDqkSlabs - kLate;
-    const int t = static_cast<int>(threadIdx.x);  // 0..127: the producer is warpgroup 0
-    const int row_in_pass = t / kThreadsPerRow;
-    const int chunk = t % kThreadsPerRow;
-    const uint32_t thread_off = sw128_chunk_offset(row_in_pass, chunk);
-    const int chunk_elems = chunk * (kSw128ChunkBytes / 2);
+    // threadIdx.x is 0..127: the producer is warpgroup 0.
+    const auto [row_in_pass, chunk, thread_off, chunk_elems] = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
     const uint16_t* const dummy_src = p.q;  // zero-filled copies' source (see producer)
     const uint32_t kv_base = smem_addr(sm.kv) + thread_off;
     for (int i = 0; i < w.n_tiles; ++i) {
@@ -316,10 +313,7 @@ __device__ __forceinline__ void producer(const SparseBwdParams& p, SmemPlan<kDqk
     if (w.n_tiles == 0) return;  // consumers wait for nothing
 
     const int t = static_cast<int>(threadIdx.x);  // 0..127: the producer is warpgroup 0
-    const int row_in_pass = t / kThreadsPerRow;
-    const int chunk = t % kThreadsPerRow;
-    const uint32_t thread_off = sw128_chunk_offset(row_in_pass, chunk);  // + k * kRowsPerPass * 128 per pass
-    const int chunk_elems = chunk * (kSw128ChunkBytes / 2);
+    const auto [row_in_pass, chunk, thread_off, chunk_elems] = Sw128CopyThread::of(t);
     // Source operand of zero-filled copies: never read, but kept inside a mapped tensor anyway (q[0, 0, :]
     // exists whenever a CTA runs; kv may be empty).
     const uint16_t* const dummy_src = p.q;

@@ -99,11 +99,8 @@ __device__ __forceinline__ void producer(const SparseFwdParams& p, SmemPlan<kDqk
     using C = Config<kDqk>;
     if (w.n_tiles == 0) return;  // consumers will not wait for anything
 
-    const int t = static_cast<int>(threadIdx.x);  // 0..127: the producer is warpgroup 0
-    const int row_in_pass = t / kThreadsPerRow;
-    const int chunk = t % kThreadsPerRow;
-    const uint32_t thread_off = sw128_chunk_offset(row_in_pass, chunk);  // + k * kRowsPerPass * 128 per pass
-    const int chunk_elems = chunk * (kSw128ChunkBytes / 2);
+    // threadIdx.x is 0..127: the producer is warpgroup 0.
+    const auto [row_in_pass, chunk, thread_off, chunk_elems] = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
     // Source operand of zero-filled copies: never read, but kept inside a mapped tensor anyway. q[0, 0, :] exists
     // whenever a CTA runs (s_q >= 1, h_q >= 1); kv may be empty (s_kv = 0).
     const uint16_t* const dummy_src = p.q;
