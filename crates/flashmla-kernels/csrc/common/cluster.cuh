@@ -29,6 +29,13 @@ __device__ __forceinline__ uint32_t cluster_ctarank() {
     return r;
 }
 
+// The same, re-read at every use (asm volatile): for code that must not keep it in a register across a loop.
+__device__ __forceinline__ uint32_t cluster_ctarank_volatile() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
 // shared::cluster address of `local` (shared::cta address) in CTA `rank` of the cluster.
 __device__ __forceinline__ uint32_t mapa_shared(uint32_t local, uint32_t rank) {
     uint32_t r;
@@ -60,6 +67,15 @@ __device__ __forceinline__ void st_async_v2_f32(uint32_t remote, float a, float 
 __device__ __forceinline__ void st_async_v2_b32(uint32_t remote, uint32_t a, uint32_t b, uint32_t remote_bar) {
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(remote),
                  "r"(a), "r"(b), "r"(remote_bar)
+                 : "memory");
+}
+
+// Four 32-bit words (16 bytes, `remote` 16-byte aligned) into another CTA's shared memory, completing on its
+// mbarrier `remote_bar` (both shared::cluster addresses).
+__device__ __forceinline__ void st_async_v4_b32(uint32_t remote, uint4 v, uint32_t remote_bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
+                     remote),
+                 "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(remote_bar)
                  : "memory");
 }
 

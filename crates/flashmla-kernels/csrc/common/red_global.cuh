@@ -13,6 +13,16 @@ __device__ __forceinline__ void red_add_v4_f32(float* dst, float4 v) {
                  : "memory");
 }
 
+// red_add_v4_f32 predicated on `pred` inside one instruction (no branch, so a warp stays converged around it).
+// `dst` must be a valid address even when `pred` is false (it is not accessed then).
+__device__ __forceinline__ void red_add_v4_f32_if(bool pred, float* dst, float4 v) {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t@p red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n\t}" ::"l"(
+            dst),
+        "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(static_cast<uint32_t>(pred))
+        : "memory");
+}
+
 // *dst += v as a 64-bit integer add at L2 (two's complement, so signed values add correctly). `dst` 8-byte aligned.
 __device__ __forceinline__ void red_add_s64(int64_t* dst, int64_t v) {
     asm volatile("red.global.add.u64 [%0], %1;" ::"l"(dst), "l"(v) : "memory");

@@ -156,7 +156,9 @@ __device__ __forceinline__ void bucket_scan_init(const SparseBwdParams& p, const
 }
 
 // Picks this warp's 16 rows of the next tile and returns this thread's 4 of them (tile row 16 k + row_in_pass, -1
-// when invalid), like load_tile_indices.
+// when invalid), like load_tile_indices. kRowSwap (pair mode, bf16 exchange, CTA rank 1): warp w fills the rows of
+// warp w ^ 2 of the peer (tile row p here holds the peer's row p ^ 8), so it walks segment w ^ 2.
+template <bool kRowSwap>
 __device__ __forceinline__ void scan_bucket_tile(const SparseBwdParams& p, const int32_t* idx_row, const CtaWork& w,
                                                  BucketScan& sc, int (&idx)[kPassesPerTile]) {
     const uint32_t nb = static_cast<uint32_t>(p.kv_buckets);
@@ -200,7 +202,9 @@ __device__ __forceinline__ void scan_bucket_tile(const SparseBwdParams& p, const
     // from a volatile read of the thread index (hoisted out of the tile loop, its 64-bit offset would spill).
     uint32_t tid;
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-    const int v = out >= 0 ? __ldg(idx_row + bucket_segment_begin(w, static_cast<int>(tid / 32)) + out) : -1;
+    int seg = static_cast<int>(tid / 32);
+    if constexpr (kRowSwap) seg ^= 2 * static_cast<int>(cluster_ctarank_volatile());
+    const int v = out >= 0 ? __ldg(idx_row + bucket_segment_begin(w, seg) + out) : -1;
 #pragma unroll
     for (int k = 0; k < kPassesPerTile; ++k) {
         // Tile row 16 k + row_in_pass, row_in_pass = 4 warp + lane / 8: slot 4 k + lane / 8.
@@ -249,7 +253,7 @@ __device__ __forceinline__ void publish_group(uint64_t* bar, int pending) {
 // The producer's tile loop: gathers the w.n_tiles KV tiles whose indices come from load_tile_indices (index order)
 // or scan_bucket_tile (kBucketed); `idx_next` holds tile 0's on entry. Indices of tile i + 1 are loaded while tile i
 // is waited for and issued (bucketed order: picked after tile i is issued).
-template <int kDqk, bool kBucketed>
+template <int kDqk, bool kBucketed, bool kRowSwap>
 __device__ __forceinline__ void producer_tiles(const SparseBwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w,
                                                const int32_t* idx_row, BucketScan& sc,
                                                int (&idx_next)[kPassesPerTile]) {
@@ -259,6 +263,8 @@ __device__ __forceinline__ void producer_tiles(const SparseBwdParams& p, SmemPla
     constexpr int kEarly = C::kDqkSlabs - kLate;
     // threadIdx.x is 0..127: the producer is warpgroup 0.
     const auto [row_in_pass, chunk, thread_off, chunk_elems] = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
+    // Index position (within a pass) of this thread's tile row (kRowSwap: rank 1 swaps the halves of each pass).
+    const int entry_row = kRowSwap ? row_in_pass ^ static_cast<int>(cluster_ctarank() * (kRowsPerPass / 2)) : row_in_pass;
     const uint16_t* const dummy_src = p.q;  // zero-filled copies' source (see producer)
     const uint32_t kv_base = smem_addr(sm.kv) + thread_off;
     for (int i = 0; i < w.n_tiles; ++i) {
@@ -272,7 +278,7 @@ __device__ __forceinline__ void producer_tiles(const SparseBwdParams& p, SmemPla
             row[k] = ok[k] ? idx_next[k] : -1;
             src[k] = (ok[k] ? p.kv + static_cast<int64_t>(idx_next[k]) * p.kv_stride_t : dummy_src) + chunk_elems;
         }
-        if (!kBucketed && i + 1 < w.n_tiles) load_tile_indices(idx_row, i + 1, w.topk_eff, row_in_pass, idx_next);
+        if (!kBucketed && i + 1 < w.n_tiles) load_tile_indices(idx_row, i + 1, w.topk_eff, entry_row, idx_next);
 
         // Wait until the previous tile's readers (S, dP, dQ of both consumers) have retired. That also frees
         // row_idx[i & 1]: its last reader, dKV(i - 2), precedes dQ(i - 1) in both consumers.
@@ -302,12 +308,14 @@ __device__ __forceinline__ void producer_tiles(const SparseBwdParams& p, SmemPla
         // Bucketed order: pick tile i + 1 once tile i is issued (its sources no longer need registers; the scan runs
         // while the consumers compute S, dP and dQ of tile i, before the next kv_empty wait).
         if constexpr (kBucketed) {
-            if (i + 1 < w.n_tiles) scan_bucket_tile(p, idx_row, w, sc, idx_next);
+            if (i + 1 < w.n_tiles) scan_bucket_tile<kRowSwap>(p, idx_row, w, sc, idx_next);
         }
     }
 }
 
-template <int kDqk, bool kPair>
+// kRowSwap (pair mode with the bf16 exchange): CTA rank 1 gathers index position 16 m + r of every tile into tile row
+// 16 m + (r ^ 8), so that the exchange can split each chunk by rows with compile-time registers (pair_send_xb).
+template <int kDqk, bool kRowSwap>
 __device__ __forceinline__ void producer(const SparseBwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
     if (w.n_tiles == 0) return;  // consumers wait for nothing
@@ -350,13 +358,15 @@ __device__ __forceinline__ void producer(const SparseBwdParams& p, SmemPlan<kDqk
     const int32_t* idx_row = p.indices + static_cast<int64_t>(w.token) * p.indices_stride_t;
     BucketScan sc;
     int idx_next[kPassesPerTile];
+    const int swap = kRowSwap ? static_cast<int>(cluster_ctarank()) * (kRowsPerPass / 2) : 0;
+    const int entry_row = row_in_pass ^ swap;  // index position (within a pass) of this thread's tile row
     if (bucketed_row(p, w)) {
-        bucket_scan_init(p, idx_row, w, t / 32, sc);
-        scan_bucket_tile(p, idx_row, w, sc, idx_next);
-        producer_tiles<kDqk, true>(p, sm, w, idx_row, sc, idx_next);
+        bucket_scan_init(p, idx_row, w, (t / 32) ^ (swap / 4), sc);
+        scan_bucket_tile<kRowSwap>(p, idx_row, w, sc, idx_next);
+        producer_tiles<kDqk, true, kRowSwap>(p, sm, w, idx_row, sc, idx_next);
     } else {
-        load_tile_indices(idx_row, 0, w.topk_eff, row_in_pass, idx_next);
-        producer_tiles<kDqk, false>(p, sm, w, idx_row, sc, idx_next);
+        load_tile_indices(idx_row, 0, w.topk_eff, entry_row, idx_next);
+        producer_tiles<kDqk, false, kRowSwap>(p, sm, w, idx_row, sc, idx_next);
     }
 }
 
@@ -562,88 +572,49 @@ __device__ __forceinline__ void pair_reduce(const SparseBwdParams& p, const Pair
 }
 
 // Pair mode with the bf16 exchange (`kXBf16`). Each warp's 2 KB slot holds two 1 KB receive buffers; chunk k of a
-// tile uses buffer k & 1 of the slot (barriers x_full / x_empty [2 slot + b]). Both the values sent and the half kept
-// are first re-laid out across the warp with shuffles, so that every lane holds four float4 groups (rr, s) of
-// four consecutive columns and a warp instruction covers four rows x 128 contiguous bytes of the accumulator (the
-// fast reduction pattern), with g = lane / 4, q = lane % 4, a = lane / 8, o = (lane / 4) & 1:
-//   group (rr, s): row 2 a + s + 8 rr, columns 16 o + 8 (q & 1) + 4 (q >> 1) .. + 3   (of the 32-column half)
-// Step 1 (lanes lane ^ 1): the n8 blocks' column pairs become 4 consecutive columns; lane (g, q) then holds, per
-// (rr, t), row g + 8 rr, columns 16 t + 8 (q & 1) + 4 (q >> 1). Step 2 (lanes lane ^ 4): the even-g lane of a pair of
-// rows swaps its t = 1 group for the odd-g lane's t = 0 group. The receiving lane reads exactly the 8 bytes of bf16
-// that the same lane of the peer wrote: buffer position (2 rr + s) * 256 + 8 lane (conflict-free, no swizzle).
-inline constexpr int kXbGroups = 4;  // (rr, t) float4 groups per lane
+// tile uses buffer k & 1 of the slot (barriers x_full / x_empty [2 slot + b]). The pair splits a chunk by ROWS, not
+// columns: in CTA rank 1 the producer gathers index position 16 m + r into tile row 16 m + (r ^ 8) (kRowSwap), so
+// that row half rr = 0 of a lane, accumulator row 16 w + g, holds the same entry as row half rr = 1 of the same lane
+// in the peer. Every CTA therefore keeps its rr = 0 values and sends its rr = 1 values, with compile-time register
+// indices: the receiving lane gets the peer's partials of exactly its own kept elements (same row entry, same
+// columns), as eight bf16x2 words at buffer position 16 lane (+ 512), conflict-free, no re-layout. For the
+// reductions the lanes of a quad pair up (lane ^ 1: one shuffle per two values) so that every lane holds four
+// consecutive columns: lane (g, q) adds columns 16 m + 8 (q & 1) + 4 (q >> 1) .. + 3 of its row, m = 0..3, and a
+// warp instruction covers 8 rows x 64 contiguous bytes (measured as fast as 4 rows x 128 bytes, docs/sparse-bwd.md).
+inline constexpr int kXbWords = kXSlotVals / 2;  // 8 bf16x2 words sent per lane and chunk
+static_assert(kXbWords * 4 * 32 == kXbBufBytes, "a lane's 32 bytes fill the 1 KB buffer");
 __device__ __forceinline__ uint32_t xb_parity_of(int uses_per_tile, int tile, int k) {
     return static_cast<uint32_t>(tile * uses_per_tile + (k >> 1)) & 1u;
 }
 
-// Sender side of chunk k (buffer b = k & 1): re-lays out both halves, packs the peer's half to bf16, waits until the
-// peer released its buffer b (tile-start permission, or its reduction of chunk k - 2), st.async's 8 bytes per lane.
-// Returns the kept half (f32, the layout above) in `kept`.
+// Sender side of chunk k (buffer b = k & 1): packs the row half rr = 1 to bf16, waits until the peer released its
+// buffer b (tile-start permission, or its reduction of chunk k - 2), st.async's 2 x 16 bytes per lane.
 __device__ __forceinline__ void pair_send_xb(const PairLink& l, const float (&acc)[kChunkRegs], uint32_t b,
-                                             uint32_t parity, float (&kept)[kXSlotVals]) {
+                                             uint32_t parity) {
+    uint32_t word[kXbWords];
+#pragma unroll
+    for (int j = 0; j < kChunkBlocks; ++j) word[j] = pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]);
     const uint32_t lane = lane_id_volatile();
-    const bool hi = l.rank != 0;   // keeps n8 blocks 4..7, sends 0..3
-    const bool odd = (lane & 1u) != 0;
-    uint32_t word[kXbGroups][2];
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-            const int g = 2 * rr + t;
-            // Accumulator indices of this thread's pairs in blocks 2t (A) and 2t + 1 (B) of each half.
-            const int lo_a = 4 * (2 * t) + 2 * rr, lo_b = 4 * (2 * t + 1) + 2 * rr;  // columns [0, 32)
-            const int hi_a = lo_a + 16, hi_b = lo_b + 16;                             // columns [32, 64)
-            // Kept half: even lanes keep their block-A pair and receive the partner's; odd lanes block B.
-            const float ka0 = hi ? acc[hi_a] : acc[lo_a], ka1 = hi ? acc[hi_a + 1] : acc[lo_a + 1];
-            const float kb0 = hi ? acc[hi_b] : acc[lo_b], kb1 = hi ? acc[hi_b + 1] : acc[lo_b + 1];
-            const float own0 = odd ? kb0 : ka0, own1 = odd ? kb1 : ka1;
-            const float r0 = __shfl_xor_sync(0xffffffffu, odd ? ka0 : kb0, 1);
-            const float r1 = __shfl_xor_sync(0xffffffffu, odd ? ka1 : kb1, 1);
-            kept[4 * g + 0] = odd ? r0 : own0;
-            kept[4 * g + 1] = odd ? r1 : own1;
-            kept[4 * g + 2] = odd ? own0 : r0;
-            kept[4 * g + 3] = odd ? own1 : r1;
-            // Peer's half, packed to bf16x2 first: one shuffle per pair.
-            const uint32_t pa = hi ? pack_bf16x2(acc[lo_a], acc[lo_a + 1]) : pack_bf16x2(acc[hi_a], acc[hi_a + 1]);
-            const uint32_t pb = hi ? pack_bf16x2(acc[lo_b], acc[lo_b + 1]) : pack_bf16x2(acc[hi_b], acc[hi_b + 1]);
-            const uint32_t pown = odd ? pb : pa;
-            const uint32_t pr = __shfl_xor_sync(0xffffffffu, odd ? pa : pb, 1);
-            word[g][0] = odd ? pr : pown;
-            word[g][1] = odd ? pown : pr;
-        }
-        // Step 2: even-g lanes swap their t = 1 group with the odd-g partner's t = 0 group.
-        const bool og = (lane & 4u) != 0;
-        const int g0 = 2 * rr, g1 = 2 * rr + 1;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const float r = __shfl_xor_sync(0xffffffffu, og ? kept[4 * g0 + c] : kept[4 * g1 + c], 4);
-            if (og) {
-                kept[4 * g0 + c] = r;
-            } else {
-                kept[4 * g1 + c] = r;
-            }
-        }
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const uint32_t r = __shfl_xor_sync(0xffffffffu, og ? word[g0][c] : word[g1][c], 4);
-            if (og) {
-                word[g0][c] = r;
-            } else {
-                word[g1][c] = r;
-            }
-        }
-    }
-    const uint32_t buf = l.slot + b * kXbBufBytes + 8 * lane;
+    const uint32_t buf = l.slot + b * kXbBufBytes + 16 * lane + l.peer_delta;
     const uint32_t peer_full = l.full + 8 * b + l.peer_delta;
     mbarrier_wait_parity(l.empty + 8 * b, parity);
+    st_async_v4_b32(buf, make_uint4(word[0], word[1], word[2], word[3]), peer_full);
+    st_async_v4_b32(buf + kXbBufBytes / 2, make_uint4(word[4], word[5], word[6], word[7]), peer_full);
+}
+
+// The kept half of a chunk (row half rr = 0, f32; kept[2 j + e] = acc[4 j + e]), as real copies: the next chunk's
+// wgmma overwrites acc while the kept values wait for the peer's (plain assignments let ptxas keep them in acc and
+// serialise the wgmma, C7511).
+__device__ __forceinline__ void keep_xb(const float (&acc)[kChunkRegs], float (&kept)[kXSlotVals]) {
 #pragma unroll
-    for (int g = 0; g < kXbGroups; ++g) {
-        st_async_v2_b32(buf + g * 256 + l.peer_delta, word[g][0], word[g][1], peer_full);
+    for (int j = 0; j < kChunkBlocks; ++j) {
+        asm volatile("mov.b32 %0, %1;" : "=f"(kept[2 * j]) : "f"(acc[4 * j]));
+        asm volatile("mov.b32 %0, %1;" : "=f"(kept[2 * j + 1]) : "f"(acc[4 * j + 1]));
     }
 }
 
 // Receiver side of chunk k (buffer b): arms x_full[2 slot + b] for the peer's 1 KB, waits, adds the bf16 values to
-// the kept f32 half and reduces 4 rows x 128 bytes per warp instruction into columns [64 slab + 32 rank, + 32).
+// the kept f32 half and reduces 8 rows x 64 bytes per warp instruction into the row's columns [64 slab, + 64).
 // Then `release`: the peer may send chunk k + 2 into buffer b; `last` (the tile's last chunk): reports the drain
 // locally (`drained`, d_qk 576, every lane); the tile's last two chunks release nothing (the next tile's permission
 // does).
@@ -655,30 +626,36 @@ __device__ __forceinline__ void pair_reduce_xb(const SparseBwdParams& p, const P
     const uint32_t full = l.full + 8 * b;
     if (lane == 0) mbarrier_arrive_expect_tx(full, kXbBufBytes);
     mbarrier_wait_parity(full, parity);
-    const uint32_t buf = l.slot + b * kXbBufBytes + 8 * lane;
-    uint2 w[kXbGroups];
-#pragma unroll
-    for (int g = 0; g < kXbGroups; ++g) w[g] = ld_shared_v2_u32(buf + g * 256);
-    const int64_t col = slab * kSw128ColsBf16 + kXSlotCols * static_cast<int>(l.rank) + 16 * ((lane >> 2) & 1u) +
-                        8 * (lane & 1u) + 4 * ((lane >> 1) & 1u);
+    const uint32_t buf = l.slot + b * kXbBufBytes + 16 * lane;
+    const uint4 w0 = ld_shared_v4(buf);
+    const uint4 w1 = ld_shared_v4(buf + kXbBufBytes / 2);
+    const int r = ridx_warp[lane / 4];  // this lane's kept row (row half 0 of its fragment rows); < 0: invalid
     // kFlagDrainFirst (accumulator beyond L2): the tile's last chunk frees the slots before its reductions, so the
     // producer's gather of the late KV slabs (which the slots alias) enters the memory pipeline ahead of them
     // instead of queueing behind their L2 misses. Each lane's arrive releases its own buffer reads.
     const bool drain_first = last && (p.flags & kFlagDrainFirst) != 0;
     if (drain_first) report_drained(drained);
+    const uint32_t word[kXbWords] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+    const bool odd = (lane & 1u) != 0;
+    // Invalid rows: predicated off, with the address of row 0 (no address is formed from an invalid index).
+    float* const dst = p.dkv_acc + static_cast<int64_t>(max(r, 0)) * p.dkv_acc_stride + slab * kSw128ColsBf16 +
+                       8 * (lane & 1u) + 4 * ((lane >> 1) & 1u);
 #pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-#pragma unroll
-        for (int t = 0; t < 2; ++t) {
-            const int g = 2 * rr + t;
-            const int r = ridx_warp[2 * (lane / 8) + t + 8 * rr];
-            float4 v;
-            v.x = kept[4 * g + 0] + bf16x2_lo(w[g].x);
-            v.y = kept[4 * g + 1] + bf16x2_hi(w[g].x);
-            v.z = kept[4 * g + 2] + bf16x2_lo(w[g].y);
-            v.w = kept[4 * g + 3] + bf16x2_hi(w[g].y);
-            if (r >= 0) red_add_v4_f32(p.dkv_acc + static_cast<int64_t>(r) * p.dkv_acc_stride + col, v);
-        }
+    for (int m = 0; m < kChunkBlocks / 2; ++m) {
+        // Blocks A = 2m and B = 2m + 1: the even lane of a pair keeps its A pair and receives the partner's, the odd
+        // lane its B pair; each then holds four consecutive columns.
+        const float a0 = kept[4 * m] + bf16x2_lo(word[2 * m]);
+        const float a1 = kept[4 * m + 1] + bf16x2_hi(word[2 * m]);
+        const float b0 = kept[4 * m + 2] + bf16x2_lo(word[2 * m + 1]);
+        const float b1 = kept[4 * m + 3] + bf16x2_hi(word[2 * m + 1]);
+        const float r0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
+        const float r1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
+        float4 v;
+        v.x = odd ? r0 : a0;
+        v.y = odd ? r1 : a1;
+        v.z = odd ? b0 : r0;
+        v.w = odd ? b1 : r1;
+        red_add_v4_f32_if(r >= 0, dst + 16 * m, v);
     }
     if (release) {
         __syncwarp();  // every lane's buffer reads done: their values fed the reductions (as in pair_reduce)
@@ -969,25 +946,30 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
                                static_cast<uint32_t>(k & 1), parity(k), k + 2 < kChunks, k + 1 == kChunks, drained);
             };
             auto send = [&](int k) {
-                pair_send_xb(pair_link<kDqk, true>(sm, kCw, warp), acc, static_cast<uint32_t>(k & 1), parity(k),
-                             kept);
+                pair_send_xb(pair_link<kDqk, true>(sm, kCw, warp), acc, static_cast<uint32_t>(k & 1), parity(k));
             };
-            issue(std::true_type{}, kFirstChunk);
-            retire();
-            send(0);
+            // Chunk k: its MMAs, then (d_qk 576) its half to the peer, then the reduction of chunk k - 1, whose peer
+            // half was sent one chunk earlier and has had a whole chunk's time to arrive; then the kept half of
+            // chunk k. The tensor cores run the other consumer's chunk meanwhile. At d_qk 512 the reduction of chunk
+            // k - 1 runs under chunk k's MMAs instead (measured faster there: docs/sparse-bwd.md, v9.2).
+            constexpr bool kEarlyReduce = kDqk == 512;
+            auto step = [&](auto with_do, int k) {
+                issue(with_do, kFirstChunk + 2 * k);
+                if constexpr (kEarlyReduce) {
+                    if (k > 0) reduce(k - 1);
+                    retire();
+                    send(k);
+                } else {
+                    retire();
+                    send(k);
+                    if (k > 0) reduce(k - 1);
+                }
+                keep_xb(acc, kept);
+            };
+            step(std::true_type{}, 0);
 #pragma unroll 1
-            for (int k = 1; k < kVChunks; ++k) {
-                issue(std::true_type{}, kFirstChunk + 2 * k);
-                reduce(k - 1);
-                retire();
-                send(k);
-            }
-            if constexpr (kVChunks < kChunks) {
-                issue(std::false_type{}, kFirstChunk + 2 * kVChunks);
-                reduce(kVChunks - 1);
-                retire();
-                send(kVChunks);
-            }
+            for (int k = 1; k < kVChunks; ++k) step(std::true_type{}, k);
+            if constexpr (kVChunks < kChunks) step(std::false_type{}, kVChunks);
             reduce(kChunks - 1);
         } else if constexpr (kPair) {
             // Software pipeline over the chunks: the exchange and reduction of chunk k - 1 run while the tensor
@@ -1130,7 +1112,7 @@ __device__ __forceinline__ void sparse_bwd_main(const SparseBwdParams& p, uint8_
     const int wg = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
     if (wg == 0) {
         setmaxnreg_dec<kProducerRegs>();
-        producer<kDqk, kPair>(p, sm, w);
+        producer<kDqk, kXBf16>(p, sm, w);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
         if (wg == 1) {
