@@ -629,7 +629,6 @@ __device__ __forceinline__ void pair_reduce_xb(const SparseBwdParams& p, const P
     const uint32_t buf = l.slot + b * kXbBufBytes + 16 * lane;
     const uint4 w0 = ld_shared_v4(buf);
     const uint4 w1 = ld_shared_v4(buf + kXbBufBytes / 2);
-    const int r = ridx_warp[lane / 4];  // this lane's kept row (row half 0 of its fragment rows); < 0: invalid
     // kFlagDrainFirst (accumulator beyond L2): the tile's last chunk frees the slots before its reductions, so the
     // producer's gather of the late KV slabs (which the slots alias) enters the memory pipeline ahead of them
     // instead of queueing behind their L2 misses. Each lane's arrive releases its own buffer reads.
@@ -637,25 +636,48 @@ __device__ __forceinline__ void pair_reduce_xb(const SparseBwdParams& p, const P
     if (drain_first) report_drained(drained);
     const uint32_t word[kXbWords] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
     const bool odd = (lane & 1u) != 0;
-    // Invalid rows: predicated off, with the address of row 0 (no address is formed from an invalid index).
-    float* const dst = p.dkv_acc + static_cast<int64_t>(max(r, 0)) * p.dkv_acc_stride + slab * kSw128ColsBf16 +
-                       8 * (lane & 1u) + 4 * ((lane >> 1) & 1u);
+    // Step 1 (lane ^ 1): blocks A = 2m and B = 2m + 1 of the quad's row; the even lane of a pair keeps its A pair and
+    // receives the partner's, the odd lane its B pair, so lane (g, q) holds v[m] = columns 16 m + c(q) .. + 3 of row
+    // g, c(q) = 8 (q & 1) + 4 (q >> 1).
+    float4 v[kChunkBlocks / 2];
 #pragma unroll
     for (int m = 0; m < kChunkBlocks / 2; ++m) {
-        // Blocks A = 2m and B = 2m + 1: the even lane of a pair keeps its A pair and receives the partner's, the odd
-        // lane its B pair; each then holds four consecutive columns.
         const float a0 = kept[4 * m] + bf16x2_lo(word[2 * m]);
         const float a1 = kept[4 * m + 1] + bf16x2_hi(word[2 * m]);
         const float b0 = kept[4 * m + 2] + bf16x2_lo(word[2 * m + 1]);
         const float b1 = kept[4 * m + 3] + bf16x2_hi(word[2 * m + 1]);
         const float r0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
         const float r1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
-        float4 v;
-        v.x = odd ? r0 : a0;
-        v.y = odd ? r1 : a1;
-        v.z = odd ? b0 : r0;
-        v.w = odd ? b1 : r1;
-        red_add_v4_f32_if(r >= 0, dst + 16 * m, v);
+        v[m].x = odd ? r0 : a0;
+        v[m].y = odd ? r1 : a1;
+        v[m].z = odd ? b0 : r0;
+        v[m].w = odd ? b1 : r1;
+    }
+    // Step 2 (lane ^ 4, quads g and g ^ 1, rows ge = g & ~1 and ge + 1): the even quad keeps m = 2t and takes the odd
+    // quad's m = 2t, the odd quad keeps m = 2t + 1 and takes the even quad's m = 2t + 1 (t = 0, 1). Then one warp
+    // instruction covers, for each of the 4 quad pairs, columns [32 t, 32 t + 32) of row ge (or ge + 1): 8 lanes x
+    // 16 contiguous bytes, i.e. 4 rows x 128 bytes, the pattern that keeps whole lines per request when the
+    // accumulator misses L2.
+    const bool oq = (lane & 4u) != 0;
+    const int ge = static_cast<int>(lane / 4) & ~1;
+    const int r_e = ridx_warp[ge];      // < 0: invalid
+    const int r_o = ridx_warp[ge + 1];
+    // Invalid rows: predicated off, with the address of row 0 (no address is formed from an invalid index).
+    const int64_t col = slab * kSw128ColsBf16 + 16 * static_cast<int>(oq) + 8 * (lane & 1u) + 4 * ((lane >> 1) & 1u);
+    float* const dst_e = p.dkv_acc + static_cast<int64_t>(max(r_e, 0)) * p.dkv_acc_stride + col;
+    float* const dst_o = p.dkv_acc + static_cast<int64_t>(max(r_o, 0)) * p.dkv_acc_stride + col;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+        const float4 own = oq ? v[2 * t + 1] : v[2 * t];
+        const float4 give = oq ? v[2 * t] : v[2 * t + 1];
+        float4 got;
+        got.x = __shfl_xor_sync(0xffffffffu, give.x, 4);
+        got.y = __shfl_xor_sync(0xffffffffu, give.y, 4);
+        got.z = __shfl_xor_sync(0xffffffffu, give.z, 4);
+        got.w = __shfl_xor_sync(0xffffffffu, give.w, 4);
+        // Row ge: the even quad's own values, the odd quad's received ones; row ge + 1 the other way round.
+        red_add_v4_f32_if(r_e >= 0, dst_e + 32 * t, oq ? got : own);
+        red_add_v4_f32_if(r_o >= 0, dst_o + 32 * t, oq ? own : got);
     }
     if (release) {
         __syncwarp();  // every lane's buffer reads done: their values fed the reductions (as in pair_reduce)
