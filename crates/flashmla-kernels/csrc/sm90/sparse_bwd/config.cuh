@@ -44,7 +44,8 @@ static_assert(kXSlotCols * kPairCtas == kSw128ColsBf16, "the pair splits a 64-co
 // bf16 exchange (the `_xb` pair kernels: bf16 d_kv, not deterministic, not accumulating): the peer's half travels as
 // bf16 (1 KB per warp and chunk), so each warp's 2 KB holds TWO receive buffers, used by alternate chunks of a
 // tile: a send waits for the peer's reduction of the chunk before the previous one (two chunks of slack). The
-// receiver adds the bf16 values to its f32 kept half in registers (no staging in shared memory).
+// receiver adds the bf16 values to its f32 kept half in registers (no staging in shared memory). These kernels split
+// a chunk by rows instead (each warp keeps 8 of its 16 rows, all 64 columns: pair_send_xb), the same bytes.
 inline constexpr int kXbBufBytes = kXSlotRows * kXSlotCols * 2;  // 1024: 16 rows x 32 bf16
 inline constexpr int kXbBufs = 2;
 static_assert(kXbBufs * kXbBufBytes == kXSlotBytes, "two bf16 buffers per f32 slot");

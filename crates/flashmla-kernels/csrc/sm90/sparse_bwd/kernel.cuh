@@ -25,8 +25,10 @@
 //                          each warp st.async's the other half of its rows to the same warp of the peer, adds
 //                          the peer's half of its kept columns, and reduces: one add per (token, row) instead of
 //                          two. The exchange of chunk k overlaps the MMAs of chunk k + 1. With a bf16 d_kv (not
-//                          deterministic, not accumulated: the `_xb` kernels, kXBf16) the peer's half travels as
-//                          bf16 through two 1 KB buffers per warp and is added in registers (pair_send_xb).
+//                          deterministic, not accumulated: the `_xb` kernels, kXBf16) the pair splits each chunk
+//                          by rows instead (rank 1 gathers its tile rows with the 8-row halves swapped), the
+//                          peer's half travels as bf16 through two 1 KB buffers per warp and is added in registers
+//                          (pair_send_xb).
 //   Epilogue: dQ (already scaled by sm_scale) -> bf16, staged through the Q region, coalesced 16-byte stores.
 #pragma once
 
@@ -412,7 +414,8 @@ inline constexpr int kN256Slabs = 4;                                            
 inline constexpr uint32_t kUnusedLbo = 16;  // K-major SW128 operands ignore LBO
 inline constexpr uint32_t kKStepMnBytes = 16 * kSw128RowBytes;  // MN-major operands: 16 K rows = 2048 bytes
 
-// Pair mode: the exchange of one dKV chunk (config.cuh). CTA rank r keeps columns [32 r, 32 r + 32) of the chunk
+// Pair mode, f32 exchange: the exchange of one dKV chunk (config.cuh; the bf16 exchange splits rows, pair_send_xb
+// below). CTA rank r keeps columns [32 r, 32 r + 32) of the chunk
 // (the accumulator's n8 blocks 4r .. 4r + 3) and sends the other half of every row to the peer; consumer warp w
 // (of consumer c) exchanges with warp w of consumer c in the peer through slot 4c + w of each CTA. Nothing of it
 // is kept in registers across the tile loop (consumer 0 holds 160 dQ accumulators at d_qk 576): the addresses
@@ -577,10 +580,8 @@ __device__ __forceinline__ void pair_reduce(const SparseBwdParams& p, const Pair
 // that row half rr = 0 of a lane, accumulator row 16 w + g, holds the same entry as row half rr = 1 of the same lane
 // in the peer. Every CTA therefore keeps its rr = 0 values and sends its rr = 1 values, with compile-time register
 // indices: the receiving lane gets the peer's partials of exactly its own kept elements (same row entry, same
-// columns), as eight bf16x2 words at buffer position 16 lane (+ 512), conflict-free, no re-layout. For the
-// reductions the lanes of a quad pair up (lane ^ 1: one shuffle per two values) so that every lane holds four
-// consecutive columns: lane (g, q) adds columns 16 m + 8 (q & 1) + 4 (q >> 1) .. + 3 of its row, m = 0..3, and a
-// warp instruction covers 8 rows x 64 contiguous bytes (measured as fast as 4 rows x 128 bytes, docs/sparse-bwd.md).
+// columns), as eight bf16x2 words at buffer position 16 lane (+ 512), conflict-free, no re-layout. The reductions
+// then take two shuffle steps (pair_reduce_xb) so that a warp instruction covers 4 rows x 128 contiguous bytes.
 inline constexpr int kXbWords = kXSlotVals / 2;  // 8 bf16x2 words sent per lane and chunk
 static_assert(kXbWords * 4 * 32 == kXbBufBytes, "a lane's 32 bytes fill the 1 KB buffer");
 __device__ __forceinline__ uint32_t xb_parity_of(int uses_per_tile, int tile, int k) {
@@ -614,7 +615,7 @@ __device__ __forceinline__ void keep_xb(const float (&acc)[kChunkRegs], float (&
 }
 
 // Receiver side of chunk k (buffer b): arms x_full[2 slot + b] for the peer's 1 KB, waits, adds the bf16 values to
-// the kept f32 half and reduces 8 rows x 64 bytes per warp instruction into the row's columns [64 slab, + 64).
+// the kept f32 half and reduces 4 rows x 128 bytes per warp instruction into the rows' columns [64 slab, + 64).
 // Then `release`: the peer may send chunk k + 2 into buffer b; `last` (the tile's last chunk): reports the drain
 // locally (`drained`, d_qk 576, every lane); the tile's last two chunks release nothing (the next tile's permission
 // does).
