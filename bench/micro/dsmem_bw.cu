@@ -118,7 +118,9 @@ __global__ void __cluster_dims__(2, 1, 1) exchange_kernel(int bytes, int iters, 
             }
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             __syncwarp();
-            if (lane == 0) bulk_to_peer(recv0 + b * kMaxBytes + delta, stage0 + b * kMaxBytes, bytes, full0 + 8 * b + delta);
+            if (lane == 0) {
+                bulk_to_peer(recv0 + b * kMaxBytes + delta, stage0 + b * kMaxBytes, bytes, full0 + 8 * b + delta);
+            }
         } else {
             for (int i = 0; i < pieces; ++i) {
                 st_async_v4(recv0 + b * kMaxBytes + 512 * i + 16 * lane + delta, v, full0 + 8 * b + delta);

@@ -266,7 +266,8 @@ __device__ __forceinline__ void producer_tiles(const SparseBwdParams& p, SmemPla
     // threadIdx.x is 0..127: the producer is warpgroup 0.
     const auto [row_in_pass, chunk, thread_off, chunk_elems] = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
     // Index position (within a pass) of this thread's tile row (kRowSwap: rank 1 swaps the halves of each pass).
-    const int entry_row = kRowSwap ? row_in_pass ^ static_cast<int>(cluster_ctarank() * (kRowsPerPass / 2)) : row_in_pass;
+    const int entry_row =
+        kRowSwap ? row_in_pass ^ static_cast<int>(cluster_ctarank() * (kRowsPerPass / 2)) : row_in_pass;
     const uint16_t* const dummy_src = p.q;  // zero-filled copies' source (see producer)
     const uint32_t kv_base = smem_addr(sm.kv) + thread_off;
     for (int i = 0; i < w.n_tiles; ++i) {
