@@ -9,11 +9,17 @@
 //              cp.async.bulk.shared::cluster.shared::cta (the TMA engine moves it)
 // One CTA per SM (the dynamic shared memory forces it), 132 CTAs = 66 clusters on an H100. Prints, per mode, chunk
 // size and warps per CTA, the cycles per chunk of one warp and the bytes per cycle each SM sends (and receives).
-// Build: nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o dsmem_bw dsmem_bw.cu
+// Build (from bench/micro): nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o dsmem_bw dsmem_bw.cu
+// The figures of 2026-11-24 (bench/results/2026-11-24-h100-dsmem-bw.txt) were taken with private copies of the same
+// PTX (commit ff0735a); this version calls the kernels' own primitives from common/.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cuda_runtime.h>
+
+// The kernels' own DSMEM and mbarrier primitives (the same PTX the backward's pair exchange issues).
+#include "../../crates/flashmla-kernels/csrc/common/cluster.cuh"
+#include "../../crates/flashmla-kernels/csrc/common/mbarrier.cuh"
 
 #define CK(x)                                                                  \
     do {                                                                       \
@@ -28,47 +34,19 @@ constexpr int kMaxWarps = 8;
 constexpr int kMaxBytes = 4096;
 constexpr int kSmem = 2 * kMaxWarps * 2 * kMaxBytes + 1024;  // receive + staging buffers, barriers
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ uint32_t cluster_rank() {
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ uint32_t mapa(uint32_t a, uint32_t rank) {
-    uint32_t r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void wait_parity(uint32_t bar, uint32_t parity) {
-    uint32_t done = 0;
-    while (!done) {
-        asm volatile(
-            "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    }
-}
-__device__ __forceinline__ void remote_arrive(uint32_t remote_bar) {
-    asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote_bar) : "memory");
-}
-__device__ __forceinline__ void st_async_v4(uint32_t remote, uint4 v, uint32_t remote_bar) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
-                     remote),
-                 "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(remote_bar)
-                 : "memory");
-}
+using flashmla::cluster_ctarank_volatile;
+using flashmla::cluster_sync;
+using flashmla::fence_mbarrier_init_cluster;
+using flashmla::mapa_shared;
+using flashmla::MBarrier;
+using flashmla::mbarrier_arrive_expect_tx;
+using flashmla::mbarrier_arrive_remote_relaxed;
+using flashmla::mbarrier_wait_parity;
+using flashmla::smem_addr;
+using flashmla::st_async_v4_b32;
+
+// The one primitive the kernels do not use: a bulk copy from this CTA's shared memory into the peer's, completing
+// on the peer's mbarrier.
 __device__ __forceinline__ void bulk_to_peer(uint32_t remote_dst, uint32_t local_src, uint32_t bytes,
                                              uint32_t remote_bar) {
     asm volatile(
@@ -88,26 +66,26 @@ __global__ void __cluster_dims__(2, 1, 1) exchange_kernel(int bytes, int iters, 
     uint8_t* recv = smem;                                  // [warp][2][kMaxBytes]
     uint8_t* stage = smem + kMaxWarps * 2 * kMaxBytes;      // [warp][2][kMaxBytes]
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem + 2 * kMaxWarps * 2 * kMaxBytes);  // full[w][2], empty[w][2]
-    const uint32_t rank = cluster_rank();
-    if (threadIdx.x < warps * 4) mbar_init(smem_u32(bars + threadIdx.x), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    const uint32_t rank = cluster_ctarank_volatile();
+    if (threadIdx.x < warps * 4) MBarrier::init(bars + threadIdx.x, 1);
+    fence_mbarrier_init_cluster();
     cluster_sync();
 
-    const uint32_t full0 = smem_u32(bars + 4 * warp);      // full[b] = full0 + 8 b
-    const uint32_t empty0 = smem_u32(bars + 4 * warp + 2);  // empty[b] = empty0 + 8 b
-    const uint32_t recv0 = smem_u32(recv + warp * 2 * kMaxBytes);
-    const uint32_t stage0 = smem_u32(stage + warp * 2 * kMaxBytes);
-    const uint32_t delta = mapa(recv0, rank ^ 1u) - recv0;  // local -> peer shared::cluster address
+    const uint32_t full0 = smem_addr(bars + 4 * warp);      // full[b] = full0 + 8 b
+    const uint32_t empty0 = smem_addr(bars + 4 * warp + 2);  // empty[b] = empty0 + 8 b
+    const uint32_t recv0 = smem_addr(recv + warp * 2 * kMaxBytes);
+    const uint32_t stage0 = smem_addr(stage + warp * 2 * kMaxBytes);
+    const uint32_t delta = mapa_shared(recv0, rank ^ 1u) - recv0;  // local -> peer shared::cluster address
     // Permission for the peer's first use of each of our buffers.
     if (lane == 0) {
-        remote_arrive(empty0 + delta);
-        remote_arrive(empty0 + 8 + delta);
+        mbarrier_arrive_remote_relaxed(empty0 + delta);
+        mbarrier_arrive_remote_relaxed(empty0 + 8 + delta);
     }
     const int pieces = bytes / 512;  // 16 bytes per lane per piece
     float acc = 0.f;
     auto send = [&](int k) {
         const uint32_t b = k & 1, parity = (k >> 1) & 1;
-        wait_parity(empty0 + 8 * b, parity);
+        mbarrier_wait_parity(empty0 + 8 * b, parity);
         const uint4 v = make_uint4(k, lane, warp, rank);
         if constexpr (kBulk) {
             for (int i = 0; i < pieces; ++i) {
@@ -123,14 +101,14 @@ __global__ void __cluster_dims__(2, 1, 1) exchange_kernel(int bytes, int iters, 
             }
         } else {
             for (int i = 0; i < pieces; ++i) {
-                st_async_v4(recv0 + b * kMaxBytes + 512 * i + 16 * lane + delta, v, full0 + 8 * b + delta);
+                st_async_v4_b32(recv0 + b * kMaxBytes + 512 * i + 16 * lane + delta, v, full0 + 8 * b + delta);
             }
         }
     };
     auto receive = [&](int k) {
         const uint32_t b = k & 1, parity = (k >> 1) & 1;
-        if (lane == 0) arrive_expect_tx(full0 + 8 * b, bytes);
-        wait_parity(full0 + 8 * b, parity);
+        if (lane == 0) mbarrier_arrive_expect_tx(full0 + 8 * b, bytes);
+        mbarrier_wait_parity(full0 + 8 * b, parity);
         for (int i = 0; i < pieces; ++i) {
             uint4 v;
             asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
@@ -140,7 +118,7 @@ __global__ void __cluster_dims__(2, 1, 1) exchange_kernel(int bytes, int iters, 
             acc += static_cast<float>(v.x + v.y + v.z + v.w);
         }
         __syncwarp();
-        if (lane == 0) remote_arrive(empty0 + 8 * b + delta);  // the peer may send chunk k + 2 into buffer b
+        if (lane == 0) mbarrier_arrive_remote_relaxed(empty0 + 8 * b + delta);  // the peer may send chunk k + 2 into buffer b
     };
     const long long t0 = clock64();
     for (int k = 0; k < iters; ++k) {
