@@ -62,14 +62,6 @@ __device__ __forceinline__ void st_async_v2_f32(uint32_t remote, float a, float 
                  : "memory");
 }
 
-// Two 32-bit words (8 bytes, `remote` 8-byte aligned) into another CTA's shared memory, completing on its mbarrier
-// `remote_bar` (both shared::cluster addresses).
-__device__ __forceinline__ void st_async_v2_b32(uint32_t remote, uint32_t a, uint32_t b, uint32_t remote_bar) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(remote),
-                 "r"(a), "r"(b), "r"(remote_bar)
-                 : "memory");
-}
-
 // Four 32-bit words (16 bytes, `remote` 16-byte aligned) into another CTA's shared memory, completing on its
 // mbarrier `remote_bar` (both shared::cluster addresses).
 __device__ __forceinline__ void st_async_v4_b32(uint32_t remote, uint4 v, uint32_t remote_bar) {
