@@ -1,5 +1,4 @@
 // The small kernels of the sparse backward family (all memory-bound, kSmallThreads threads per CTA):
-//   delta_prepass    delta[t, h] = sum_c d_out[t, h, c] * out[t, h, c]             (before the main kernel)
 //   zero_acc         dkv_acc[:, :] = 0                                              (before the main kernel)
 //   finalize_dkv     d_kv = bf16(dkv_acc) or f32 copy / add (f32 or fixed-point acc)  (after it)
 //   sink_grad        d_attn_sink[h] = -sum_t sigmoid(sink[h] - lse[t, h]) * delta[t, h] over non-empty rows
@@ -15,54 +14,6 @@
 #include "sm90/sparse_bwd/params.h"
 
 namespace flashmla::sparse_bwd {
-
-inline constexpr int kWarpsPerSmallCta = kSmallThreads / 32;
-inline constexpr int kDeltaLaneElems = 8;                                   // one 16-byte chunk per load
-inline constexpr int kDeltaLoadsPerRow = kDv / (32 * kDeltaLaneElems);     // 2 chunks per lane per tensor
-static_assert(kDeltaLoadsPerRow * 32 * kDeltaLaneElems == kDv, "a warp covers a d_v row in whole chunks");
-
-__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
-
-__device__ __forceinline__ float dot_bf16x8(uint4 a, uint4 b) {
-    const uint32_t aw[4] = {a.x, a.y, a.z, a.w};
-    const uint32_t bw[4] = {b.x, b.y, b.z, b.w};
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        s = fmaf(bf16_lo(aw[i]), bf16_lo(bw[i]), s);
-        s = fmaf(bf16_hi(aw[i]), bf16_hi(bw[i]), s);
-    }
-    return s;
-}
-
-// One warp per (t, h) row, kDeltaRowsPerWarp rows per warp; grid.x = ceil(s_q * h_q / kDeltaRowsPerCta).
-__device__ __forceinline__ void delta_prepass(const SparseBwdParams& p) {
-    const int warp = static_cast<int>(threadIdx.x) / 32;
-    const int lane = static_cast<int>(threadIdx.x) % 32;
-    const int64_t rows = static_cast<int64_t>(p.s_q) * p.h_q;
-    const bool out_vec = (p.flags & kFlagOutVec16) != 0;
-    const int64_t first = static_cast<int64_t>(blockIdx.x) * kDeltaRowsPerCta + warp * kDeltaRowsPerWarp;
-#pragma unroll
-    for (int r = 0; r < kDeltaRowsPerWarp; ++r) {
-        const int64_t th = first + r;
-        if (th >= rows) break;  // warp-uniform
-        const int64_t t = th / p.h_q;
-        const int64_t h = th % p.h_q;
-        const uint16_t* o = p.out + t * p.out_stride_t + h * p.out_stride_h;
-        const uint16_t* g = p.d_out + t * p.d_out_stride_t + h * p.d_out_stride_h;  // 16-byte aligned rows
-        float sum = 0.f;
-#pragma unroll
-        for (int k = 0; k < kDeltaLoadsPerRow; ++k) {
-            const int c = (k * 32 + lane) * kDeltaLaneElems;
-            const uint4 ov = out_vec ? load_bf16x8<true>(o + c) : load_bf16x8<false>(o + c);
-            sum += dot_bf16x8(ov, load_bf16x8<true>(g + c));
-        }
-#pragma unroll
-        for (int m = 16; m >= 1; m /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, m);
-        if (lane == 0) p.delta[t * p.delta_stride_t + h * p.delta_stride_h] = sum;
-    }
-}
 
 // dkv_acc rows [0, s_kv) x columns [0, d_qk) = 0, float4 stores (rows 16-byte aligned, d_qk a multiple of 4).
 // Fixed-point accumulators have 8-byte values: twice the floats per row and per stride.

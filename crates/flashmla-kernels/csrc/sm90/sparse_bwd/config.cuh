@@ -187,8 +187,6 @@ static_assert(kSmemBytes<512> == 231424, "update launch.rs SMEM_BYTES_D512");
 
 // The small kernels of the family.
 inline constexpr int kSmallThreads = 256;           // every auxiliary kernel: 8 warps
-inline constexpr int kDeltaRowsPerWarp = 4;         // delta pre-pass: (t, h) rows per warp
-inline constexpr int kDeltaRowsPerCta = kDeltaRowsPerWarp * (kSmallThreads / 32);  // 32
 inline constexpr int kElemChunk = 8;                // finalisation: 8 values per thread step (16 B bf16 / 32 B f32)
 
 }  // namespace flashmla::sparse_bwd

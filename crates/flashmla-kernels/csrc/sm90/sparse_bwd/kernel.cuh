@@ -1,6 +1,7 @@
 // Sparse MLA prefill backward for sm_90a (SPEC section 2): the main kernel. docs/sparse-bwd.md has the design:
 // shared-memory plan, warp roles, barrier protocols, masking, how d_kv is reduced. The small kernels of the family
-// (delta pre-pass, accumulator zeroing, d_kv finalisation, sink gradient) are in aux.cuh.
+// (accumulator zeroing, d_kv finalisation, sink gradient) are in aux.cuh; delta = rowsum(out * dO) is fused
+// into consumer 1 (fused_delta).
 //
 // One CTA = one query token t x one group of 64 heads; 3 warpgroups:
 //   WG 0 (producer): loads Q [64 x d_qk] and dO [64 x 512] of its heads once, then gathers the token's selected KV
@@ -392,6 +393,75 @@ __device__ __forceinline__ float lse2_with_sink(float lse, const float* sink) {
 __device__ __forceinline__ float bf16x2_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16x2_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
 
+// Dot product of eight bf16 pairs in f32.
+__device__ __forceinline__ float dot_bf16x8(uint4 a, uint4 b) {
+    const uint32_t aw[4] = {a.x, a.y, a.z, a.w};
+    const uint32_t bw[4] = {b.x, b.y, b.z, b.w};
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        s = fmaf(bf16x2_lo(aw[i]), bf16x2_lo(bw[i]), s);
+        s = fmaf(bf16x2_hi(aw[i]), bf16x2_hi(bw[i]), s);
+    }
+    return s;
+}
+
+// delta = rowsum(out * dO) (SPEC 2) of the 16 heads of warp `warp` of consumer 1 (CTA rows [16 warp, 16 warp +
+// 16): the rows whose dS' the warp computes), fused into the main kernel so that no pre-pass reads `out` and `dO`
+// again. Lane l covers columns [16 l, 16 l + 16) of each row: 32 contiguous bytes of `out` (all 16 heads' loads are
+// issued before the wait for Q / dO, so their latency overlaps it) and chunks 2 (l % 4), +1 of dO slab l / 4 in
+// shared memory (from global memory when the row has no tile, as the producer then loads nothing). Writes `delta`
+// of the group's real heads and returns, per thread, delta of its two accumulator rows (lane / 4, + 8).
+template <int kDqk>
+__device__ __forceinline__ void fused_delta(const SparseBwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w, int warp,
+                                            int lane, float (&delta)[2]) {
+    using C = Config<kDqk>;
+    constexpr int kHeads = 16;
+    constexpr int kLaneChunks = 2;  // 16-byte chunks per lane and row: 32 lanes x 32 bytes = one 512-column row
+    static_assert(32 * kLaneChunks * 8 == kDv && kSw128ChunksPerRow % kLaneChunks == 0, "lane -> dO chunk map");
+    const bool out_vec = (p.flags & kFlagOutVec16) != 0;
+    const int col = kLaneChunks * 8 * lane;
+    const int64_t tok = w.token;
+    uint4 o[kHeads][kLaneChunks];
+#pragma unroll
+    for (int j = 0; j < kHeads; ++j) {
+        const int r = kHeads * warp + j;
+        const uint16_t* src = p.out + tok * p.out_stride_t + (w.head0 + r) * p.out_stride_h + col;
+#pragma unroll
+        for (int c = 0; c < kLaneChunks; ++c) {
+            o[j][c] = make_uint4(0u, 0u, 0u, 0u);
+            if (r < w.heads) o[j][c] = out_vec ? load_bf16x8<true>(src + 8 * c) : load_bf16x8<false>(src + 8 * c);
+        }
+    }
+    const bool do_in_smem = w.n_tiles > 0;
+    if (do_in_smem) MBarrier::wait(&sm.qdo_full, 0);  // Q and dO landed (the consumers wait for it anyway)
+    const uint32_t do_slab = smem_addr(sm.d_out) + (lane / (kSw128ChunksPerRow / kLaneChunks)) * C::kSlabBytes;
+    const int chunk0 = kLaneChunks * (lane % (kSw128ChunksPerRow / kLaneChunks));
+    delta[0] = 0.f;
+    delta[1] = 0.f;
+#pragma unroll
+    for (int j = 0; j < kHeads; ++j) {
+        const int r = kHeads * warp + j;
+        float s = 0.f;
+#pragma unroll
+        for (int c = 0; c < kLaneChunks; ++c) {
+            uint4 d = make_uint4(0u, 0u, 0u, 0u);  // rows past h_q: zero (as the producer's zero-filled rows)
+            if (do_in_smem) {
+                d = ld_shared_v4(do_slab + sw128_chunk_offset(r, chunk0 + c));
+            } else if (r < w.heads) {
+                d = load_bf16x8<true>(p.d_out + tok * p.d_out_stride_t + (w.head0 + r) * p.d_out_stride_h + col +
+                                      8 * c);  // d_out rows are 16-byte aligned (host-checked)
+            }
+            s += dot_bf16x8(o[j][c], d);
+        }
+#pragma unroll
+        for (int m = 16; m >= 1; m /= 2) s += __shfl_xor_sync(0xffffffffu, s, m);
+        if (j == lane / 4) delta[0] = s;
+        if (j == lane / 4 + 8) delta[1] = s;
+        if (lane == j && r < w.heads) p.delta[tok * p.delta_stride_t + (w.head0 + r) * p.delta_stride_h] = s;
+    }
+}
+
 // dQ accumulator slice of one consumer: 4 slabs (one m64n256 accumulator) or 5 (plus one m64n64).
 template <int kSlabs>
 struct DqAcc;
@@ -741,9 +811,10 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
     const uint32_t p_addr = smem_addr(sm.p);
     const uint32_t ds_addr = smem_addr(sm.ds);
 
-    // ---- Per-row statistics. Padding heads (>= h_q) get lse2' = +inf, so P = dS = 0 on their rows.
+    // ---- Per-row statistics. Padding heads (>= h_q) get lse2' = +inf, so P = dS = 0 on their rows; consumer 1
+    // computes delta of its rows (and writes the `delta` output), consumer 0 does not need it.
     float lse2[2];
-    float delta[2];
+    float delta[2] = {0.f, 0.f};
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
         const int64_t head = w.head0 + rows[rr];
@@ -752,12 +823,11 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
             const float lse = __ldg(p.lse + tok * p.lse_stride_t + head * p.lse_stride_h);
             const float* sink = p.attn_sink != nullptr ? p.attn_sink + head * p.attn_sink_stride : nullptr;
             lse2[rr] = lse2_with_sink(lse, sink);
-            delta[rr] = p.delta[tok * p.delta_stride_t + head * p.delta_stride_h];  // written by the pre-pass
         } else {
             lse2[rr] = kInf;
-            delta[rr] = 0.f;
         }
     }
+    if constexpr (kCw == 1) fused_delta<kDqk>(p, sm, w, warp, lane, delta);
 
     DqAcc<kDqSlabs> dq;
 #pragma unroll

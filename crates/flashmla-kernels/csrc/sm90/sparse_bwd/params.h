@@ -1,5 +1,5 @@
 // Parameters of the sparse MLA prefill backward family (SPEC section 2). ONE struct for every kernel of the family
-// (delta pre-pass, accumulator zeroing, main kernel, d_kv finalisation, sink gradient); each kernel reads the
+// (accumulator zeroing, main kernel, d_kv finalisation, sink gradient); each kernel reads the
 // fields it needs. Mirrored field by field by `crates/flashmla/src/ops/sparse_bwd/launch.rs` (`SparseBwdParams`,
 // #[repr(C)]); the static_asserts below and the Rust `const` asserts pin the same size and offsets.
 //
@@ -15,7 +15,7 @@
 namespace flashmla::sparse_bwd {
 
 // `flags` bits.
-inline constexpr uint32_t kFlagOutVec16 = 1u << 0;    // `out` rows 16-byte aligned: the delta pre-pass loads 16 B
+inline constexpr uint32_t kFlagOutVec16 = 1u << 0;    // `out` rows 16-byte aligned: the main kernel's delta loads 16 B
 inline constexpr uint32_t kFlagDqVec16 = 1u << 1;     // `d_q` rows 16-byte aligned: 16-byte stores
 inline constexpr uint32_t kFlagDkvVec16 = 1u << 2;    // `d_kv` rows 16-byte aligned: finalisation stores 16 B
 inline constexpr uint32_t kFlagDkvF32 = 1u << 3;      // `d_kv` is f32 (finalisation copies); else bf16 (casts)
@@ -34,7 +34,7 @@ struct SparseBwdParams {
     const uint16_t* d_out;        // [s_q, h_q, d_v] bf16; strides (d_out_stride_t, d_out_stride_h, 1)
     const float* lse;             // [s_q, h_q] f32 natural log, +inf for empty rows; strides (lse_stride_t, _h)
     uint16_t* d_q;                // [s_q, h_q, d_qk] bf16; strides (d_q_stride_t, d_q_stride_h, 1)
-    float* delta;                 // [s_q, h_q] f32; written by the pre-pass, read by the main kernel and sink grad
+    float* delta;                 // [s_q, h_q] f32; written by the main kernel (consumer 1), read by sink grad
     float* d_attn_sink;           // [h_q] f32, stride d_attn_sink_stride; nullptr when there is no sink
     float* dkv_acc;               // [s_kv, d_qk] f32 accumulator, row stride dkv_acc_stride (the f32 d_kv itself
                                   // when its rows are 16-byte aligned, else the workspace); with kFlagFixedPoint

@@ -1,6 +1,5 @@
 // Entry points of the sparse_bwd family (SPEC section 2), launched in this order by ops/sparse_bwd/launch.rs:
 //   sparse_bwd_zero_acc          grid-stride over s_kv * d_qk / 4 float4s, kSmallThreads   (skipped when accumulating)
-//   sparse_bwd_delta             grid (ceil(s_q * h_q / kDeltaRowsPerCta)), kSmallThreads
 //   sparse_bwd_main_d576         h_q <= 64 ("solo"): grid (s_q), block kThreads = 384, dynamic smem kSmemBytes<576>
 //   sparse_bwd_main_pair_d576    64 < h_q <= 128 ("pair"): grid (2 s_q) in clusters of (2, 1, 1), same block and
 //                                shared memory; the two head groups of a token reduce dKV together on chip
@@ -33,10 +32,6 @@ FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_pair_det_d576, 576, true, true, false)
 FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_pair_det_d512, 512, true, true, false)
 FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_pair_xb_d576, 576, false, true, true)
 FLASHMLA_SPARSE_BWD_MAIN(sparse_bwd_main_pair_xb_d512, 512, false, true, true)
-
-extern "C" __global__ void __launch_bounds__(kSmallThreads) sparse_bwd_delta(const __grid_constant__ SparseBwdParams p) {
-    flashmla::sparse_bwd::delta_prepass(p);
-}
 
 extern "C" __global__ void __launch_bounds__(kSmallThreads)
     sparse_bwd_zero_acc(const __grid_constant__ SparseBwdParams p) {

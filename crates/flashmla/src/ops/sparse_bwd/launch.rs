@@ -5,16 +5,16 @@
 //! Launches, in stream order (see [`Stage`]):
 //! 1. `sparse_bwd_zero_acc`: zero the f32 `d_kv` accumulator (skipped when accumulating into an f32
 //!    `d_kv` in place);
-//! 2. `sparse_bwd_delta`: `delta = rowsum(d_out * out)` (written to the `delta` output);
-//! 3. `sparse_bwd_main[_pair][_det]_d{576,512}`: one CTA of 384 threads per (query token, group of
-//!    64 heads): writes `d_q` once and adds each tile's `d_kv` rows into the accumulator with vector
+//! 2. `sparse_bwd_main[_pair][_det]_d{576,512}`: one CTA of 384 threads per (query token, group of
+//!    64 heads): computes `delta = rowsum(d_out * out)` of its heads (written to the `delta`
+//!    output), writes `d_q` once and adds each tile's `d_kv` rows into the accumulator with vector
 //!    reductions. With two head groups (`64 < h_q <= 128`) the `_pair` kernel runs the two groups of
 //!    a token as a 2-CTA cluster that sums their `d_kv` partials through distributed shared memory
 //!    first, so each (token, selected row) is added once (`_pair_xb`: the partials travel as bf16,
 //!    used when `d_kv` is bf16, not deterministic and not accumulated into);
-//! 4. `sparse_bwd_finalize`: accumulator -> `d_kv` (bf16 cast, or f32 copy/add), only when the
+//! 3. `sparse_bwd_finalize`: accumulator -> `d_kv` (bf16 cast, or f32 copy/add), only when the
 //!    accumulator is the workspace;
-//! 5. `sparse_bwd_sink_grad`: `d_attn_sink`, deterministic, only with `attn_sink`.
+//! 4. `sparse_bwd_sink_grad`: `d_attn_sink`, deterministic, only with `attn_sink`.
 //!
 //! **Memory.** The accumulator is the f32 `d_kv` itself when its rows are 16-byte aligned;
 //! otherwise (bf16 `d_kv`, or an unaligned f32 one) an f32 workspace `[s_kv, d_qk]`, 16-byte aligned
@@ -62,8 +62,6 @@ pub const TILE_ROWS: usize = 64;
 pub const THREADS_PER_CTA: u32 = 384;
 /// Threads per CTA of every auxiliary kernel (`kSmallThreads`).
 pub const SMALL_THREADS: u32 = 256;
-/// `(t, h)` rows per CTA of the delta pre-pass (`kDeltaRowsPerCta`: 8 warps x 4 rows).
-pub const DELTA_ROWS_PER_CTA: usize = 32;
 /// Dynamic shared memory of the d_qk = 576 main kernel (`kSmemBytes<576>`, static_asserted in
 /// config.cuh).
 pub const SMEM_BYTES_D576: u32 = 231_424;
@@ -277,9 +275,7 @@ pub struct SparseBwdOptions {
 pub enum Stage {
     /// `sparse_bwd_zero_acc`: accumulator = 0.
     ZeroAcc,
-    /// `sparse_bwd_delta`: `delta = rowsum(d_out * out)`.
-    Delta,
-    /// `sparse_bwd_main_d*`: `d_q`, and `d_kv` into the accumulator.
+    /// `sparse_bwd_main_d*`: `delta`, `d_q`, and `d_kv` into the accumulator.
     Main,
     /// `sparse_bwd_finalize`: accumulator -> `d_kv`.
     Finalize,
@@ -625,13 +621,6 @@ pub fn lower(
         });
     }
     if rows > 0 {
-        launches.push(Launch {
-            stage: Stage::Delta,
-            kernel: "sparse_bwd_delta",
-            cfg: linear(rows.div_ceil(DELTA_ROWS_PER_CTA), SMALL_THREADS)?,
-            token0: 0,
-            descending: false,
-        });
         let ctas = f
             .s_q
             .checked_mul(num_head_groups)
@@ -928,7 +917,7 @@ mod tests {
         let c = case(4096, 128, 576, 32768, 2048, DType::Bf16);
         let p = plan(&c, &SparseBwdOptions::default()).unwrap();
         use Stage::*;
-        assert_eq!(stages(&p), [ZeroAcc, Delta, Main, Finalize]);
+        assert_eq!(stages(&p), [ZeroAcc, Main, Finalize]);
         assert_eq!(p.accumulator, Accumulator::Workspace);
         assert!(p.needs_workspace());
         let main = launch_of(&p, Main);
@@ -937,7 +926,6 @@ mod tests {
         assert_eq!(main.cfg.block, (384, 1, 1));
         assert_eq!(main.cfg.shared_mem_bytes, SMEM_BYTES_D576);
         assert_eq!(main.cfg.cluster, Some((2, 1, 1)));
-        assert_eq!(launch_of(&p, Delta).cfg.grid, (4096 * 128 / 32, 1, 1));
         // 32768 * 576 / 4 float4 stores, one per thread.
         assert_eq!(launch_of(&p, ZeroAcc).cfg.grid, (18432, 1, 1));
         assert_eq!(launch_of(&p, Finalize).cfg.grid, (9216, 1, 1));
@@ -1005,7 +993,7 @@ mod tests {
         let c = case(8, 128, 576, 1000, 100, DType::F32);
         let p = plan(&c, &SparseBwdOptions::default()).unwrap();
         use Stage::*;
-        assert_eq!(stages(&p), [ZeroAcc, Delta, Main]);
+        assert_eq!(stages(&p), [ZeroAcc, Main]);
         assert_eq!(p.accumulator, Accumulator::Output);
         assert!(!p.needs_workspace());
         assert_eq!((p.params.dkv_acc, p.params.dkv_acc_stride), (at(7), 576));
@@ -1015,7 +1003,7 @@ mod tests {
             ..Default::default()
         };
         let p = plan(&c, &acc).unwrap();
-        assert_eq!(stages(&p), [Delta, Main]);
+        assert_eq!(stages(&p), [Main]);
         assert_ne!(p.params.flags & FLAG_ACCUMULATE, 0);
     }
 
@@ -1030,7 +1018,7 @@ mod tests {
         let p = plan(&c, &acc).unwrap();
         use Stage::*;
         // The workspace is zeroed, then added into d_kv by the finalisation.
-        assert_eq!(stages(&p), [ZeroAcc, Delta, Main, Finalize]);
+        assert_eq!(stages(&p), [ZeroAcc, Main, Finalize]);
         assert_eq!(p.accumulator, Accumulator::Workspace);
         let f = p.params.flags;
         assert_eq!(
@@ -1050,7 +1038,7 @@ mod tests {
         let mut p = plan(&c, &det).unwrap();
         use Stage::*;
         // Even an aligned f32 d_kv goes through the (int64) workspace, zeroed, then added into d_kv.
-        assert_eq!(stages(&p), [ZeroAcc, Delta, Main, Finalize]);
+        assert_eq!(stages(&p), [ZeroAcc, Main, Finalize]);
         assert_eq!(launch_of(&p, Main).kernel, "sparse_bwd_main_pair_det_d576");
         assert_eq!(p.workspace_shape, [1000, 2 * 576]);
         assert_eq!(workspace_shape(&c.dims, &det), [1000, 1152]);
@@ -1173,11 +1161,11 @@ mod tests {
             .all(|l| l.stage == Stage::Main || !l.descending));
         assert!(mains.iter().all(|l| l.cfg.cluster == Some((2, 1, 1))));
         assert_eq!(p.launches.len(), before + 3);
-        // Stream order is kept: zeroing and delta before the waves, finalisation after.
+        // Stream order is kept: zeroing before the waves, finalisation after.
         assert_eq!(
             stages(&p),
             [
-                vec![Stage::ZeroAcc, Stage::Delta],
+                vec![Stage::ZeroAcc],
                 vec![Stage::Main; 4],
                 vec![Stage::Finalize]
             ]
@@ -1224,10 +1212,6 @@ mod tests {
                 (groups == 2).then_some((2, 1, 1)),
                 "h_q {h_q}"
             );
-            assert_eq!(
-                launch_of(&p, Stage::Delta).cfg.grid.0 as usize,
-                (3 * h_q).div_ceil(32)
-            );
         }
         let c = case(3, 129, 576, 10, 7, DType::Bf16);
         assert!(matches!(
@@ -1248,7 +1232,7 @@ mod tests {
         // No KV rows: every index is invalid, d_q = 0 still has to be written.
         let c = case(5, 128, 576, 0, 7, DType::Bf16);
         let p = plan(&c, &Default::default()).unwrap();
-        assert_eq!(stages(&p), [Delta, Main]);
+        assert_eq!(stages(&p), [Main]);
         assert!(!p.needs_workspace());
         // A sink gradient is written even with no tokens (an empty sum).
         let mut c = case(0, 64, 576, 10, 7, DType::F32);
