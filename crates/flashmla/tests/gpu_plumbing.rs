@@ -208,12 +208,14 @@ fn launch_with_large_dynamic_smem_and_clusters() {
     for c in [2, 8] {
         quantize_by_hand(&gpu, |ctas| LaunchConfig {
             cluster: Some((c, 1, 1)),
+            programmatic: false,
             ..LaunchConfig::linear(ctas, THREADS_PER_CTA)
         });
     }
     // 16-CTA clusters: grid of 16 with the extra CTAs idle (their tokens are past the end).
     quantize_by_hand(&gpu, |_| LaunchConfig {
         cluster: Some((16, 1, 1)),
+        programmatic: false,
         ..LaunchConfig::linear(16, THREADS_PER_CTA)
     });
     // Refused before the driver sees them.
@@ -230,6 +232,7 @@ fn launch_with_large_dynamic_smem_and_clusters() {
     );
     let bad = LaunchConfig {
         cluster: Some((3, 1, 1)),
+        programmatic: false,
         ..LaunchConfig::linear(8, 32)
     };
     assert_eq!(

@@ -30,6 +30,11 @@ pub struct LaunchConfig {
     pub shared_mem_bytes: u32,
     /// Thread-block cluster dimensions; each must divide the grid's. `None`: no cluster attribute.
     pub cluster: Option<(u32, u32, u32)>,
+    /// Programmatic dependent launch (sm_90+): the grid may start before the previous kernel of the
+    /// stream has finished, once every CTA of that kernel ran `griddepcontrol.launch_dependents` or
+    /// exited. Only for kernels that need nothing from their predecessor, or that wait for it with
+    /// `griddepcontrol.wait` before they do.
+    pub programmatic: bool,
 }
 
 impl LaunchConfig {
@@ -40,6 +45,7 @@ impl LaunchConfig {
             block: (block_x, 1, 1),
             shared_mem_bytes: 0,
             cluster: None,
+            programmatic: false,
         }
     }
 
@@ -162,7 +168,7 @@ impl Gpu {
                 .fetch_max(cfg.shared_mem_bytes, Ordering::AcqRel);
         }
 
-        let mut attrs: Vec<sys::CUlaunchAttribute> = Vec::with_capacity(1);
+        let mut attrs: Vec<sys::CUlaunchAttribute> = Vec::with_capacity(2);
         if let Some((x, y, z)) = cfg.cluster {
             if x as u64 * y as u64 * z as u64 > PORTABLE_CLUSTER_BLOCKS as u64
                 && !kernel.non_portable_cluster.load(Ordering::Acquire)
@@ -183,6 +189,14 @@ impl Gpu {
             attr.value.clusterDim.x = x;
             attr.value.clusterDim.y = y;
             attr.value.clusterDim.z = z;
+            attrs.push(attr);
+        }
+        if cfg.programmatic {
+            // SAFETY (zeroed): as above.
+            let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+            attr.id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
             attrs.push(attr);
         }
 
@@ -240,6 +254,7 @@ mod tests {
             block: (384, 1, 1),
             shared_mem_bytes: 200 * 1024,
             cluster: Some((2, 1, 1)),
+            programmatic: false,
         };
         assert!(ok.validate(MAX_THREADS, MAX_SMEM).is_ok());
         assert!(LaunchConfig::linear(1, 1)
@@ -285,6 +300,7 @@ mod tests {
             (
                 LaunchConfig {
                     cluster: Some((5, 1, 1)),
+                    programmatic: false,
                     ..ok
                 },
                 "cfg.cluster",
@@ -292,6 +308,7 @@ mod tests {
             (
                 LaunchConfig {
                     cluster: Some((0, 1, 1)),
+                    programmatic: false,
                     ..ok
                 },
                 "cfg.cluster",
@@ -299,6 +316,7 @@ mod tests {
             (
                 LaunchConfig {
                     cluster: Some((1, 4, 1)),
+                    programmatic: false,
                     ..ok
                 },
                 "cfg.cluster",

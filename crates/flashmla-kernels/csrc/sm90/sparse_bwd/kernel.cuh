@@ -39,6 +39,7 @@
 #include "common/cluster.cuh"
 #include "common/cp_async.cuh"
 #include "common/cta_work.cuh"
+#include "common/grid_dep.cuh"
 #include "common/cp_async_group.cuh"
 #include "common/mbarrier.cuh"
 #include "common/pipeline.cuh"
@@ -1202,6 +1203,10 @@ __device__ __forceinline__ void sparse_bwd_main(const SparseBwdParams& p, uint8_
         __syncthreads();
     }
 
+    // Waves of the bucketed order (launch.rs): the next wave may take the SMs this one frees as soon as every CTA
+    // of this one runs; it needs nothing this wave writes (the reductions commute, d_q / delta rows are disjoint).
+    grid_dep_launch_dependents();
+
     const CtaWork w = cta_work<kHeadsPerCta, kTileRows>(p, p.token0);
     const int wg = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
     if (wg == 0) {
@@ -1220,6 +1225,9 @@ __device__ __forceinline__ void sparse_bwd_main(const SparseBwdParams& p, uint8_
         __syncwarp();
         cluster_sync();
     }
+    // A wave completes only after its predecessor has, so the launches after the last wave (which are not
+    // programmatic) see the reductions of every wave. A no-op in a grid launched the ordinary way.
+    grid_dep_wait();
 }
 
 }  // namespace flashmla::sparse_bwd

@@ -36,11 +36,16 @@
 //! in waves of as many tokens as the GPU runs at once ([`SparseBwdPlan::split_main_in_waves`]): the
 //! CTAs of a wave start together and keep in step, so at any moment they all add into (and gather
 //! from) about the same `1 / nb` of the accumulator (and of `kv`), which L2 holds. Odd waves walk
-//! the buckets backwards, starting where the previous wave ended. Experiment aids: the environment
+//! the buckets backwards, starting where the previous wave ended. Every wave after the first is a
+//! programmatic dependent launch: its CTAs take the SMs that the previous wave's first finishers
+//! free instead of waiting for its last one (the main kernel signals `launch_dependents` on entry
+//! and waits for its predecessor's completion only before it exits, so the waves still complete in
+//! order and the launches after them see every wave's reductions). Experiment aids: the environment
 //! variable `FLASHMLA_SPARSE_BWD_KV_BUCKETS=n` ([`KV_BUCKETS_ENV`]) replaces the host's choice for
 //! every call of the process (1 = index order in one launch, clamped to 1..=[`MAX_KV_BUCKETS`]);
 //! `FLASHMLA_SPARSE_BWD_KV_BUCKET_ORDER=ascending` ([`KV_BUCKET_ORDER_ENV`]) makes every wave walk
-//! them upwards. Results are the same up to the f32 reduction order.
+//! them upwards; `FLASHMLA_SPARSE_BWD_PDL=off` ([`PDL_ENV`]) launches the waves one after the other.
+//! Results are the same up to the f32 reduction order.
 
 use super::{SparseBwdArgs, SparseBwdDims, SparseBwdOutput};
 use crate::cuda::{Gpu, LaunchConfig};
@@ -128,6 +133,9 @@ pub const KV_BUCKETS_ENV: &str = "FLASHMLA_SPARSE_BWD_KV_BUCKETS";
 /// Environment variable that, set to `ascending`, makes every wave walk its buckets in ascending
 /// order instead of alternating the direction between waves (an experiment aid; module docs).
 pub const KV_BUCKET_ORDER_ENV: &str = "FLASHMLA_SPARSE_BWD_KV_BUCKET_ORDER";
+/// Environment variable that, set to `off`, launches the waves without programmatic dependent
+/// launch (an experiment aid; module docs).
+pub const PDL_ENV: &str = "FLASHMLA_SPARSE_BWD_PDL";
 /// 4-byte words per accumulator value in deterministic mode (int64 fixed point).
 const FIXED_POINT_WORDS: usize = 2;
 /// Largest `blockIdx.x` + 1 the driver accepts.
@@ -643,6 +651,7 @@ pub fn lower(
                 block: (THREADS_PER_CTA, 1, 1),
                 shared_mem_bytes: smem,
                 cluster,
+                programmatic: false,
             },
             token0: 0,
             descending: false,
@@ -700,6 +709,8 @@ impl SparseBwdPlan {
                 let mut cfg = main.cfg;
                 // <= the single launch's grid, which fits u32.
                 cfg.grid.0 = (tokens * groups) as u32;
+                // Waves after the first overlap their predecessor's tail (module docs).
+                cfg.programmatic = k > 0;
                 Launch {
                     token0,
                     cfg,
@@ -782,6 +793,11 @@ pub(crate) fn launch(
     if std::env::var(KV_BUCKET_ORDER_ENV).is_ok_and(|v| v.trim() == "ascending") {
         for l in &mut plan.launches {
             l.descending = false;
+        }
+    }
+    if std::env::var(PDL_ENV).is_ok_and(|v| v.trim() == "off") {
+        for l in &mut plan.launches {
+            l.cfg.programmatic = false;
         }
     }
     // Owned workspace, if any: dropped (freed in stream order, after the launches) on return.
@@ -1160,6 +1176,14 @@ mod tests {
             .iter()
             .all(|l| l.stage == Stage::Main || !l.descending));
         assert!(mains.iter().all(|l| l.cfg.cluster == Some((2, 1, 1))));
+        // Only the waves after the first may overlap their predecessor; nothing else does.
+        assert_eq!(
+            p.launches
+                .iter()
+                .map(|l| l.cfg.programmatic)
+                .collect::<Vec<_>>(),
+            [false, false, true, true, true, false]
+        );
         assert_eq!(p.launches.len(), before + 3);
         // Stream order is kept: zeroing before the waves, finalisation after.
         assert_eq!(

@@ -344,6 +344,7 @@ pub fn lower(
         block: (THREADS_PER_CTA, 1, 1),
         shared_mem_bytes: smem,
         cluster: None,
+        programmatic: false,
     };
     Ok(Some((kernel, cfg, params)))
 }
