@@ -323,7 +323,6 @@ __device__ __forceinline__ void producer_tiles(const SparseBwdParams& p, SmemPla
 template <int kDqk, bool kRowSwap>
 __device__ __forceinline__ void producer(const SparseBwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
-    if (w.n_tiles == 0) return;  // consumers wait for nothing
 
     const int t = static_cast<int>(threadIdx.x);  // 0..127: the producer is warpgroup 0
     const auto [row_in_pass, chunk, thread_off, chunk_elems] = Sw128CopyThread::of(t);
@@ -332,7 +331,8 @@ __device__ __forceinline__ void producer(const SparseBwdParams& p, SmemPlan<kDqk
     const uint16_t* const dummy_src = p.q;
 
     // Q [64 heads x d_qk] and dO [64 heads x 512] of the group (rows past h_q zero-filled): one cp.async group,
-    // published together with tile 0.
+    // published together with tile 0 (a row without tiles: dO alone, published at once).
+    const bool has_tiles = w.n_tiles > 0;
     {
         const uint32_t q_base = smem_addr(sm.q) + thread_off;
         const uint32_t do_base = smem_addr(sm.d_out) + thread_off;
@@ -348,7 +348,9 @@ __device__ __forceinline__ void producer(const SparseBwdParams& p, SmemPlan<kDqk
             const uint32_t row_off = k * kRowsPerPass * kSw128RowBytes;
 #pragma unroll
             for (int slab = 0; slab < C::kDqkSlabs; ++slab) {
-                cp_async_16_zfill(q_base + slab * C::kSlabBytes + row_off, q_src + slab * kSw128ColsBf16, ok);
+                if (has_tiles) {
+                    cp_async_16_zfill(q_base + slab * C::kSlabBytes + row_off, q_src + slab * kSw128ColsBf16, ok);
+                }
             }
 #pragma unroll
             for (int slab = 0; slab < C::kDvSlabs; ++slab) {
@@ -356,6 +358,11 @@ __device__ __forceinline__ void producer(const SparseBwdParams& p, SmemPlan<kDqk
             }
         }
         cp_async_commit_group();
+    }
+    if (!has_tiles) {
+        // A row without tiles: dO only, for consumer 1's delta (the epilogue stages d_q = 0 in the Q region).
+        publish_group(&sm.qdo_full, 0);
+        return;
     }
 
     // KV tiles, in index order or in bucketed order (two instantiations of the tile loop, so that the index-order
@@ -409,57 +416,72 @@ __device__ __forceinline__ float dot_bf16x8(uint4 a, uint4 b) {
 
 // delta = rowsum(out * dO) (SPEC 2) of the 16 heads of warp `warp` of consumer 1 (CTA rows [16 warp, 16 warp +
 // 16): the rows whose dS' the warp computes), fused into the main kernel so that no pre-pass reads `out` and `dO`
-// again. Lane l covers columns [16 l, 16 l + 16) of each row: 32 contiguous bytes of `out` (all 16 heads' loads are
-// issued before the wait for Q / dO, so their latency overlaps it) and chunks 2 (l % 4), +1 of dO slab l / 4 in
-// shared memory (from global memory when the row has no tile, as the producer then loads nothing). Writes `delta`
-// of the group's real heads and returns, per thread, delta of its two accumulator rows (lane / 4, + 8).
+// again. Lane l covers columns [16 l, 16 l + 16) of each row: 32 contiguous bytes of `out` (with 16-byte aligned
+// rows all 16 heads' loads are in flight before the wait for dO) and chunks 2 (l % 4), +1 of dO slab l / 4 in
+// shared memory (the producer loads dO even for a row without tiles). Writes `delta` of the group's real heads and
+// returns, per thread, delta of its two accumulator rows (lane / 4, + 8).
 template <int kDqk>
 __device__ __forceinline__ void fused_delta(const SparseBwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w, int warp,
                                             int lane, float (&delta)[2]) {
     using C = Config<kDqk>;
     constexpr int kHeads = 16;
     constexpr int kLaneChunks = 2;  // 16-byte chunks per lane and row: 32 lanes x 32 bytes = one 512-column row
+    constexpr int kLanesPerSlab = kSw128ChunksPerRow / kLaneChunks;
     static_assert(32 * kLaneChunks * 8 == kDv && kSw128ChunksPerRow % kLaneChunks == 0, "lane -> dO chunk map");
-    const bool out_vec = (p.flags & kFlagOutVec16) != 0;
-    const int col = kLaneChunks * 8 * lane;
-    const int64_t tok = w.token;
-    uint4 o[kHeads][kLaneChunks];
-#pragma unroll
-    for (int j = 0; j < kHeads; ++j) {
-        const int r = kHeads * warp + j;
-        const uint16_t* src = p.out + tok * p.out_stride_t + (w.head0 + r) * p.out_stride_h + col;
-#pragma unroll
-        for (int c = 0; c < kLaneChunks; ++c) {
-            o[j][c] = make_uint4(0u, 0u, 0u, 0u);
-            if (r < w.heads) o[j][c] = out_vec ? load_bf16x8<true>(src + 8 * c) : load_bf16x8<false>(src + 8 * c);
-        }
-    }
-    const bool do_in_smem = w.n_tiles > 0;
-    if (do_in_smem) MBarrier::wait(&sm.qdo_full, 0);  // Q and dO landed (the consumers wait for it anyway)
-    const uint32_t do_slab = smem_addr(sm.d_out) + (lane / (kSw128ChunksPerRow / kLaneChunks)) * C::kSlabBytes;
-    const int chunk0 = kLaneChunks * (lane % (kSw128ChunksPerRow / kLaneChunks));
-    delta[0] = 0.f;
-    delta[1] = 0.f;
-#pragma unroll
-    for (int j = 0; j < kHeads; ++j) {
-        const int r = kHeads * warp + j;
+    const uint16_t* out_lane = p.out + static_cast<int64_t>(w.token) * p.out_stride_t +
+                               static_cast<int64_t>(w.head0) * p.out_stride_h + kLaneChunks * 8 * lane;
+    const uint32_t do_slab = smem_addr(sm.d_out) + (lane / kLanesPerSlab) * C::kSlabBytes;
+    const int chunk0 = kLaneChunks * (lane % kLanesPerSlab);
+    // Rows past h_q: `out` is not read, dO is zero-filled by the producer.
+    const auto dot_row = [&](const uint4 (&o)[kLaneChunks], int r) {
         float s = 0.f;
 #pragma unroll
         for (int c = 0; c < kLaneChunks; ++c) {
-            uint4 d = make_uint4(0u, 0u, 0u, 0u);  // rows past h_q: zero (as the producer's zero-filled rows)
-            if (do_in_smem) {
-                d = ld_shared_v4(do_slab + sw128_chunk_offset(r, chunk0 + c));
-            } else if (r < w.heads) {
-                d = load_bf16x8<true>(p.d_out + tok * p.d_out_stride_t + (w.head0 + r) * p.d_out_stride_h + col +
-                                      8 * c);  // d_out rows are 16-byte aligned (host-checked)
-            }
-            s += dot_bf16x8(o[j][c], d);
+            s += dot_bf16x8(o[c], ld_shared_v4(do_slab + sw128_chunk_offset(r, chunk0 + c)));
         }
+        return s;
+    };
+    // Warp sum of row j's partials, kept by the lanes that own the row and by lane j % 16, which writes it.
+    float mine = 0.f;
+    delta[0] = 0.f;
+    delta[1] = 0.f;
+    const auto finish = [&](int j, float s) {
 #pragma unroll
         for (int m = 16; m >= 1; m /= 2) s += __shfl_xor_sync(0xffffffffu, s, m);
         if (j == lane / 4) delta[0] = s;
         if (j == lane / 4 + 8) delta[1] = s;
-        if (lane == j && r < w.heads) p.delta[tok * p.delta_stride_t + (w.head0 + r) * p.delta_stride_h] = s;
+        if (j == lane % kHeads) mine = s;
+    };
+    if ((p.flags & kFlagOutVec16) != 0) {
+        uint4 o[kHeads][kLaneChunks];
+#pragma unroll
+        for (int j = 0; j < kHeads; ++j) {
+            const bool ok = kHeads * warp + j < w.heads;
+#pragma unroll
+            for (int c = 0; c < kLaneChunks; ++c) {
+                o[j][c] = ok ? load_bf16x8<true>(out_lane + j * p.out_stride_h + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+        MBarrier::wait(&sm.qdo_full, 0);  // dO landed (the producer publishes it whatever the row length)
+#pragma unroll
+        for (int j = 0; j < kHeads; ++j) finish(j, dot_row(o[j], kHeads * warp + j));
+    } else {
+        // `out` rows not 16-byte aligned (a strided view): element loads, one row at a time.
+        MBarrier::wait(&sm.qdo_full, 0);
+#pragma unroll 1
+        for (int j = 0; j < kHeads; ++j) {
+            const bool ok = kHeads * warp + j < w.heads;
+            uint4 o[kLaneChunks];
+#pragma unroll
+            for (int c = 0; c < kLaneChunks; ++c) {
+                o[c] = ok ? load_bf16x8<false>(out_lane + j * p.out_stride_h + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+            }
+            finish(j, dot_row(o, kHeads * warp + j));
+        }
+    }
+    const int r = kHeads * warp + lane;
+    if (lane < kHeads && r < w.heads) {
+        p.delta[static_cast<int64_t>(w.token) * p.delta_stride_t + (w.head0 + r) * p.delta_stride_h] = mine;
     }
 }
 
