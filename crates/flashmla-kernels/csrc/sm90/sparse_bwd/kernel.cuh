@@ -429,7 +429,7 @@ __device__ __forceinline__ void fused_delta(const SparseBwdParams& p, SmemPlan<k
     constexpr int kLanesPerSlab = kSw128ChunksPerRow / kLaneChunks;
     static_assert(32 * kLaneChunks * 8 == kDv && kSw128ChunksPerRow % kLaneChunks == 0, "lane -> dO chunk map");
     const uint16_t* out_lane = p.out + static_cast<int64_t>(w.token) * p.out_stride_t +
-                               static_cast<int64_t>(w.head0) * p.out_stride_h + kLaneChunks * 8 * lane;
+                               static_cast<int64_t>(w.head0 + kHeads * warp) * p.out_stride_h + kLaneChunks * 8 * lane;
     const uint32_t do_slab = smem_addr(sm.d_out) + (lane / kLanesPerSlab) * C::kSlabBytes;
     const int chunk0 = kLaneChunks * (lane % kLanesPerSlab);
     // Rows past h_q: `out` is not read, dO is zero-filled by the producer.
