@@ -36,8 +36,8 @@
 //! in waves of as many tokens as the GPU runs at once ([`SparseBwdPlan::split_main_in_waves`]): the
 //! CTAs of a wave start together and keep in step, so at any moment they all add into (and gather
 //! from) about the same `1 / nb` of the accumulator (and of `kv`), which L2 holds. Odd waves walk
-//! the buckets backwards, starting where the previous wave ended. Every wave after the first is a
-//! programmatic dependent launch: its CTAs take the SMs that the previous wave's first finishers
+//! the buckets backwards, starting where the previous wave ended. With two head groups every wave
+//! after the first is a programmatic dependent launch: its CTAs take the SMs that the previous wave's first finishers
 //! free instead of waiting for its last one (the main kernel signals `launch_dependents` on entry
 //! and waits for its predecessor's completion only before it exits, so the waves still complete in
 //! order and the launches after them see every wave's reductions). Experiment aids: the environment
@@ -107,6 +107,11 @@ pub const MAX_BUCKETED_TOPK: usize = 2560;
 /// topk 1024 at h_q 128 measured 6% slower with buckets at s_kv 32K (16 tiles per token: the waves'
 /// tails weigh more).
 pub const MIN_BUCKETED_TOPK_PAIR: usize = 2048;
+/// Shortest index row two head groups bucket when the accumulator and the KV rows exceed
+/// [`KV_BUCKETS_COARSE_BYTES`]: MODEL1 h_q 128 / topk 1024 at s_kv 64K (201 MB) ran 7.3% faster with
+/// 7 buckets than in index order once the waves overlapped (programmatic launches), while at s_kv
+/// 32K (100 MB) 12 and 6 buckets stayed 3% and 1.6% slower.
+pub const MIN_BUCKETED_TOPK_PAIR_COARSE: usize = 1024;
 /// Shortest index row (`topk`) the host buckets with one head group (solo mode, `h_q <= 64`), which
 /// reduces twice the bytes per head and gains more (MODEL1 h_q 64, topk 512: +13% at s_kv 32K).
 pub const MIN_BUCKETED_TOPK_SOLO: usize = 512;
@@ -352,19 +357,22 @@ pub fn workspace_shape(dims: &SparseBwdDims, options: &SparseBwdOptions) -> [usi
 /// MB -> 14 buckets of 2341 rows (measured +11.5% against the index order; 7 buckets: +7%); s_kv
 /// 65536: 226 MB -> 7 buckets. Rows
 /// shorter than [`MIN_BUCKETED_TOPK_PAIR`] / [`MIN_BUCKETED_TOPK_SOLO`] or longer than
-/// [`MAX_BUCKETED_TOPK`] keep the index order.
+/// [`MAX_BUCKETED_TOPK`] keep the index order, except that two head groups bucket rows of at least
+/// [`MIN_BUCKETED_TOPK_PAIR_COARSE`] entries in the coarse range.
 pub fn kv_buckets(dims: &SparseBwdDims, options: &SparseBwdOptions) -> i32 {
     let f = &dims.fwd;
-    let min_topk = if f.h_q > HEADS_PER_CTA {
-        MIN_BUCKETED_TOPK_PAIR
-    } else {
+    let acc_bytes = if options.deterministic { 8 } else { 4 };
+    let bytes = f.s_kv.saturating_mul(f.d_qk).saturating_mul(acc_bytes + 2);
+    let min_topk = if f.h_q <= HEADS_PER_CTA {
         MIN_BUCKETED_TOPK_SOLO
+    } else if bytes > KV_BUCKETS_COARSE_BYTES {
+        MIN_BUCKETED_TOPK_PAIR_COARSE
+    } else {
+        MIN_BUCKETED_TOPK_PAIR
     };
     if !(min_topk..=MAX_BUCKETED_TOPK).contains(&f.topk) {
         return 1;
     }
-    let acc_bytes = if options.deterministic { 8 } else { 4 };
-    let bytes = f.s_kv.saturating_mul(f.d_qk).saturating_mul(acc_bytes + 2);
     if bytes <= KV_BUCKETS_OFF_BYTES || bytes > KV_BUCKETS_MAX_BYTES {
         return 1;
     }
@@ -709,8 +717,10 @@ impl SparseBwdPlan {
                 let mut cfg = main.cfg;
                 // <= the single launch's grid, which fits u32.
                 cfg.grid.0 = (tokens * groups) as u32;
-                // Waves after the first overlap their predecessor's tail (module docs).
-                cfg.programmatic = k > 0;
+                // Two head groups: waves after the first overlap their predecessor's tail (module
+                // docs). One group keeps them apart: measured 0.6-4% slower with the overlap (MODEL1
+                // h_q 64 at s_kv 32K / 64K: -4% / -2.5%, V3.2 h_q 64 32K: -0.6%).
+                cfg.programmatic = k > 0 && groups > 1;
                 Launch {
                     token0,
                     cfg,
@@ -1131,8 +1141,14 @@ mod tests {
         assert_eq!(nb(128, usize::MAX / 2, 576, 2048, false), 1);
         // The fixed-point accumulator (8 bytes per value).
         assert_eq!(nb(128, 8192, 576, 2048, true), 6);
-        // MODEL1: h_q 128 / topk 1024 keeps the index order; h_q 64 / topk 512 (solo) buckets, one per tile.
+        // MODEL1: h_q 128 / topk 1024 keeps the index order up to 128 MiB and takes coarse buckets
+        // beyond (64K: 201 MB -> 6); h_q 64 / topk 512 (solo) buckets, one per tile.
         assert_eq!(nb(128, 32768, 512, 1024, false), 1);
+        assert_eq!(nb(128, 65536, 512, 1024, false), 6);
+        assert_eq!(
+            nb(128, 65536, 512, MIN_BUCKETED_TOPK_PAIR_COARSE - 1, false),
+            1
+        );
         assert_eq!(nb(64, 32768, 512, 512, false), 8);
         assert_eq!(nb(64, 65536, 512, 512, false), 6); // 192 MiB
         assert_eq!(nb(64, 32768, 576, 2048, false), 14);
@@ -1195,6 +1211,17 @@ mod tests {
             ]
             .concat()
         );
+        // One head group: waves of 132 tokens, none of them programmatic.
+        let solo = case(300, 64, 576, 32768, 2048, DType::Bf16);
+        let mut p = plan(&solo, &SparseBwdOptions::default()).unwrap();
+        p.split_main_in_waves(132);
+        let mains: Vec<&Launch> = p
+            .launches
+            .iter()
+            .filter(|l| l.stage == Stage::Main)
+            .collect();
+        assert_eq!(mains.len(), 3);
+        assert!(mains.iter().all(|l| !l.cfg.programmatic));
         // Index order: one launch, whatever the GPU.
         let small = case(200, 128, 576, 4096, 2048, DType::Bf16);
         let mut p = plan(&small, &SparseBwdOptions::default()).unwrap();
