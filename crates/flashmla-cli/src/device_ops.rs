@@ -111,6 +111,8 @@ pub struct SparseBwdOnGpu {
     /// `[h_q]` f32, with a sink.
     pub d_attn_sink: Option<DeviceTensor>,
     d_kv_dtype: DType,
+    /// A strided copy of the forward's `out` that the backward reads instead ([`Self::misalign_out`]).
+    out_strided: Option<DeviceTensor>,
 }
 
 /// Downloaded backward outputs, row-major f32.
@@ -157,14 +159,24 @@ impl SparseBwdOnGpu {
             },
             d_kv_dtype,
             fwd,
+            out_strided: None,
         })
+    }
+
+    /// Makes the backward read a copy of `out` whose last dimension is padded by one element, so that
+    /// its rows start at odd element offsets (2-byte alignment): the kernels' unaligned `out` path.
+    pub fn misalign_out(&mut self, gpu: &Gpu) -> Result<()> {
+        let host = gpu.download(&self.fwd.out)?;
+        self.out_strided = Some(gpu.upload(&host.to_padded(&[1, 1, 1])?)?);
+        Ok(())
     }
 
     /// Launches the backward (asynchronously) with `options`.
     pub fn run(&self, gpu: &Gpu, options: &SparseBwdOptions) -> Result<()> {
         let f = &self.fwd;
         let (q, kv, indices) = (f.q.view(), f.kv.view(), f.indices.view());
-        let (out, lse, d_out) = (f.out.view(), f.lse.view(), self.d_out.view());
+        let out = self.out_strided.as_ref().unwrap_or(&f.out).view();
+        let (lse, d_out) = (f.lse.view(), self.d_out.view());
         let sink = f.attn_sink.as_ref().map(|t| t.view());
         let len = f.topk_length.as_ref().map(|t| t.view());
         let args = SparseBwdArgs {

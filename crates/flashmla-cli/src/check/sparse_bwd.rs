@@ -21,6 +21,7 @@ const F64_LIMIT: usize = 4 << 20;
 #[derive(Clone)]
 struct Spec {
     case: SparseCase,
+    /// Non-contiguous inputs (SPEC 6), and an `out` whose rows are only 2-byte aligned.
     padded: bool,
     d_kv_dtype: DType,
     deterministic: bool,
@@ -74,7 +75,11 @@ fn run_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
     } else {
         inp.clone()
     };
-    let dev = SparseBwdOnGpu::new(gpu, &dev_inp, &d_out, spec.d_kv_dtype, true)?;
+    let mut dev = SparseBwdOnGpu::new(gpu, &dev_inp, &d_out, spec.d_kv_dtype, true)?;
+    if spec.padded {
+        // `out` with rows at odd element offsets: the kernels' element-wise `out` loads.
+        dev.misalign_out(gpu)?;
+    }
     let options = SparseBwdOptions {
         deterministic: spec.deterministic,
         ..SparseBwdOptions::default()
