@@ -118,11 +118,14 @@ pub const MIN_BUCKETED_TOPK_SOLO: usize = 512;
 /// Accumulator plus KV bytes up to which the index order is kept: that much stays L2-resident on an
 /// H100 (50 MB L2) anyway (the same threshold as `FLAG_DRAIN_FIRST`).
 pub const KV_BUCKETS_OFF_BYTES: usize = DRAIN_FIRST_MIN_BYTES;
-/// Accumulator plus KV bytes beyond which the index order is kept again: measured at V3.2 s_kv 128K
-/// (453 MB), 7 / 12 / 16 buckets ran as fast as the index order and 32 buckets 8% slower: a wave
-/// (`sm_count / groups` tokens) selects each row there only about once, so there is no reuse for
-/// the buckets to turn into L2 hits (docs/sparse-bwd.md, "What limits the bucketed order").
+/// Accumulator plus KV bytes beyond which one head group (solo mode) keeps the index order again:
+/// measured at V3.2 s_kv 128K (453 MB) with sequential waves, 7 / 12 / 16 buckets ran as fast as the
+/// index order and 32 buckets 8% slower. Solo mode still launches its waves one after the other.
 pub const KV_BUCKETS_MAX_BYTES: usize = 256 << 20;
+/// The same bound for two head groups, whose waves overlap (programmatic launches): V3.2 s_kv 128K
+/// (453 MB) then ran 279 TFLOPS in index order, 319 with 7 buckets, 342 with 14 (the rule's count),
+/// 336 with 21 and 271 with 28. Larger sizes are not measured and keep the index order.
+pub const KV_BUCKETS_MAX_BYTES_PAIR: usize = 512 << 20;
 /// Accumulator plus KV bytes per bucket: what the CTAs of a wave touch at a time, well inside L2.
 pub const KV_BUCKET_BYTES: usize = 8 << 20;
 /// Accumulator plus KV bytes above which buckets are [`KV_BUCKET_BYTES_COARSE`] large: a wave then
@@ -351,7 +354,7 @@ pub fn workspace_shape(dims: &SparseBwdDims, options: &SparseBwdOptions) -> [usi
 /// How many KV-row buckets the main kernel walks each token's entries in (1: index order, one
 /// launch). The accumulator (f32, or int64 fixed point in deterministic mode) and the bf16 KV rows
 /// together take `s_kv * d_qk * (4 or 8 + 2)` bytes; between [`KV_BUCKETS_OFF_BYTES`] and
-/// [`KV_BUCKETS_MAX_BYTES`] the rows are split into `ceil(bytes / KV_BUCKET_BYTES)` buckets, at most
+/// [`KV_BUCKETS_MAX_BYTES`] ([`KV_BUCKETS_MAX_BYTES_PAIR`] with two head groups) the rows are split into `ceil(bytes / KV_BUCKET_BYTES)` buckets, at most
 /// one per tile of a full index row, and `ceil(bytes / KV_BUCKET_BYTES_COARSE)` above
 /// [`KV_BUCKETS_COARSE_BYTES`]. Example: V3.2 (s_kv 32768, d_qk 576, topk 2048, h_q 128): 113
 /// MB -> 14 buckets of 2341 rows (measured +11.5% against the index order; 7 buckets: +7%); s_kv
@@ -373,7 +376,12 @@ pub fn kv_buckets(dims: &SparseBwdDims, options: &SparseBwdOptions) -> i32 {
     if !(min_topk..=MAX_BUCKETED_TOPK).contains(&f.topk) {
         return 1;
     }
-    if bytes <= KV_BUCKETS_OFF_BYTES || bytes > KV_BUCKETS_MAX_BYTES {
+    let max_bytes = if f.h_q > HEADS_PER_CTA {
+        KV_BUCKETS_MAX_BYTES_PAIR
+    } else {
+        KV_BUCKETS_MAX_BYTES
+    };
+    if bytes <= KV_BUCKETS_OFF_BYTES || bytes > max_bytes {
         return 1;
     }
     let cap = f.topk.div_ceil(TILE_ROWS).min(MAX_KV_BUCKETS);
@@ -1132,12 +1140,14 @@ mod tests {
             kv_buckets(&c.dims, &o)
         };
         // V3.2 (d_qk 576, topk 2048): 8K fits L2 (28 MB); then 8 MiB per bucket up to 128 MiB, 32 MiB
-        // beyond; 128K (453 MB) is too big.
+        // beyond, up to 512 MiB with two head groups (128K: 453 MB) and 256 MiB with one.
         assert_eq!(nb(128, 8192, 576, 2048, false), 1);
         assert_eq!(nb(128, 16384, 576, 2048, false), 7);
         assert_eq!(nb(128, 32768, 576, 2048, false), 14);
         assert_eq!(nb(128, 65536, 576, 2048, false), 7);
-        assert_eq!(nb(128, 131072, 576, 2048, false), 1);
+        assert_eq!(nb(128, 131072, 576, 2048, false), 14);
+        assert_eq!(nb(128, 262144, 576, 2048, false), 1);
+        assert_eq!(nb(64, 131072, 576, 2048, false), 1);
         assert_eq!(nb(128, usize::MAX / 2, 576, 2048, false), 1);
         // The fixed-point accumulator (8 bytes per value).
         assert_eq!(nb(128, 8192, 576, 2048, true), 6);
