@@ -254,34 +254,6 @@ __device__ __forceinline__ void publish_group(uint64_t* bar, int pending) {
     MBarrier::arrive(bar);
 }
 
-// Waves of the bucketed order (kFlagPrefetchNext): the Q, dO and `out` rows of the token that this head group runs
-// in the next wave (the next launch: this one's token + its token count) are prefetched into L2 a few tiles before
-// this token ends, so that the next wave's prologue, which all its CTAs run at once, reads them from L2 rather than
-// queueing ~200 KB per CTA on DRAM together. Hints only: nothing waits for them; rows past h_q are skipped.
-inline constexpr int kPrefetchTilesAhead = 4;
-template <int kDqk>
-__device__ __forceinline__ void prefetch_next_wave_rows(const SparseBwdParams& p, const CtaWork& w) {
-    const int64_t next = w.token + static_cast<int>(gridDim.x) / p.num_head_groups;
-    if (next >= p.s_q) return;
-    constexpr int kRows = 3 * kHeadsPerCta;  // Q, dO and out rows of the group
-#pragma unroll 1
-    for (int item = static_cast<int>(threadIdx.x); item < kRows; item += kWarpgroupThreads) {
-        const int tensor = item / kHeadsPerCta;
-        const int r = item % kHeadsPerCta;
-        if (r >= w.heads) continue;
-        const int64_t head = w.head0 + r;
-        const uint16_t* row = tensor == 0   ? p.q + next * p.q_stride_t + head * p.q_stride_h
-                              : tensor == 1 ? p.d_out + next * p.d_out_stride_t + head * p.d_out_stride_h
-                                            : p.out + next * p.out_stride_t + head * p.out_stride_h;
-        const int bytes = 2 * (tensor == 0 ? kDqk : kDv);
-        // Every 128-byte line the row touches, whatever its alignment (the last address stays inside the row).
-#pragma unroll 1
-        for (int off = 0; off < bytes + 127; off += 128) {
-            prefetch_l2(reinterpret_cast<const uint8_t*>(row) + min(off, bytes - 1));
-        }
-    }
-}
-
 // The producer's tile loop: gathers the w.n_tiles KV tiles whose indices come from load_tile_indices (index order)
 // or scan_bucket_tile (kBucketed); `idx_next` holds tile 0's on entry. Indices of tile i + 1 are loaded while tile i
 // is waited for and issued (bucketed order: picked after tile i is issued).
@@ -337,9 +309,6 @@ __device__ __forceinline__ void producer_tiles(const SparseBwdParams& p, SmemPla
             for (int slab = kEarly; slab < C::kDqkSlabs; ++slab) {
                 publish_group(&sm.kv_full[slab], C::kDqkSlabs - 1 - slab);
             }
-        }
-        if (i == max(w.n_tiles - kPrefetchTilesAhead, 0) && (p.flags & kFlagPrefetchNext) != 0) {
-            prefetch_next_wave_rows<kDqk>(p, w);
         }
         // Bucketed order: pick tile i + 1 once tile i is issued (its sources no longer need registers; the scan runs
         // while the consumers compute S, dP and dQ of tile i, before the next kv_empty wait).

@@ -23,7 +23,6 @@ inline constexpr uint32_t kFlagAccumulate = 1u << 4;  // finalisation adds into 
 inline constexpr uint32_t kFlagFixedPoint = 1u << 5;  // dkv_acc holds int64 fixed point (deterministic mode)
 inline constexpr uint32_t kFlagDrainFirst = 1u << 6;  // d_qk 576 bf16 exchange: a tile's last chunk reports the drain
                                                       // before its reductions (set when d_kv and KV exceed L2)
-inline constexpr uint32_t kFlagPrefetchNext = 1u << 7;  // waves: prefetch the next wave's Q / dO / out rows into L2
 
 struct SparseBwdParams {
     const uint16_t* q;            // [s_q, h_q, d_qk] bf16; strides (q_stride_t, q_stride_h, 1)

@@ -96,11 +96,6 @@ pub const FLAG_FIXED_POINT: u32 = 1 << 5;
 /// 32K / 64K / 128K); with an L2-resident accumulator the other order is 1.6% faster (s_kv 8K). Between
 /// (s_kv 8K-16K at d_qk 576) the threshold is not measured.
 pub const FLAG_DRAIN_FIRST: u32 = 1 << 6;
-/// `flags` bit (`kFlagPrefetchNext`): each CTA prefetches into L2, a few tiles before its token ends,
-/// the Q, `d_out` and `out` rows that its head group needs in the next wave, so that a wave's
-/// prologue (which all its CTAs run at once) does not queue on DRAM. Set by
-/// [`SparseBwdPlan::split_main_in_waves`] when there is more than one wave.
-pub const FLAG_PREFETCH_NEXT: u32 = 1 << 7;
 /// Accumulator (f32) plus KV (bf16) bytes above which `FLAG_DRAIN_FIRST` is set: most of the H100's 50 MB L2.
 const DRAIN_FIRST_MIN_BYTES: usize = 40 << 20;
 /// Most KV-row buckets the main kernel takes (`kMaxKvBuckets`: 6-bit bucket ids, one value reserved).
@@ -149,8 +144,6 @@ pub const KV_BUCKET_ORDER_ENV: &str = "FLASHMLA_SPARSE_BWD_KV_BUCKET_ORDER";
 /// Environment variable that, set to `off`, launches the waves without programmatic dependent
 /// launch (an experiment aid; module docs).
 pub const PDL_ENV: &str = "FLASHMLA_SPARSE_BWD_PDL";
-/// Environment variable that, set to `off`, clears [`FLAG_PREFETCH_NEXT`] (an experiment aid).
-pub const PREFETCH_ENV: &str = "FLASHMLA_SPARSE_BWD_PREFETCH";
 /// 4-byte words per accumulator value in deterministic mode (int64 fixed point).
 const FIXED_POINT_WORDS: usize = 2;
 /// Largest `blockIdx.x` + 1 the driver accepts.
@@ -746,9 +739,6 @@ impl SparseBwdPlan {
                 }
             })
             .collect();
-        if waves.len() > 1 {
-            self.params.flags |= FLAG_PREFETCH_NEXT;
-        }
         self.launches.splice(at..=at, waves);
     }
 
@@ -822,9 +812,6 @@ pub(crate) fn launch(
         for l in &mut plan.launches {
             l.descending = false;
         }
-    }
-    if std::env::var(PREFETCH_ENV).is_ok_and(|v| v.trim() == "off") {
-        plan.params.flags &= !FLAG_PREFETCH_NEXT;
     }
     if std::env::var(PDL_ENV).is_ok_and(|v| v.trim() == "off") {
         for l in &mut plan.launches {
@@ -1215,8 +1202,6 @@ mod tests {
             .iter()
             .all(|l| l.stage == Stage::Main || !l.descending));
         assert!(mains.iter().all(|l| l.cfg.cluster == Some((2, 1, 1))));
-        // Several waves: each prefetches its successor's rows.
-        assert_ne!(p.params.flags & FLAG_PREFETCH_NEXT, 0);
         // Only the waves after the first may overlap their predecessor; nothing else does.
         assert_eq!(
             p.launches
