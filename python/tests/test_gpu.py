@@ -165,6 +165,39 @@ def test_sparse_bwd_adversarial_f32_dkv():
     check_backward(case, d_kv_f32=True)
 
 
+def test_cuda_graph_sparse_bwd_in_overlapped_waves():
+    """The backward at a shape it runs as several overlapped waves (KV-row buckets: the 16384 x 576 accumulator plus
+    KV exceed 40 MiB, topk 2048, h_q 128, 140 tokens > one wave of 66 on an H100), captured into a CUDA graph and
+    replayed with a new d_out: programmatic dependent launches inside a graph."""
+    case = gpu_case(99, s_q=140, s_kv=16384, h_q=128, d_qk=576, topk=2048)
+    out, _, lse = call_or_skip(flashmla.sparse_fwd, *case.args())
+    d_out = torch.zeros_like(out)
+
+    def bwd():
+        return flashmla.sparse_bwd(case.q, case.kv, out, d_out, case.indices, lse, case.sm_scale, None, None, False)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        bwd()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        d_q, d_kv, delta, _ = bwd()
+    g = torch.Generator(device="cuda").manual_seed(7)
+    d_out.copy_((torch.randn(out.shape, generator=g, device="cuda") / 10).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    args = (case.q.to(F32), case.kv.to(F32), out, d_out, case.indices, lse, case.sm_scale, None, None)
+    ref = sparse_mla_backward_reference(*args)
+    mag = sparse_mla_backward_reference(*args, magnitudes=True)
+    ctx = case.describe() + " (graph replay)"
+    assert_spec_close("d_q", d_q, ref[0], TOL_BWD, ctx, allowance=mag[0] / 256)
+    assert_spec_close("d_kv", d_kv, ref[1], TOL_BWD, ctx, allowance=mag[1] / 128)
+    assert_spec_close("delta", delta, ref[2], (1e-5, 1e-4, None), ctx)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # FP8 KV cache: the GPU kernels are bit-exact with the CPU path
 
