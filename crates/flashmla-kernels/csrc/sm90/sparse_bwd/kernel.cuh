@@ -1225,9 +1225,10 @@ __device__ __forceinline__ void sparse_bwd_main(const SparseBwdParams& p, uint8_
         __syncthreads();
     }
 
-    // Waves of the bucketed order (launch.rs): the next wave may take the SMs this one frees as soon as every CTA
-    // of this one runs; it needs nothing this wave writes (the reductions commute, d_q / delta rows are disjoint).
-    grid_dep_launch_dependents();
+    // Waves of the bucketed order (launch.rs), two head groups: the next wave may take the SMs this one frees as
+    // soon as every CTA of this one runs; it needs nothing this wave writes (the reductions commute, d_q / delta rows
+    // are disjoint). One head group signals only at the end (below): measured faster there.
+    if (p.num_head_groups > 1) grid_dep_launch_dependents();
 
     const CtaWork w = cta_work<kHeadsPerCta, kTileRows>(p, p.token0);
     const int wg = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
@@ -1247,8 +1248,10 @@ __device__ __forceinline__ void sparse_bwd_main(const SparseBwdParams& p, uint8_
         __syncwarp();
         cluster_sync();
     }
+    // One head group: the next wave is set up while this one's last CTAs exit (a repeated signal does nothing).
     // A wave completes only after its predecessor has, so the launches after the last wave (which are not
-    // programmatic) see the reductions of every wave. A no-op in a grid launched the ordinary way.
+    // programmatic) see the reductions of every wave. Both are no-ops in a grid launched the ordinary way.
+    grid_dep_launch_dependents();
     grid_dep_wait();
 }
 

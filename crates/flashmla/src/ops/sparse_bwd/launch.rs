@@ -36,11 +36,13 @@
 //! in waves of as many tokens as the GPU runs at once ([`SparseBwdPlan::split_main_in_waves`]): the
 //! CTAs of a wave start together and keep in step, so at any moment they all add into (and gather
 //! from) about the same `1 / nb` of the accumulator (and of `kv`), which L2 holds. Odd waves walk
-//! the buckets backwards, starting where the previous wave ended. With two head groups every wave
-//! after the first is a programmatic dependent launch: its CTAs take the SMs that the previous wave's first finishers
-//! free instead of waiting for its last one (the main kernel signals `launch_dependents` on entry
-//! and waits for its predecessor's completion only before it exits, so the waves still complete in
-//! order and the launches after them see every wave's reductions). Experiment aids: the environment
+//! the buckets backwards, starting where the previous wave ended. Every wave after the first is a
+//! programmatic dependent launch. With two head groups the main kernel signals `launch_dependents`
+//! on entry, so the next wave's CTAs take the SMs that this wave's first finishers free instead of
+//! waiting for its last one; with one head group it signals just before it exits, which only hides
+//! the launch gap (the entry signal measured slower there). Either way it waits for its
+//! predecessor's completion just before it exits, so the waves complete in order and the launches
+//! after them see every wave's reductions. Experiment aids: the environment
 //! variable `FLASHMLA_SPARSE_BWD_KV_BUCKETS=n` ([`KV_BUCKETS_ENV`]) replaces the host's choice for
 //! every call of the process (1 = index order in one launch, clamped to 1..=[`MAX_KV_BUCKETS`]);
 //! `FLASHMLA_SPARSE_BWD_KV_BUCKET_ORDER=ascending` ([`KV_BUCKET_ORDER_ENV`]) makes every wave walk
@@ -725,10 +727,8 @@ impl SparseBwdPlan {
                 let mut cfg = main.cfg;
                 // <= the single launch's grid, which fits u32.
                 cfg.grid.0 = (tokens * groups) as u32;
-                // Two head groups: waves after the first overlap their predecessor's tail (module
-                // docs). One group keeps them apart: measured 0.6-4% slower with the overlap (MODEL1
-                // h_q 64 at s_kv 32K / 64K: -4% / -2.5%, V3.2 h_q 64 32K: -0.6%).
-                cfg.programmatic = k > 0 && groups > 1;
+                // Waves after the first are programmatic launches (module docs).
+                cfg.programmatic = k > 0;
                 Launch {
                     token0,
                     cfg,
@@ -1221,7 +1221,7 @@ mod tests {
             ]
             .concat()
         );
-        // One head group: waves of 132 tokens, none of them programmatic.
+        // One head group: waves of 132 tokens, programmatic after the first as well.
         let solo = case(300, 64, 576, 32768, 2048, DType::Bf16);
         let mut p = plan(&solo, &SparseBwdOptions::default()).unwrap();
         p.split_main_in_waves(132);
@@ -1230,8 +1230,10 @@ mod tests {
             .iter()
             .filter(|l| l.stage == Stage::Main)
             .collect();
-        assert_eq!(mains.len(), 3);
-        assert!(mains.iter().all(|l| !l.cfg.programmatic));
+        assert_eq!(
+            mains.iter().map(|l| l.cfg.programmatic).collect::<Vec<_>>(),
+            [false, true, true]
+        );
         // Index order: one launch, whatever the GPU.
         let small = case(200, 128, 576, 4096, 2048, DType::Bf16);
         let mut p = plan(&small, &SparseBwdOptions::default()).unwrap();
