@@ -165,11 +165,12 @@ def test_sparse_bwd_adversarial_f32_dkv():
     check_backward(case, d_kv_f32=True)
 
 
-def test_cuda_graph_sparse_bwd_in_overlapped_waves():
+@pytest.mark.parametrize("h_q", [64, 128])
+def test_cuda_graph_sparse_bwd_in_overlapped_waves(h_q):
     """The backward at a shape it runs as several overlapped waves (KV-row buckets: the 16384 x 576 accumulator plus
-    KV exceed 40 MiB, topk 2048, h_q 128, 140 tokens > one wave of 66 on an H100), captured into a CUDA graph and
-    replayed with a new d_out: programmatic dependent launches inside a graph."""
-    case = gpu_case(99, s_q=140, s_kv=16384, h_q=128, d_qk=576, topk=2048)
+    KV exceed 40 MiB, topk 2048; 140 tokens > one wave of 132 tokens at h_q 64 or 66 at h_q 128 on an H100), captured
+    into a CUDA graph and replayed with a new d_out: programmatic dependent launches inside a graph."""
+    case = gpu_case(99 + h_q, s_q=140, s_kv=16384, h_q=h_q, d_qk=576, topk=2048)
     out, _, lse = call_or_skip(flashmla.sparse_fwd, *case.args())
     d_out = torch.zeros_like(out)
 
@@ -194,7 +195,7 @@ def test_cuda_graph_sparse_bwd_in_overlapped_waves():
     mag = sparse_mla_backward_reference(*args, magnitudes=True)
     ctx = case.describe() + " (graph replay)"
     assert_spec_close("d_q", d_q, ref[0], TOL_BWD, ctx, allowance=mag[0] / 256)
-    assert_spec_close("d_kv", d_kv, ref[1], TOL_BWD, ctx, allowance=mag[1] / 128)
+    assert_spec_close("d_kv", d_kv, ref[1], TOL_BWD, ctx, allowance=mag[1] / (128 if h_q > 64 else 256))
     assert_spec_close("delta", delta, ref[2], (1e-5, 1e-4, None), ctx)
 
 
