@@ -58,6 +58,28 @@ pub fn run(device: usize) -> Result<u8, String> {
             if let Some(mhz) = i.sm_clock_mhz {
                 println!("  SM clock (max)      {mhz} MHz");
             }
+            if let Some(bus) = &i.pci_bus_id {
+                println!("  PCI bus id          {bus}");
+            }
+            match i
+                .pci_bus_id
+                .as_deref()
+                .and_then(crate::clocks::Nvml::for_bus_id)
+            {
+                Some(n) => {
+                    let show = |v: Option<String>| v.unwrap_or_else(|| "?".into());
+                    println!(
+                        "  SM clock (now)      {} MHz",
+                        show(n.sm_clock_mhz().map(|v| v.to_string()))
+                    );
+                    println!(
+                        "  power               {} W of {} W (limit)",
+                        show(n.power_w().map(|v| format!("{v:.0}"))),
+                        show(n.power_limit_w().map(|v| format!("{v:.0}")))
+                    );
+                }
+                None => println!("  SM clock (now)      unknown (NVML not available)"),
+            }
             let ok = i.cc == (9, 0);
             println!(
                 "  flashmla kernels    {}",

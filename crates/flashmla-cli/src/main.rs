@@ -7,6 +7,7 @@
 
 mod bench;
 mod check;
+mod clocks;
 mod demo;
 mod device_ops;
 mod info;

@@ -5,11 +5,13 @@ mod kv_quant;
 mod sparse_bwd;
 mod sparse_fwd;
 
+use crate::clocks::{ClockStats, Nvml, Sampler};
 use crate::report::{progress, table};
 use crate::{meta, write_json};
 use flashmla::cuda::Gpu;
 use serde::Serialize;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// Which shapes to time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -140,7 +142,20 @@ pub struct Record {
     pub reps: usize,
     pub gpu: String,
     pub driver: String,
+    /// The device's maximum SM clock, MHz (not the clock of the run: see `run_sm_clock_mhz`).
     pub sm_clock_mhz: Option<u32>,
+    /// Mean and lowest SM clock sampled (NVML, every 5 ms) while the reps were timed, MHz; absent without NVML.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run_sm_clock_mhz: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run_sm_clock_mhz_min: Option<u32>,
+    /// Highest board power sampled meanwhile, watts. NVML's reading is an average over up to a second, so it lags
+    /// short runs; the power cap itself acts on the instantaneous draw (see `run_clock_limits`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run_power_w_max: Option<f64>,
+    /// Why the clock was below its maximum at some sample (e.g. `sw_power_cap`); empty when it never was.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run_clock_limits: Option<Vec<String>>,
     pub commit: String,
     pub date: String,
 }
@@ -231,6 +246,20 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
         info.driver_version,
         meta::COMMIT
     );
+    let nvml = info
+        .pci_bus_id
+        .as_deref()
+        .and_then(Nvml::for_bus_id)
+        .map(Arc::new);
+    match &nvml {
+        Some(n) => println!(
+            "SM clock sampled during each run (NVML): now {} MHz, max {} MHz, power limit {} W",
+            n.sm_clock_mhz().map_or("?".into(), |v| v.to_string()),
+            info.sm_clock_mhz.map_or("?".into(), |v| v.to_string()),
+            n.power_limit_w().map_or("?".into(), |v| format!("{v:.0}")),
+        ),
+        None => println!("SM clock not sampled: NVML (libnvidia-ml.so.1) is not available"),
+    }
     let saved = ab_var.as_ref().map(std::env::var_os);
     let bar = progress(benches.len() as u64, "bench");
     let mut records = Vec::new();
@@ -245,13 +274,23 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
             }
         };
         let mut samples: Vec<Vec<f32>> = vec![Vec::new(); ab_values.len()];
+        let mut clocks: Vec<Option<ClockStats>> = vec![None; ab_values.len()];
         for _ in 0..rounds {
-            for (value, ms) in ab_values.iter().zip(samples.iter_mut()) {
+            for ((value, ms), seen) in ab_values
+                .iter()
+                .zip(samples.iter_mut())
+                .zip(clocks.iter_mut())
+            {
                 if let Some(var) = &ab_var {
-                    // Single-threaded here: nothing reads the environment concurrently.
+                    // Single-threaded here: the sampler thread does not read the environment.
                     std::env::set_var(var, value);
                 }
-                match gpu.time_ms(args.warmup, args.reps.max(1), &mut f) {
+                let sampler = nvml.as_ref().map(Sampler::start);
+                let timed = gpu.time_ms(args.warmup, args.reps.max(1), &mut f);
+                if let Some(stats) = sampler.and_then(Sampler::stop) {
+                    seen.get_or_insert_with(ClockStats::default).merge(&stats);
+                }
+                match timed {
                     Ok(t) => ms.extend(t),
                     Err(e) => {
                         outcome = Err(format!("{}: {e}", b.record.op));
@@ -260,7 +299,7 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
                 }
             }
         }
-        for (value, mut ms) in ab_values.iter().zip(samples) {
+        for ((value, mut ms), seen) in ab_values.iter().zip(samples).zip(clocks) {
             let (lo, hi) = ms
                 .iter()
                 .fold((f32::MAX, 0f32), |(l, h), &x| (l.min(x), h.max(x)));
@@ -277,6 +316,12 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
             r.gpu = info.name.clone();
             r.driver = info.driver_version.clone();
             r.sm_clock_mhz = info.sm_clock_mhz;
+            if let Some(c) = seen {
+                r.run_sm_clock_mhz = Some((c.mean_mhz * 10.0).round() / 10.0);
+                r.run_sm_clock_mhz_min = Some(c.min_mhz);
+                r.run_power_w_max = Some((c.max_power_w * 10.0).round() / 10.0);
+                r.run_clock_limits = Some(c.reasons);
+            }
             r.commit = meta::COMMIT.to_string();
             r.date = meta::today();
             records.push(r);
@@ -303,18 +348,37 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
                 format!("{:.1}", r.time_us),
                 r.tflops.map_or("-".into(), |t| format!("{t:.1}")),
                 r.gb_per_s.map_or("-".into(), |g| format!("{g:.0}")),
+                clock_cell(r),
             ]
         })
         .collect();
     print!(
         "{}",
-        table(&["op", "shape", "time_us", "TFLOPS", "GB/s"], &rows)
+        table(
+            &["op", "shape", "time_us", "TFLOPS", "GB/s", "SM MHz"],
+            &rows
+        )
     );
     if let Some(path) = &args.json {
         write_json(path, &records)?;
         println!("wrote {} records to {}", records.len(), path.display());
     }
     Ok(0)
+}
+
+/// The table's clock column: mean (lowest) sampled SM clock, and the limiting reasons if any.
+fn clock_cell(r: &Record) -> String {
+    match (r.run_sm_clock_mhz, r.run_sm_clock_mhz_min) {
+        (Some(mean), Some(min)) => {
+            let limits = r.run_clock_limits.as_deref().unwrap_or_default();
+            if limits.is_empty() {
+                format!("{mean:.0} ({min})")
+            } else {
+                format!("{mean:.0} ({min}) {}", limits.join(","))
+            }
+        }
+        _ => "-".into(),
+    }
 }
 
 fn shape_label(r: &Record) -> String {

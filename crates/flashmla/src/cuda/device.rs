@@ -35,8 +35,12 @@ pub struct DeviceInfo {
     pub driver_version: String,
     /// The same as the driver reports it (`13000` for 13.0), for comparisons.
     pub driver_version_code: i32,
-    /// Peak SM clock in MHz, when the driver reports it.
+    /// Peak SM clock in MHz, when the driver reports it (not the clock a kernel runs at: under load the card may
+    /// run slower, e.g. at its power cap).
     pub sm_clock_mhz: Option<u32>,
+    /// PCI bus id (`0000:19:00.0`), when the driver reports it: the key that names this device to other tools
+    /// (NVML, nvidia-smi), whose device order may differ from CUDA's.
+    pub pci_bus_id: Option<String>,
     /// Peak memory clock in MHz, when the driver reports it.
     pub mem_clock_mhz: Option<u32>,
     /// Memory bus width in bits, when the driver reports it.
@@ -434,6 +438,23 @@ fn attribute_opt(dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> Option<u3
         .filter(|&v| v > 0)
 }
 
+/// The device's PCI bus id string, or `None` if the driver does not give one.
+fn pci_bus_id(dev: sys::CUdevice) -> Option<String> {
+    const BUS_ID_BYTES: usize = 64;
+    let mut buf = [0 as c_char; BUS_ID_BYTES];
+    // SAFETY: the buffer holds BUS_ID_BYTES chars; the driver writes a NUL-terminated string into it.
+    let r = unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), BUS_ID_BYTES as i32, dev) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return None;
+    }
+    buf[BUS_ID_BYTES - 1] = 0;
+    // SAFETY: NUL-terminated within the buffer (forced above).
+    let id = unsafe { CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+    (!id.is_empty()).then_some(id)
+}
+
 /// A clock attribute (reported in kHz) in MHz.
 fn clock_mhz(dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> Option<u32> {
     const KHZ_PER_MHZ: u32 = 1000;
@@ -489,6 +510,7 @@ fn query_info(ordinal: usize, dev: sys::CUdevice, driver_version: i32) -> Result
         driver_version: driver::version_string(driver_version),
         driver_version_code: driver_version,
         sm_clock_mhz: clock_mhz(dev, A::CU_DEVICE_ATTRIBUTE_CLOCK_RATE),
+        pci_bus_id: pci_bus_id(dev),
         mem_clock_mhz: clock_mhz(dev, A::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE),
         mem_bus_width_bits: attribute_opt(dev, A::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH),
         memory_pools: attribute(dev, A::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED).unwrap_or(0)
