@@ -36,6 +36,7 @@ type ByBusIdFn = unsafe extern "C" fn(*const c_char, *mut NvmlDevice) -> NvmlRet
 type ClockFn = unsafe extern "C" fn(NvmlDevice, c_int, *mut c_uint) -> NvmlReturn;
 type UintFn = unsafe extern "C" fn(NvmlDevice, *mut c_uint) -> NvmlReturn;
 type ReasonsFn = unsafe extern "C" fn(NvmlDevice, *mut c_ulonglong) -> NvmlReturn;
+type EnergyFn = unsafe extern "C" fn(NvmlDevice, *mut c_ulonglong) -> NvmlReturn;
 
 /// One device as NVML sees it. NVML is initialised for as long as this lives (its shutdown is reference-counted).
 pub struct Nvml {
@@ -46,6 +47,7 @@ pub struct Nvml {
     power: UintFn,
     power_limit: UintFn,
     reasons: Option<ReasonsFn>,
+    energy: Option<EnergyFn>,
 }
 
 // SAFETY: NVML's entry points are thread-safe; the device handle is an opaque identifier valid until shutdown,
@@ -77,6 +79,10 @@ impl Nvml {
                 .or_else(|_| lib.get::<ReasonsFn>(b"nvmlDeviceGetCurrentClocksThrottleReasons\0"))
                 .ok()
                 .map(|f| *f);
+            let energy = lib
+                .get::<EnergyFn>(b"nvmlDeviceGetTotalEnergyConsumption\0")
+                .ok()
+                .map(|f| *f);
             if init() != NVML_SUCCESS {
                 return None;
             }
@@ -100,6 +106,7 @@ impl Nvml {
                 power,
                 power_limit,
                 reasons,
+                energy,
             })
         }
     }
@@ -124,6 +131,14 @@ impl Nvml {
         // SAFETY: as above.
         (unsafe { (self.power_limit)(self.device, &mut mw) } == NVML_SUCCESS)
             .then_some(mw as f64 / 1e3)
+    }
+
+    /// Energy the board used since the driver loaded, joules (millijoule resolution).
+    pub fn energy_j(&self) -> Option<f64> {
+        let f = self.energy?;
+        let mut mj: c_ulonglong = 0;
+        // SAFETY: as above.
+        (unsafe { f(self.device, &mut mj) } == NVML_SUCCESS).then_some(mj as f64 / 1e3)
     }
 
     /// Why the clocks are below their maximum now (`nvmlClocksEventReason*` bits).
@@ -156,11 +171,19 @@ pub struct ClockStats {
     pub max_power_w: f64,
     /// Names of the clock-lowering reasons seen (see `REASONS`).
     pub reasons: Vec<String>,
+    /// Board energy over the sampled interval, joules, and the number of op calls it covered (0: not measured).
+    pub energy_j: f64,
+    pub calls: usize,
     /// Number of samples.
     pub samples: usize,
 }
 
 impl ClockStats {
+    /// Board energy per op call, joules, when it was measured.
+    pub fn joules_per_call(&self) -> Option<f64> {
+        (self.calls > 0 && self.energy_j > 0.0).then(|| self.energy_j / self.calls as f64)
+    }
+
     /// Merges another run's samples into these (rounds of an `--ab` comparison).
     pub fn merge(&mut self, o: &ClockStats) {
         let n = self.samples + o.samples;
@@ -177,6 +200,8 @@ impl ClockStats {
             self.min_mhz.min(o.min_mhz)
         };
         self.max_power_w = self.max_power_w.max(o.max_power_w);
+        self.energy_j += o.energy_j;
+        self.calls += o.calls;
         for r in &o.reasons {
             if !self.reasons.contains(r) {
                 self.reasons.push(r.clone());
@@ -226,6 +251,8 @@ impl Acc {
                 .filter(|(bit, _)| self.reasons & bit != 0)
                 .map(|(_, name)| name.to_string())
                 .collect(),
+            energy_j: 0.0,
+            calls: 0,
             samples: self.samples,
         }
     }
@@ -236,12 +263,14 @@ pub struct Sampler {
     stop: Arc<AtomicBool>,
     thread: JoinHandle<Acc>,
     nvml: Arc<Nvml>,
+    energy0: Option<f64>,
 }
 
 impl Sampler {
     /// Starts sampling (one sample right away, then every `SAMPLE_PERIOD`).
     pub fn start(nvml: &Arc<Nvml>) -> Sampler {
         let stop = Arc::new(AtomicBool::new(false));
+        let energy0 = nvml.energy_j();
         let (flag, dev) = (stop.clone(), nvml.clone());
         let thread = std::thread::spawn(move || {
             let mut acc = Acc::default();
@@ -256,15 +285,24 @@ impl Sampler {
             stop,
             thread,
             nvml: nvml.clone(),
+            energy0,
         }
     }
 
-    /// Stops sampling (one last sample) and summarises; `None` if nothing could be read.
-    pub fn stop(self) -> Option<ClockStats> {
+    /// Stops sampling (one last sample) and summarises the `calls` op calls made meanwhile; `None` if nothing
+    /// could be read.
+    pub fn stop(self, calls: usize) -> Option<ClockStats> {
         self.stop.store(true, Ordering::Release);
         let mut acc = self.thread.join().ok()?;
         acc.sample(&self.nvml);
-        (acc.samples > 0).then(|| acc.stats())
+        let mut stats = (acc.samples > 0).then(|| acc.stats())?;
+        if let (Some(e0), Some(e1)) = (self.energy0, self.nvml.energy_j()) {
+            if e1 > e0 {
+                stats.energy_j = e1 - e0;
+                stats.calls = calls;
+            }
+        }
+        Some(stats)
     }
 }
 
@@ -278,6 +316,8 @@ mod tests {
             min_mhz: min,
             max_power_w: power,
             reasons: reasons.iter().map(|s| s.to_string()).collect(),
+            energy_j: n as f64,
+            calls: n,
             samples: n,
         }
     }
@@ -287,6 +327,7 @@ mod tests {
         let mut a = stats(1980.0, 1980, 400.0, &[], 1);
         a.merge(&stats(1600.0, 1400, 710.0, &["sw_power_cap"], 3));
         assert_eq!(a, stats(1695.0, 1400, 710.0, &["sw_power_cap"], 4));
+        assert_eq!(a.joules_per_call(), Some(1.0));
         let mut empty = ClockStats::default();
         empty.merge(&a);
         assert_eq!(empty, a);

@@ -156,6 +156,10 @@ pub struct Record {
     /// Why the clock was below its maximum at some sample (e.g. `sw_power_cap`); empty when it never was.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub run_clock_limits: Option<Vec<String>>,
+    /// Board energy per call, joules: NVML's energy counter over the timed calls and their warm-up, divided by
+    /// their number (the whole board: memory and idle power included).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run_joules_per_call: Option<f64>,
     pub commit: String,
     pub date: String,
 }
@@ -287,7 +291,8 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
                 }
                 let sampler = nvml.as_ref().map(Sampler::start);
                 let timed = gpu.time_ms(args.warmup, args.reps.max(1), &mut f);
-                if let Some(stats) = sampler.and_then(Sampler::stop) {
+                let calls = args.warmup + args.reps.max(1);
+                if let Some(stats) = sampler.and_then(|s| s.stop(calls)) {
                     seen.get_or_insert_with(ClockStats::default).merge(&stats);
                 }
                 match timed {
@@ -320,6 +325,7 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
                 r.run_sm_clock_mhz = Some((c.mean_mhz * 10.0).round() / 10.0);
                 r.run_sm_clock_mhz_min = Some(c.min_mhz);
                 r.run_power_w_max = Some((c.max_power_w * 10.0).round() / 10.0);
+                r.run_joules_per_call = c.joules_per_call().map(|j| (j * 1e4).round() / 1e4);
                 r.run_clock_limits = Some(c.reasons);
             }
             r.commit = meta::COMMIT.to_string();
@@ -349,6 +355,8 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
                 r.tflops.map_or("-".into(), |t| format!("{t:.1}")),
                 r.gb_per_s.map_or("-".into(), |g| format!("{g:.0}")),
                 clock_cell(r),
+                r.run_joules_per_call
+                    .map_or("-".into(), |j| format!("{j:.3}")),
             ]
         })
         .collect();
