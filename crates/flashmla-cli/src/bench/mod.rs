@@ -157,7 +157,8 @@ pub struct Record {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub run_clock_limits: Option<Vec<String>>,
     /// Board energy per call, joules: NVML's energy counter over the timed calls and their warm-up, divided by
-    /// their number (the whole board: memory and idle power included).
+    /// their number (the whole board: memory and idle power included). Coarse for intervals under a few seconds
+    /// (two arms of equal speed read 2.9 and 3.4 J over ~0.45 s intervals): compare it over long runs only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub run_joules_per_call: Option<f64>,
     pub commit: String,
