@@ -22,8 +22,12 @@ pub fn spinner(msg: &str) -> ProgressBar {
     s
 }
 
-/// Renders rows as an aligned table with a header rule.
+/// Renders rows as an aligned table with a header rule. Every row has one cell per header column.
 pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    debug_assert!(
+        rows.iter().all(|r| r.len() == header.len()),
+        "a table row's cells do not match the header's columns"
+    );
     let mut width: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for r in rows {
         for (w, c) in width.iter_mut().zip(r) {

@@ -343,36 +343,35 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
         }
     }
     outcome?;
-    let rows: Vec<Vec<String>> = records
-        .iter()
-        .map(|r| {
-            vec![
-                r.op.clone(),
-                match &r.variant {
-                    Some(v) => format!("{} {v}", shape_label(r)),
-                    None => shape_label(r),
-                },
-                format!("{:.1}", r.time_us),
-                r.tflops.map_or("-".into(), |t| format!("{t:.1}")),
-                r.gb_per_s.map_or("-".into(), |g| format!("{g:.0}")),
-                clock_cell(r),
-                r.run_joules_per_call
-                    .map_or("-".into(), |j| format!("{j:.3}")),
-            ]
-        })
-        .collect();
-    print!(
-        "{}",
-        table(
-            &["op", "shape", "time_us", "TFLOPS", "GB/s", "SM MHz"],
-            &rows
-        )
-    );
+    let rows: Vec<Vec<String>> = records.iter().map(table_row).collect();
+    print!("{}", table(&TABLE_HEADER, &rows));
     if let Some(path) = &args.json {
         write_json(path, &records)?;
         println!("wrote {} records to {}", records.len(), path.display());
     }
     Ok(0)
+}
+
+/// Columns of the printed table (`table_row` fills them in this order).
+const TABLE_HEADER: [&str; 7] = [
+    "op", "shape", "time_us", "TFLOPS", "GB/s", "SM MHz", "J/call",
+];
+
+/// One printed row per record.
+fn table_row(r: &Record) -> Vec<String> {
+    vec![
+        r.op.clone(),
+        match &r.variant {
+            Some(v) => format!("{} {v}", shape_label(r)),
+            None => shape_label(r),
+        },
+        format!("{:.1}", r.time_us),
+        r.tflops.map_or("-".into(), |t| format!("{t:.1}")),
+        r.gb_per_s.map_or("-".into(), |g| format!("{g:.0}")),
+        clock_cell(r),
+        r.run_joules_per_call
+            .map_or("-".into(), |j| format!("{j:.3}")),
+    ]
 }
 
 /// The table's clock column: mean (lowest) sampled SM clock, and the limiting reasons if any.
@@ -412,7 +411,7 @@ fn shape_label(r: &Record) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{ab_variants, shape_selected};
+    use super::{ab_variants, shape_selected, table_row, Record, TABLE_HEADER};
 
     #[test]
     fn ab_specs_parse_or_name_the_expectation() {
@@ -424,6 +423,27 @@ mod tests {
             let e = ab_variants(Some(bad)).unwrap_err();
             assert!(e.contains("VAR=value"), "{e}");
         }
+    }
+
+    #[test]
+    fn table_rows_fill_every_column() {
+        let mut r = Record {
+            op: "sparse_fwd".into(),
+            s_kv: Some(8192),
+            time_us: 3400.0,
+            tflops: Some(687.3),
+            ..Record::default()
+        };
+        let row = table_row(&r);
+        assert_eq!(row.len(), TABLE_HEADER.len());
+        assert_eq!(row[5], "-");
+        r.run_sm_clock_mhz = Some(1541.2);
+        r.run_sm_clock_mhz_min = Some(1215);
+        r.run_clock_limits = Some(vec!["sw_power_cap".into()]);
+        r.run_joules_per_call = Some(2.8377);
+        let row = table_row(&r);
+        assert_eq!(row[5], "1541 (1215) sw_power_cap");
+        assert_eq!(row[6], "2.838");
     }
 
     #[test]
