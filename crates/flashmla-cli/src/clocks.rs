@@ -57,9 +57,14 @@ unsafe impl Send for Nvml {}
 unsafe impl Sync for Nvml {}
 
 impl Nvml {
+    /// NVML's view of a CUDA device (matched by PCI bus id), or `None` without NVML or a bus id.
+    pub fn for_device(info: &flashmla::cuda::DeviceInfo) -> Option<Nvml> {
+        Self::for_bus_id(info.pci_bus_id.as_deref()?)
+    }
+
     /// NVML's handle of the device with this PCI bus id (as the CUDA driver writes it), or `None` when NVML is
     /// missing or does not know the device.
-    pub fn for_bus_id(bus_id: &str) -> Option<Nvml> {
+    fn for_bus_id(bus_id: &str) -> Option<Nvml> {
         // SAFETY: loading the system's NVML runs its initialisers, which have no preconditions.
         let lib = unsafe { Library::new("libnvidia-ml.so.1") }.ok()?;
         // SAFETY: each symbol is looked up with its documented C signature (nvml.h).

@@ -61,11 +61,7 @@ pub fn run(device: usize) -> Result<u8, String> {
             if let Some(bus) = &i.pci_bus_id {
                 println!("  PCI bus id          {bus}");
             }
-            match i
-                .pci_bus_id
-                .as_deref()
-                .and_then(crate::clocks::Nvml::for_bus_id)
-            {
+            match crate::clocks::Nvml::for_device(i) {
                 Some(n) => {
                     let show = |v: Option<String>| v.unwrap_or_else(|| "?".into());
                     println!(

@@ -251,11 +251,7 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
         info.driver_version,
         meta::COMMIT
     );
-    let nvml = info
-        .pci_bus_id
-        .as_deref()
-        .and_then(Nvml::for_bus_id)
-        .map(Arc::new);
+    let nvml = Nvml::for_device(&info).map(Arc::new);
     match &nvml {
         Some(n) => println!(
             "SM clock sampled during each run (NVML): now {} MHz, max {} MHz, power limit {} W",
