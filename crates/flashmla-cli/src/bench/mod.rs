@@ -74,9 +74,16 @@ pub struct BenchArgs {
     /// on the same inputs, the values alternating over `--rounds` rounds; one record per value.
     #[arg(long)]
     ab: Option<String>,
-    /// Rounds of the `--ab` alternation (each round times `--reps` runs per value).
-    #[arg(long, default_value_t = 3)]
-    rounds: usize,
+    /// Rounds per shape: each round times `--reps` runs per value (after `--cooldown-ms`), the
+    /// values alternating inside a round; the reported median is over all rounds' runs and the
+    /// JSON keeps each round's median. Default: 3 with `--ab`, else 1.
+    #[arg(long)]
+    rounds: Option<usize>,
+    /// Idle this many milliseconds before each timed run (warm-up included). A run short enough
+    /// (about 100 ms of full load on an H100) then starts and stays below the board's power cap, so
+    /// that variants compare at full clock; the `SM MHz` column shows whether they did.
+    #[arg(long, default_value_t = 0)]
+    cooldown_ms: u64,
 }
 
 /// The `--ab` spec: the variable and its values (`None`: no A/B, one unnamed variant).
@@ -133,6 +140,9 @@ pub struct Record {
     /// Fastest and slowest repetition, microseconds.
     pub min_us: f64,
     pub max_us: f64,
+    /// Median of each round, microseconds, in order (only with more than one round).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub round_median_us: Vec<f64>,
     /// Tera-FLOP per second (ops with arithmetic).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tflops: Option<f64>,
@@ -236,11 +246,10 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
         ));
     }
     let (ab_var, ab_values) = ab_variants(args.ab.as_deref())?;
-    let rounds = if ab_var.is_some() {
-        args.rounds.max(1)
-    } else {
-        1
-    };
+    let rounds = args
+        .rounds
+        .unwrap_or(if ab_var.is_some() { 3 } else { 1 })
+        .max(1);
     let gpu = Gpu::new(args.device).map_err(|e| e.to_string())?;
     let info = gpu.info().clone();
     println!(
@@ -276,15 +285,20 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
         };
         let mut samples: Vec<Vec<f32>> = vec![Vec::new(); ab_values.len()];
         let mut clocks: Vec<Option<ClockStats>> = vec![None; ab_values.len()];
+        let mut round_medians: Vec<Vec<f64>> = vec![Vec::new(); ab_values.len()];
         for _ in 0..rounds {
-            for ((value, ms), seen) in ab_values
+            for (((value, ms), seen), round_med) in ab_values
                 .iter()
                 .zip(samples.iter_mut())
                 .zip(clocks.iter_mut())
+                .zip(round_medians.iter_mut())
             {
                 if let Some(var) = &ab_var {
                     // Single-threaded here: the sampler thread does not read the environment.
                     std::env::set_var(var, value);
+                }
+                if args.cooldown_ms > 0 {
+                    std::thread::sleep(std::time::Duration::from_millis(args.cooldown_ms));
                 }
                 let sampler = nvml.as_ref().map(Sampler::start);
                 let timed = gpu.time_ms(args.warmup, args.reps.max(1), &mut f);
@@ -293,7 +307,12 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
                     seen.get_or_insert_with(ClockStats::default).merge(&stats);
                 }
                 match timed {
-                    Ok(t) => ms.extend(t),
+                    Ok(mut t) => {
+                        if rounds > 1 {
+                            round_med.push((median(&mut t) * 1e4).round() / 10.0);
+                        }
+                        ms.extend(t)
+                    }
                     Err(e) => {
                         outcome = Err(format!("{}: {e}", b.record.op));
                         break 'benches;
@@ -301,7 +320,9 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
                 }
             }
         }
-        for ((value, mut ms), seen) in ab_values.iter().zip(samples).zip(clocks) {
+        for (((value, mut ms), seen), round_med) in
+            ab_values.iter().zip(samples).zip(clocks).zip(round_medians)
+        {
             let (lo, hi) = ms
                 .iter()
                 .fold((f32::MAX, 0f32), |(l, h), &x| (l.min(x), h.max(x)));
@@ -312,6 +333,7 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
             r.time_us = med * 1e3;
             r.min_us = lo as f64 * 1e3;
             r.max_us = hi as f64 * 1e3;
+            r.round_median_us = round_med;
             r.tflops = (b.flop > 0.0).then(|| b.flop / secs / 1e12);
             r.gb_per_s = (b.bytes > 0.0).then(|| b.bytes / secs / 1e9);
             r.reps = ms.len();
