@@ -129,7 +129,11 @@ pub const KV_BUCKETS_MAX_BYTES: usize = 256 << 20;
 /// 336 with 21 and 271 with 28. Larger sizes are not measured and keep the index order.
 pub const KV_BUCKETS_MAX_BYTES_PAIR: usize = 512 << 20;
 /// Accumulator plus KV bytes per bucket: what the CTAs of a wave touch at a time, well inside L2.
-pub const KV_BUCKET_BYTES: usize = 8 << 20;
+/// Measured at full clock in one process (H100, V3.2 random): at s_kv 32K (108 MiB) 8 / 10 / 14
+/// buckets ran 378.1 / 378.8 / 374.9 TFLOPS (another call: 10 / 14 / 20 at 379.7 / 373.9 / 368.6),
+/// h_q 64 at 32K 10 / 14 buckets 285.3 / 281.8; at 24K (81 MiB) 8 / 11 buckets 378.3 / 377.1. So
+/// 12 MiB (9 buckets at 32K) rather than the 8 MiB (14) chosen before the waves overlapped.
+pub const KV_BUCKET_BYTES: usize = 12 << 20;
 /// Accumulator plus KV bytes above which buckets are [`KV_BUCKET_BYTES_COARSE`] large: a wave then
 /// touches each row only about twice (`wave tokens * topk / s_kv`), so there is less to gain per
 /// bucket and fewer bucket boundaries measured faster. V3.2 s_kv
@@ -1139,18 +1143,18 @@ mod tests {
             };
             kv_buckets(&c.dims, &o)
         };
-        // V3.2 (d_qk 576, topk 2048): 8K fits L2 (28 MB); then 8 MiB per bucket up to 128 MiB, 32 MiB
+        // V3.2 (d_qk 576, topk 2048): 8K fits L2 (28 MB); then 12 MiB per bucket up to 128 MiB, 32 MiB
         // beyond, up to 512 MiB with two head groups (128K: 453 MB) and 256 MiB with one.
         assert_eq!(nb(128, 8192, 576, 2048, false), 1);
-        assert_eq!(nb(128, 16384, 576, 2048, false), 7);
-        assert_eq!(nb(128, 32768, 576, 2048, false), 14);
+        assert_eq!(nb(128, 16384, 576, 2048, false), 5);
+        assert_eq!(nb(128, 32768, 576, 2048, false), 9);
         assert_eq!(nb(128, 65536, 576, 2048, false), 7);
         assert_eq!(nb(128, 131072, 576, 2048, false), 14);
         assert_eq!(nb(128, 262144, 576, 2048, false), 1);
         assert_eq!(nb(64, 131072, 576, 2048, false), 1);
         assert_eq!(nb(128, usize::MAX / 2, 576, 2048, false), 1);
         // The fixed-point accumulator (8 bytes per value).
-        assert_eq!(nb(128, 8192, 576, 2048, true), 6);
+        assert_eq!(nb(128, 8192, 576, 2048, true), 4);
         // MODEL1: h_q 128 / topk 1024 keeps the index order up to 128 MiB and takes coarse buckets
         // beyond (64K: 201 MB -> 6); h_q 64 / topk 512 (solo) buckets, one per tile.
         assert_eq!(nb(128, 32768, 512, 1024, false), 1);
@@ -1161,10 +1165,10 @@ mod tests {
         );
         assert_eq!(nb(64, 32768, 512, 512, false), 8);
         assert_eq!(nb(64, 65536, 512, 512, false), 6); // 192 MiB
-        assert_eq!(nb(64, 32768, 576, 2048, false), 14);
+        assert_eq!(nb(64, 32768, 576, 2048, false), 9);
         assert_eq!(nb(64, 32768, 512, MIN_BUCKETED_TOPK_SOLO - 1, false), 1);
         // Rows outside the kernel's range; tiny shapes.
-        assert_eq!(nb(128, 32768, 576, MAX_BUCKETED_TOPK, false), 14);
+        assert_eq!(nb(128, 32768, 576, MAX_BUCKETED_TOPK, false), 9);
         assert_eq!(nb(128, 32768, 576, MAX_BUCKETED_TOPK + 1, false), 1);
         assert_eq!(nb(128, 95, 576, 128, false), 1);
         assert_eq!(nb(128, 0, 576, 2048, false), 1);
@@ -1174,7 +1178,7 @@ mod tests {
     fn bucketed_plans_launch_the_main_kernel_in_waves_of_resident_tokens() {
         let c = case(200, 128, 576, 32768, 2048, DType::Bf16);
         let mut p = plan(&c, &SparseBwdOptions::default()).unwrap();
-        assert_eq!(p.params.kv_buckets, 14);
+        assert_eq!(p.params.kv_buckets, 9);
         let before = p.launches.len();
         p.split_main_in_waves(132);
         let mains: Vec<Launch> = p
