@@ -363,7 +363,8 @@ pub fn workspace_shape(dims: &SparseBwdDims, options: &SparseBwdOptions) -> [usi
 /// [`KV_BUCKETS_MAX_BYTES`] ([`KV_BUCKETS_MAX_BYTES_PAIR`] with two head groups) the rows are split into `ceil(bytes / KV_BUCKET_BYTES)` buckets, at most
 /// one per tile of a full index row, and `ceil(bytes / KV_BUCKET_BYTES_COARSE)` above
 /// [`KV_BUCKETS_COARSE_BYTES`]. Example: V3.2 (s_kv 32768, d_qk 576, topk 2048, h_q 128): 113
-/// MB -> 14 buckets of 2341 rows (measured +11.5% against the index order; 7 buckets: +7%); s_kv
+/// MB -> 9 buckets of 3641 rows (14 buckets measured +11.5% against the index order, 9 another
+/// +0.5%); s_kv
 /// 65536: 226 MB -> 7 buckets. Rows
 /// shorter than [`MIN_BUCKETED_TOPK_PAIR`] / [`MIN_BUCKETED_TOPK_SOLO`] or longer than
 /// [`MAX_BUCKETED_TOPK`] keep the index order, except that two head groups bucket rows of at least
