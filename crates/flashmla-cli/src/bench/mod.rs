@@ -76,14 +76,44 @@ pub struct BenchArgs {
     ab: Option<String>,
     /// Rounds per shape: each round times `--reps` runs per value (after `--cooldown-ms`), the
     /// values alternating inside a round; the reported median is over all rounds' runs and the
-    /// JSON keeps each round's median. Default: 3 with `--ab`, else 1.
+    /// JSON keeps each round's median. Default: 3 with `--ab` or `--full-clock`, else 1.
     #[arg(long)]
     rounds: Option<usize>,
     /// Idle this many milliseconds before each timed run (warm-up included). A run short enough
     /// (about 100 ms of full load on an H100) then starts and stays below the board's power cap, so
-    /// that variants compare at full clock; the `SM MHz` column shows whether they did.
-    #[arg(long, default_value_t = 0)]
-    cooldown_ms: u64,
+    /// that variants compare at full clock; the `SM MHz` column shows whether they did. Default: 0
+    /// (1500 with `--full-clock`).
+    #[arg(long)]
+    cooldown_ms: Option<u64>,
+    /// Time every shape at full clock: idle 1500 ms before each timed block (unless `--cooldown-ms`
+    /// says otherwise), 3 rounds (unless `--rounds`), and per shape only as many warm-up and timed
+    /// runs as fit in ~80 ms of load (at least 3 timed, at most `--warmup` / `--reps`), measured
+    /// from one probe call: short enough that no block reaches an H100's power cap. Without it,
+    /// shapes run back to back and long suites time what a sustained load gets.
+    #[arg(long)]
+    full_clock: bool,
+}
+
+/// Load per timed block of `--full-clock`, milliseconds: an H100 at full tensor load reaches its
+/// power cap after ~100 ms.
+const FULL_CLOCK_BLOCK_MS: f32 = 80.0;
+/// Idle time before each block of `--full-clock` when `--cooldown-ms` is not given.
+const FULL_CLOCK_COOLDOWN_MS: u64 = 1500;
+
+/// Warm-up and timed runs of one `--full-clock` block for a call of `call_ms`: a quarter of the
+/// block (at least one run, at most `max_warmup`) warms up, the rest is timed (at least 3, at most
+/// `max_reps`).
+fn full_clock_counts(call_ms: f32, max_warmup: usize, max_reps: usize) -> (usize, usize) {
+    let call_ms = if call_ms.is_finite() && call_ms > 0.0 {
+        call_ms
+    } else {
+        FULL_CLOCK_BLOCK_MS
+    };
+    let fit = |ms: f32| (ms / call_ms) as usize;
+    let warmup = fit(FULL_CLOCK_BLOCK_MS / 4.0).clamp(1, max_warmup.max(1));
+    let left = FULL_CLOCK_BLOCK_MS - warmup as f32 * call_ms;
+    let reps = fit(left.max(0.0)).clamp(3, max_reps.max(3));
+    (warmup, reps)
 }
 
 /// The `--ab` spec: the variable and its values (`None`: no A/B, one unnamed variant).
@@ -140,6 +170,10 @@ pub struct Record {
     /// Fastest and slowest repetition, microseconds.
     pub min_us: f64,
     pub max_us: f64,
+    /// Idle time before each timed block, milliseconds (`--cooldown-ms` / `--full-clock`; absent
+    /// when the blocks ran back to back).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cooldown_ms: Option<u64>,
     /// Median of each round, microseconds, in order (only with more than one round).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub round_median_us: Vec<f64>,
@@ -248,8 +282,17 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
     let (ab_var, ab_values) = ab_variants(args.ab.as_deref())?;
     let rounds = args
         .rounds
-        .unwrap_or(if ab_var.is_some() { 3 } else { 1 })
+        .unwrap_or(if ab_var.is_some() || args.full_clock {
+            3
+        } else {
+            1
+        })
         .max(1);
+    let cooldown_ms = args.cooldown_ms.unwrap_or(if args.full_clock {
+        FULL_CLOCK_COOLDOWN_MS
+    } else {
+        0
+    });
     let gpu = Gpu::new(args.device).map_err(|e| e.to_string())?;
     let info = gpu.info().clone();
     println!(
@@ -283,6 +326,18 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
                 break;
             }
         };
+        let (warmup, reps) = if args.full_clock {
+            std::thread::sleep(std::time::Duration::from_millis(cooldown_ms));
+            match gpu.time_ms(1, 1, &mut f) {
+                Ok(t) => full_clock_counts(t[0], args.warmup, args.reps),
+                Err(e) => {
+                    outcome = Err(format!("{}: {e}", b.record.op));
+                    break;
+                }
+            }
+        } else {
+            (args.warmup, args.reps.max(1))
+        };
         let mut samples: Vec<Vec<f32>> = vec![Vec::new(); ab_values.len()];
         let mut clocks: Vec<Option<ClockStats>> = vec![None; ab_values.len()];
         let mut round_medians: Vec<Vec<f64>> = vec![Vec::new(); ab_values.len()];
@@ -297,12 +352,12 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
                     // Single-threaded here: the sampler thread does not read the environment.
                     std::env::set_var(var, value);
                 }
-                if args.cooldown_ms > 0 {
-                    std::thread::sleep(std::time::Duration::from_millis(args.cooldown_ms));
+                if cooldown_ms > 0 {
+                    std::thread::sleep(std::time::Duration::from_millis(cooldown_ms));
                 }
                 let sampler = nvml.as_ref().map(Sampler::start);
-                let timed = gpu.time_ms(args.warmup, args.reps.max(1), &mut f);
-                let calls = args.warmup + args.reps.max(1);
+                let timed = gpu.time_ms(warmup, reps, &mut f);
+                let calls = warmup + reps;
                 if let Some(stats) = sampler.and_then(|s| s.stop(calls)) {
                     seen.get_or_insert_with(ClockStats::default).merge(&stats);
                 }
@@ -334,6 +389,7 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
             r.min_us = lo as f64 * 1e3;
             r.max_us = hi as f64 * 1e3;
             r.round_median_us = round_med;
+            r.cooldown_ms = (cooldown_ms > 0).then_some(cooldown_ms);
             r.tflops = (b.flop > 0.0).then(|| b.flop / secs / 1e12);
             r.gb_per_s = (b.bytes > 0.0).then(|| b.bytes / secs / 1e9);
             r.reps = ms.len();
@@ -429,7 +485,26 @@ fn shape_label(r: &Record) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{ab_variants, shape_selected, table_row, Record, TABLE_HEADER};
+    use super::{ab_variants, full_clock_counts, shape_selected, table_row, Record, TABLE_HEADER};
+
+    #[test]
+    fn full_clock_blocks_fit_80_ms_of_load() {
+        // V3.2 forward (~3.4 ms): 5 warm-up (capped by --warmup), 18 timed; backward (~16 ms): 1 + 4.
+        assert_eq!(full_clock_counts(3.4, 5, 30), (5, 18));
+        assert_eq!(full_clock_counts(16.0, 5, 30), (1, 4));
+        // Short calls stop at --warmup / --reps; long ones still time 3 runs after one warm-up.
+        assert_eq!(full_clock_counts(0.1, 5, 30), (5, 30));
+        assert_eq!(full_clock_counts(200.0, 5, 30), (1, 3));
+        assert_eq!(full_clock_counts(0.1, 0, 0), (1, 3));
+        // A failed probe (non-finite or zero time) falls back to one block-sized call.
+        assert_eq!(full_clock_counts(f32::NAN, 5, 30), (1, 3));
+        assert_eq!(full_clock_counts(0.0, 5, 30), (1, 3));
+        for ms in [0.05f32, 0.9, 3.7, 15.8, 40.0] {
+            let (w, r) = full_clock_counts(ms, 5, 30);
+            assert!(r >= 3 && w >= 1);
+            assert!((w + r) as f32 * ms <= 80.0 || r == 3, "{ms} ms: {w} + {r}");
+        }
+    }
 
     #[test]
     fn ab_specs_parse_or_name_the_expectation() {
