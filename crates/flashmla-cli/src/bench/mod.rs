@@ -76,44 +76,70 @@ pub struct BenchArgs {
     ab: Option<String>,
     /// Rounds per shape: each round times `--reps` runs per value (after `--cooldown-ms`), the
     /// values alternating inside a round; the reported median is over all rounds' runs and the
-    /// JSON keeps each round's median. Default: 3 with `--ab` or `--full-clock`, else 1.
+    /// JSON keeps each round's median. Default: 3 with `--ab` or `--timing full-clock`, else 1.
     #[arg(long)]
     rounds: Option<usize>,
     /// Idle this many milliseconds before each timed run (warm-up included). A run short enough
     /// (about 100 ms of full load on an H100) then starts and stays below the board's power cap, so
     /// that variants compare at full clock; the `SM MHz` column shows whether they did. Default: 0
-    /// (1500 with `--full-clock`).
+    /// (1500 with `--timing full-clock`).
     #[arg(long)]
     cooldown_ms: Option<u64>,
-    /// Time every shape at full clock: idle 1500 ms before each timed block (unless `--cooldown-ms`
-    /// says otherwise), 3 rounds (unless `--rounds`), and per shape only as many warm-up and timed
-    /// runs as fit in ~80 ms of load (at least 3 timed, at most `--warmup` / `--reps`), measured
-    /// from one probe call: short enough that no block reaches an H100's power cap. Without it,
-    /// shapes run back to back and long suites time what a sustained load gets.
-    #[arg(long)]
-    full_clock: bool,
+    /// How each shape is timed with respect to the board's power state (an H100 under full tensor
+    /// load reaches its power cap after ~100 ms and then lowers its clocks).
+    #[arg(long, value_enum, default_value_t = Timing::BackToBack)]
+    timing: Timing,
 }
 
-/// Load per timed block of `--full-clock`, milliseconds: an H100 at full tensor load reaches its
-/// power cap after ~100 ms.
-const FULL_CLOCK_BLOCK_MS: f32 = 80.0;
-/// Idle time before each block of `--full-clock` when `--cooldown-ms` is not given.
-const FULL_CLOCK_COOLDOWN_MS: u64 = 1500;
+/// `--timing`: the power state each shape is timed in.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Timing {
+    /// `--warmup` then `--reps` runs, shapes back to back: short suites run at full clock, long ones
+    /// partly at the power cap.
+    BackToBack,
+    /// Blocks below the power cap: idle 1500 ms before each (unless `--cooldown-ms`), then as many
+    /// warm-up and timed runs as fit in ~80 ms of load (at least 3 timed, at most `--warmup` /
+    /// `--reps`, from one probe call); 3 rounds unless `--rounds`.
+    FullClock,
+    /// At the power cap: before each block, ~2 s of untimed calls (at least `--warmup`), then
+    /// `--reps` timed runs: what sustained use such as training gets.
+    Sustained,
+}
 
-/// Warm-up and timed runs of one `--full-clock` block for a call of `call_ms`: a quarter of the
-/// block (at least one run, at most `max_warmup`) warms up, the rest is timed (at least 3, at most
-/// `max_reps`).
-fn full_clock_counts(call_ms: f32, max_warmup: usize, max_reps: usize) -> (usize, usize) {
-    let call_ms = if call_ms.is_finite() && call_ms > 0.0 {
+/// Load per timed block of `--timing full-clock`, milliseconds.
+const FULL_CLOCK_BLOCK_MS: f32 = 80.0;
+/// Idle time before each block of `--timing full-clock` when `--cooldown-ms` is not given.
+const FULL_CLOCK_COOLDOWN_MS: u64 = 1500;
+/// Untimed load before each block of `--timing sustained`, milliseconds: well past the ~100 ms after
+/// which the power cap acts.
+const SUSTAINED_WARMUP_MS: f32 = 2000.0;
+
+/// A probe's time per call, or a block's worth when the probe measured nothing usable.
+fn usable_call_ms(call_ms: f32) -> f32 {
+    if call_ms.is_finite() && call_ms > 0.0 {
         call_ms
     } else {
         FULL_CLOCK_BLOCK_MS
-    };
+    }
+}
+
+/// Warm-up and timed runs of one `--timing full-clock` block for a call of `call_ms`: a quarter of
+/// the block (at least one run, at most `max_warmup`) warms up, the rest is timed (at least 3, at
+/// most `max_reps`).
+fn full_clock_counts(call_ms: f32, max_warmup: usize, max_reps: usize) -> (usize, usize) {
+    let call_ms = usable_call_ms(call_ms);
     let fit = |ms: f32| (ms / call_ms) as usize;
     let warmup = fit(FULL_CLOCK_BLOCK_MS / 4.0).clamp(1, max_warmup.max(1));
     let left = FULL_CLOCK_BLOCK_MS - warmup as f32 * call_ms;
     let reps = fit(left.max(0.0)).clamp(3, max_reps.max(3));
     (warmup, reps)
+}
+
+/// Untimed runs before each `--timing sustained` block: ~2 s of calls of `call_ms`, at least
+/// `min_warmup` and at least one.
+fn sustained_warmup(call_ms: f32, min_warmup: usize) -> usize {
+    let n = (SUSTAINED_WARMUP_MS / usable_call_ms(call_ms)).ceil() as usize;
+    n.max(min_warmup).max(1)
 }
 
 /// The `--ab` spec: the variable and its values (`None`: no A/B, one unnamed variant).
@@ -170,8 +196,11 @@ pub struct Record {
     /// Fastest and slowest repetition, microseconds.
     pub min_us: f64,
     pub max_us: f64,
-    /// Idle time before each timed block, milliseconds (`--cooldown-ms` / `--full-clock`; absent
-    /// when the blocks ran back to back).
+    /// `--timing` when not `back-to-back`: `full-clock` or `sustained`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timing: Option<String>,
+    /// Idle time before each timed block, milliseconds (`--cooldown-ms`, `--timing full-clock`;
+    /// absent when the blocks ran back to back).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cooldown_ms: Option<u64>,
     /// Median of each round, microseconds, in order (only with more than one round).
@@ -282,17 +311,19 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
     let (ab_var, ab_values) = ab_variants(args.ab.as_deref())?;
     let rounds = args
         .rounds
-        .unwrap_or(if ab_var.is_some() || args.full_clock {
+        .unwrap_or(if ab_var.is_some() || args.timing == Timing::FullClock {
             3
         } else {
             1
         })
         .max(1);
-    let cooldown_ms = args.cooldown_ms.unwrap_or(if args.full_clock {
-        FULL_CLOCK_COOLDOWN_MS
-    } else {
-        0
-    });
+    let cooldown_ms = args
+        .cooldown_ms
+        .unwrap_or(if args.timing == Timing::FullClock {
+            FULL_CLOCK_COOLDOWN_MS
+        } else {
+            0
+        });
     let gpu = Gpu::new(args.device).map_err(|e| e.to_string())?;
     let info = gpu.info().clone();
     println!(
@@ -326,17 +357,24 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
                 break;
             }
         };
-        let (warmup, reps) = if args.full_clock {
-            std::thread::sleep(std::time::Duration::from_millis(cooldown_ms));
-            match gpu.time_ms(1, 1, &mut f) {
-                Ok(t) => full_clock_counts(t[0], args.warmup, args.reps),
-                Err(e) => {
-                    outcome = Err(format!("{}: {e}", b.record.op));
-                    break;
-                }
+        let probe = match args.timing {
+            Timing::BackToBack => Ok(f32::NAN),
+            Timing::FullClock | Timing::Sustained => {
+                std::thread::sleep(std::time::Duration::from_millis(cooldown_ms));
+                gpu.time_ms(1, 1, &mut f).map(|t| t[0])
             }
-        } else {
-            (args.warmup, args.reps.max(1))
+        };
+        let call_ms = match probe {
+            Ok(t) => t,
+            Err(e) => {
+                outcome = Err(format!("{}: {e}", b.record.op));
+                break;
+            }
+        };
+        let (warmup, reps) = match args.timing {
+            Timing::BackToBack => (args.warmup, args.reps.max(1)),
+            Timing::FullClock => full_clock_counts(call_ms, args.warmup, args.reps),
+            Timing::Sustained => (sustained_warmup(call_ms, args.warmup), args.reps.max(1)),
         };
         let mut samples: Vec<Vec<f32>> = vec![Vec::new(); ab_values.len()];
         let mut clocks: Vec<Option<ClockStats>> = vec![None; ab_values.len()];
@@ -390,6 +428,11 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
             r.max_us = hi as f64 * 1e3;
             r.round_median_us = round_med;
             r.cooldown_ms = (cooldown_ms > 0).then_some(cooldown_ms);
+            r.timing = match args.timing {
+                Timing::BackToBack => None,
+                Timing::FullClock => Some("full-clock".into()),
+                Timing::Sustained => Some("sustained".into()),
+            };
             r.tflops = (b.flop > 0.0).then(|| b.flop / secs / 1e12);
             r.gb_per_s = (b.bytes > 0.0).then(|| b.bytes / secs / 1e9);
             r.reps = ms.len();
@@ -485,7 +528,19 @@ fn shape_label(r: &Record) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{ab_variants, full_clock_counts, shape_selected, table_row, Record, TABLE_HEADER};
+    use super::{
+        ab_variants, full_clock_counts, shape_selected, sustained_warmup, table_row, Record,
+        TABLE_HEADER,
+    };
+
+    #[test]
+    fn sustained_blocks_start_after_two_seconds_of_load() {
+        assert_eq!(sustained_warmup(3.4, 5), 589);
+        assert_eq!(sustained_warmup(16.0, 5), 125);
+        assert_eq!(sustained_warmup(4000.0, 5), 5);
+        assert_eq!(sustained_warmup(4000.0, 0), 1);
+        assert_eq!(sustained_warmup(f32::NAN, 0), 25);
+    }
 
     #[test]
     fn full_clock_blocks_fit_80_ms_of_load() {
