@@ -256,14 +256,27 @@ pub struct Bench {
     pub setup: Setup,
 }
 
+/// Ops timed only when `--op` names them (variants of another op's shapes).
+const OPT_IN_OPS: &[&str] = &[sparse_bwd::DETERMINISTIC_OP];
+
 fn all_benches(args: &BenchArgs) -> Vec<Bench> {
     let mut v = Vec::new();
     v.extend(sparse_fwd::benches(args.suite, args.indices));
-    v.extend(sparse_bwd::benches(args.suite, args.indices));
+    v.extend(sparse_bwd::benches(args.suite, args.indices, false));
+    v.extend(sparse_bwd::benches(args.suite, args.indices, true));
     v.extend(kv_quant::benches(args.suite));
     v.into_iter()
-        .filter(|b| args.op.is_empty() || args.op.contains(&b.record.op))
+        .filter(|b| op_selected(&args.op, &b.record.op))
         .collect()
+}
+
+/// Whether `--op` (empty: every op that is not opt-in) selects `op`.
+fn op_selected(ops: &[String], op: &str) -> bool {
+    if ops.is_empty() {
+        !OPT_IN_OPS.contains(&op)
+    } else {
+        ops.iter().any(|o| o == op)
+    }
 }
 
 /// Whether a shape label (`shape_label`) is selected by the `--shape` specs: no spec, or one spec whose
@@ -529,9 +542,19 @@ fn shape_label(r: &Record) -> String {
 #[cfg(test)]
 mod tests {
     use super::{
-        ab_variants, full_clock_counts, shape_selected, sustained_warmup, table_row, Record,
-        TABLE_HEADER,
+        ab_variants, full_clock_counts, op_selected, shape_selected, sustained_warmup, table_row,
+        Record, TABLE_HEADER,
     };
+
+    #[test]
+    fn opt_in_ops_run_only_when_named() {
+        let none: Vec<String> = Vec::new();
+        assert!(op_selected(&none, "sparse_bwd"));
+        assert!(!op_selected(&none, "sparse_bwd_deterministic"));
+        let named = vec!["sparse_bwd_deterministic".to_string()];
+        assert!(op_selected(&named, "sparse_bwd_deterministic"));
+        assert!(!op_selected(&named, "sparse_bwd"));
+    }
 
     #[test]
     fn sustained_blocks_start_after_two_seconds_of_load() {

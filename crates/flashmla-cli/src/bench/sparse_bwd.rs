@@ -10,14 +10,23 @@ use flashmla::ops::sparse_fwd::D_V;
 use flashmla::testing::{peer_bf16, rng, SparseCase};
 use flashmla::{DType, HostTensor};
 
-/// The backward benchmarks (same shapes as the forward's).
-pub fn benches(suite: BenchSuite, choice: IndexChoice) -> Vec<Bench> {
+/// Op name of the deterministic backward (`SparseBwdOptions::deterministic`), timed only when `--op`
+/// names it.
+pub const DETERMINISTIC_OP: &str = "sparse_bwd_deterministic";
+
+/// The backward benchmarks (same shapes as the forward's); `deterministic`: with bitwise-reproducible
+/// `d_kv` ([`DETERMINISTIC_OP`]), whose workspace is twice the f32 accumulator.
+pub fn benches(suite: BenchSuite, choice: IndexChoice, deterministic: bool) -> Vec<Bench> {
     let mut v = Vec::new();
     for (s_q, s_kv, h_q, d_qk, topk) in shapes(suite) {
         for pattern in patterns(choice) {
             let name = pattern_name(pattern);
             let record = Record {
-                op: "sparse_bwd".into(),
+                op: if deterministic {
+                    DETERMINISTIC_OP.into()
+                } else {
+                    "sparse_bwd".into()
+                },
                 s_q: Some(s_q),
                 s_kv: Some(s_kv),
                 topk: Some(topk),
@@ -25,8 +34,9 @@ pub fn benches(suite: BenchSuite, choice: IndexChoice) -> Vec<Bench> {
                 d_qk: Some(d_qk),
                 d_v: Some(D_V),
                 indices: Some(name.into()),
-                // The f32 d_kv accumulator the op allocates for a bf16 d_kv (PERF: at most one f32 copy of d_kv).
-                extra_bytes: Some(s_kv * d_qk * 4),
+                // The f32 d_kv accumulator the op allocates for a bf16 d_kv (PERF: at most one f32 copy of d_kv);
+                // deterministic mode: int64 fixed point, twice that.
+                extra_bytes: Some(s_kv * d_qk * if deterministic { 8 } else { 4 }),
                 ..Record::default()
             };
             let flop = 2.0 * (s_q * topk * h_q) as f64 * (3 * d_qk + 2 * D_V) as f64;
@@ -43,7 +53,11 @@ pub fn benches(suite: BenchSuite, choice: IndexChoice) -> Vec<Bench> {
                     let dev = SparseBwdOnGpu::new(gpu, &inp, &d_out, DType::Bf16, false)?;
                     let gpu = gpu.clone();
                     Ok(Box::new(move || {
-                        dev.run(&gpu, &SparseBwdOptions::default())
+                        let options = SparseBwdOptions {
+                            deterministic,
+                            ..SparseBwdOptions::default()
+                        };
+                        dev.run(&gpu, &options)
                     }))
                 }),
             });
