@@ -215,6 +215,9 @@ pub struct Record {
     pub reps: usize,
     pub gpu: String,
     pub driver: String,
+    /// The toolkit the kernels were built with (`nvcc --version`'s last line); absent when unknown.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub toolkit: Option<String>,
     /// The device's maximum SM clock, MHz (not the clock of the run: see `run_sm_clock_mhz`).
     pub sm_clock_mhz: Option<u32>,
     /// Mean and lowest SM clock sampled (NVML, every 5 ms) while the reps were timed, MHz; absent without NVML.
@@ -451,6 +454,8 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
             r.reps = ms.len();
             r.gpu = info.name.clone();
             r.driver = info.driver_version.clone();
+            r.toolkit = (!flashmla::cuda::NVCC_VERSION.is_empty())
+                .then(|| flashmla::cuda::NVCC_VERSION.into());
             r.sm_clock_mhz = info.sm_clock_mhz;
             if let Some(c) = seen {
                 r.run_sm_clock_mhz = Some((c.mean_mhz * 10.0).round() / 10.0);
