@@ -21,14 +21,7 @@
 #include "../../crates/flashmla-kernels/csrc/common/cluster.cuh"
 #include "../../crates/flashmla-kernels/csrc/common/mbarrier.cuh"
 
-#define CK(x)                                                                  \
-    do {                                                                       \
-        cudaError_t e = (x);                                                   \
-        if (e != cudaSuccess) {                                                \
-            printf("%s: %s\n", #x, cudaGetErrorString(e));                     \
-            exit(1);                                                           \
-        }                                                                      \
-    } while (0)
+#include "micro.cuh"
 
 constexpr int kMaxWarps = 8;
 constexpr int kMaxBytes = 4096;

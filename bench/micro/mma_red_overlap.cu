@@ -38,14 +38,7 @@ constexpr int kSmemBytes = 1024 + 2 * kSlabBytes + kStageRows * kRowBytes;
 
 enum Mode : int { kMma = 0, kRed = 1, kMmaProdRed = 2, kMmaProdBulk = 3, kMmaConsRed = 4 };
 
-#define CK(x)                                                                  \
-    do {                                                                       \
-        cudaError_t e = (x);                                                   \
-        if (e != cudaSuccess) {                                                \
-            printf("%s: %s\n", #x, cudaGetErrorString(e));                     \
-            exit(1);                                                           \
-        }                                                                      \
-    } while (0)
+#include "micro.cuh"
 
 struct Params {
     float* acc;               // [s_kv, 576] f32

@@ -15,7 +15,7 @@
 constexpr int kD = 576;
 constexpr int kRowBytes = kD * 4;
 
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
+#include "micro.cuh"
 
 __global__ void red_kernel(float* acc, const int* idx, long rows) {
     const int lane = threadIdx.x % 32;
