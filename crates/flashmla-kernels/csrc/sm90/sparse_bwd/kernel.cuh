@@ -708,6 +708,27 @@ __device__ __forceinline__ void keep_xb(const float (&acc)[kChunkRegs], float (&
     }
 }
 
+// The reductions of a tile's last chunk, held in registers so that they can be issued during the next tile's S / dP
+// (kFlagDeferLastReduce): per lane two 16-byte adds to each of two accumulator rows, predicated on the rows' validity
+// (an invalid row keeps the address of row 0 and adds nothing).
+struct DeferredRed {
+    float4 e[2];
+    float4 o[2];
+    float* dst_e;
+    float* dst_o;
+    bool pe;
+    bool po;
+};
+
+// Issues the held reductions when `live` (predicated: no branch, so it may sit between wgmma issues).
+__device__ __forceinline__ void issue_deferred(const DeferredRed& d, bool live) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+        red_add_v4_f32_if(live && d.pe, d.dst_e + 32 * t, d.e[t]);
+        red_add_v4_f32_if(live && d.po, d.dst_o + 32 * t, d.o[t]);
+    }
+}
+
 // Receiver side of chunk k (buffer b): arms x_full[2 slot + b] for the peer's 1 KB, waits, adds the bf16 values to
 // the kept f32 half and reduces 4 rows x 128 bytes per warp instruction into the rows' columns [64 slab, + 64).
 // Then `release`: the peer may send chunk k + 2 into buffer b; `last` (the tile's last chunk): reports the drain
@@ -716,7 +737,7 @@ __device__ __forceinline__ void keep_xb(const float (&acc)[kChunkRegs], float (&
 __device__ __forceinline__ void pair_reduce_xb(const SparseBwdParams& p, const PairLink& l,
                                                const float (&kept)[kXSlotVals], const int32_t* ridx_warp, int slab,
                                                uint32_t b, uint32_t parity, bool release, bool last,
-                                               uint64_t* drained) {
+                                               uint64_t* drained, DeferredRed* defer = nullptr) {
     const uint32_t lane = lane_id_volatile();
     const uint32_t full = l.full + 8 * b;
     if (lane == 0) mbarrier_arrive_expect_tx(full, kXbBufBytes);
@@ -771,8 +792,19 @@ __device__ __forceinline__ void pair_reduce_xb(const SparseBwdParams& p, const P
         got.z = __shfl_xor_sync(0xffffffffu, give.z, 4);
         got.w = __shfl_xor_sync(0xffffffffu, give.w, 4);
         // Row ge: the even quad's own values, the odd quad's received ones; row ge + 1 the other way round.
-        red_add_v4_f32_if(r_e >= 0, dst_e + 32 * t, oq ? got : own);
-        red_add_v4_f32_if(r_o >= 0, dst_o + 32 * t, oq ? own : got);
+        if (defer != nullptr) {
+            defer->e[t] = oq ? got : own;
+            defer->o[t] = oq ? own : got;
+        } else {
+            red_add_v4_f32_if(r_e >= 0, dst_e + 32 * t, oq ? got : own);
+            red_add_v4_f32_if(r_o >= 0, dst_o + 32 * t, oq ? own : got);
+        }
+    }
+    if (defer != nullptr) {
+        defer->dst_e = dst_e;
+        defer->dst_o = dst_o;
+        defer->pe = r_e >= 0;
+        defer->po = r_o >= 0;
     }
     if (release) {
         __syncwarp();  // every lane's buffer reads done: their values fed the reductions (as in pair_reduce)
@@ -866,6 +898,20 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
     const uint64_t desc_do = make_wgmma_desc_sw128(do_addr, kUnusedLbo, kSw128AtomBytes);
     const uint64_t desc_k = make_wgmma_desc_sw128(kv_addr, kUnusedLbo, kSw128AtomBytes);  // all 64 tile rows
 
+    // kFlagDeferLastReduce (bf16 exchange): the reductions of a tile's last chunk wait in registers and are issued
+    // during the next tile's S / dP, right before the wait for slab kDeferSlab (at d_qk 576 the first late slab, whose
+    // gather follows the drain), instead of stalling this consumer between the chunk phase and the next S / dP.
+    constexpr int kDeferSlab = 7;
+    // Consumer 0 at d_qk 576 holds 160 dQ registers: its held values would spill (measured: 322 bytes), so it
+    // reduces its last chunk right away.
+    constexpr bool kMayDefer = kPair && kXBf16 && (kCw == 1 || kDqk == 512);
+    const bool defer_last = kMayDefer && (p.flags & kFlagDeferLastReduce) != 0;
+    DeferredRed dr;
+    dr.e[0] = dr.e[1] = dr.o[0] = dr.o[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    dr.dst_e = dr.dst_o = p.dkv_acc;
+    dr.pe = dr.po = false;
+    bool dr_live = false;
+
     for (int i = 0; i < w.n_tiles; ++i) {
         const Ring pos = Ring::of(i);
         const int32_t* ridx = sm.row_idx[i & 1];
@@ -880,6 +926,12 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
             const uint64_t desc_a = kCw == 0 ? desc_q : desc_do;
 #pragma unroll
             for (int slab = 0; slab < kSlabs; ++slab) {
+                if constexpr (kMayDefer) {
+                    if (slab == kDeferSlab) {
+                        issue_deferred(dr, dr_live);
+                        dr_live = false;
+                    }
+                }
                 MBarrier::wait(&sm.kv_full[slab], pos.full_parity);
                 wgmma_fence();
 #pragma unroll
@@ -1058,9 +1110,10 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
             uint64_t* const drained = C::kXbufInKv ? &sm.x_drained : nullptr;
             const int32_t* const ridx_warp = ridx + kXSlotRows * warp;
             auto parity = [&](int k) { return xb_parity_of((k & 1) ? kUses1 : kUses0, i, k); };
-            auto reduce = [&](int k) {
+            auto reduce = [&](int k, DeferredRed* defer) {
                 pair_reduce_xb(p, pair_link<kDqk, true>(sm, kCw, warp), kept, ridx_warp, kFirstChunk + 2 * k,
-                               static_cast<uint32_t>(k & 1), parity(k), k + 2 < kChunks, k + 1 == kChunks, drained);
+                               static_cast<uint32_t>(k & 1), parity(k), k + 2 < kChunks, k + 1 == kChunks, drained,
+                               defer);
             };
             auto send = [&](int k) {
                 pair_send_xb(pair_link<kDqk, true>(sm, kCw, warp), acc, static_cast<uint32_t>(k & 1), parity(k));
@@ -1073,13 +1126,13 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
             auto step = [&](auto with_do, int k) {
                 issue(with_do, kFirstChunk + 2 * k);
                 if constexpr (kEarlyReduce) {
-                    if (k > 0) reduce(k - 1);
+                    if (k > 0) reduce(k - 1, nullptr);
                     retire();
                     send(k);
                 } else {
                     retire();
                     send(k);
-                    if (k > 0) reduce(k - 1);
+                    if (k > 0) reduce(k - 1, nullptr);
                 }
                 keep_xb(acc, kept);
             };
@@ -1087,7 +1140,12 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
 #pragma unroll 1
             for (int k = 1; k < kVChunks; ++k) step(std::true_type{}, k);
             if constexpr (kVChunks < kChunks) step(std::false_type{}, kVChunks);
-            reduce(kChunks - 1);
+            if (defer_last) {
+                reduce(kChunks - 1, &dr);
+                dr_live = true;
+            } else {
+                reduce(kChunks - 1, nullptr);
+            }
         } else if constexpr (kPair) {
             // Software pipeline over the chunks: the exchange and reduction of chunk k - 1 run while the tensor
             // cores compute chunk k. Round n = i * kChunks + k of every slot barrier is chunk k of tile i.
@@ -1135,6 +1193,9 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
             }
         }
     }
+
+    // The last tile's held reductions (nothing follows to hide them under).
+    if constexpr (kMayDefer) issue_deferred(dr, dr_live);
 
     // ---- Epilogue: dQ (sm_scale already folded into dS') -> bf16 tile in the Q region, row-major with the chunk
     // swizzle chunk ^ (row % 8) (conflict-free fragment writes and row-chunk reads), then 16-byte stores.
