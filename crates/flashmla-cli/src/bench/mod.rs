@@ -6,7 +6,7 @@ mod sparse_bwd;
 mod sparse_fwd;
 
 use crate::clocks::{ClockStats, Nvml, Sampler};
-use crate::report::{progress, table};
+use crate::report::{progress, table, LogProgress};
 use crate::{meta, write_json};
 use flashmla::cuda::Gpu;
 use serde::Serialize;
@@ -362,7 +362,10 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
     }
     let saved = ab_var.as_ref().map(std::env::var_os);
     let bar = progress(benches.len() as u64, "bench");
-    let mut records = Vec::new();
+    // Every shape is logged (a shape takes seconds); the JSON is rewritten after each one, so a run
+    // that is stopped keeps what it measured.
+    let mut log = LogProgress::new("bench", benches.len(), std::time::Duration::ZERO);
+    let mut records: Vec<Record> = Vec::new();
     let mut outcome = Ok(());
     'benches: for b in &benches {
         bar.set_message(b.record.op.clone());
@@ -469,6 +472,18 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
             records.push(r);
         }
         bar.inc(1);
+        let shape_records = &records[records.len() - ab_values.len()..];
+        let summary: Vec<String> = shape_records
+            .iter()
+            .map(|r| {
+                let row = table_row(r);
+                format!("{} {}: {} us, {} TFLOPS", row[0], row[1], row[2], row[3])
+            })
+            .collect();
+        log.step(&bar, bar.position() as usize, &summary.join("; "));
+        if let Some(path) = &args.json {
+            write_json(path, &records)?;
+        }
     }
     bar.finish_and_clear();
     if let (Some(var), Some(old)) = (&ab_var, saved) {
@@ -477,13 +492,16 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
             None => std::env::remove_var(var),
         }
     }
-    outcome?;
-    let rows: Vec<Vec<String>> = records.iter().map(table_row).collect();
-    print!("{}", table(&TABLE_HEADER, &rows));
+    // What was measured is shown (and was written) even when a later shape failed.
+    if !records.is_empty() {
+        let rows: Vec<Vec<String>> = records.iter().map(table_row).collect();
+        print!("{}", table(&TABLE_HEADER, &rows));
+    }
     if let Some(path) = &args.json {
         write_json(path, &records)?;
         println!("wrote {} records to {}", records.len(), path.display());
     }
+    outcome?;
     Ok(0)
 }
 

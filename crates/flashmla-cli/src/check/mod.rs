@@ -5,7 +5,7 @@ mod kv_quant;
 mod sparse_bwd;
 mod sparse_fwd;
 
-use crate::report::{progress, table};
+use crate::report::{progress, table, LogProgress};
 use crate::{meta, write_json, EXIT_FAILED};
 use flashmla::cuda::Gpu;
 use serde::Serialize;
@@ -192,6 +192,9 @@ pub fn run(args: &CheckArgs) -> Result<u8, String> {
         meta::COMMIT
     );
     let bar = progress(cases.len() as u64, "check");
+    // A line every 10 s where the bar is hidden; the JSON is rewritten after each case, so a run that
+    // is stopped keeps the verdicts it reached.
+    let mut log = LogProgress::new("check", cases.len(), std::time::Duration::from_secs(10));
     let mut records = Vec::new();
     for case in &cases {
         bar.set_message(case.name.clone());
@@ -214,6 +217,15 @@ pub fn run(args: &CheckArgs) -> Result<u8, String> {
             detail: outcome.detail,
         });
         bar.inc(1);
+        let failed = records.iter().filter(|r| !r.passed).count();
+        log.step(
+            &bar,
+            records.len(),
+            &format!("{} ({failed} failed so far)", case.name),
+        );
+        if let Some(path) = &args.json {
+            write_json(path, &records)?;
+        }
     }
     bar.finish_and_clear();
 
