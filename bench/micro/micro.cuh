@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
+#include <vector>
 #include <cuda_runtime.h>
 
 #define CK(x)                                                                  \
@@ -14,3 +16,12 @@
             exit(1);                                                           \
         }                                                                      \
     } while (0)
+
+// Fills `rows` with pseudo-random row indices in [0, s_kv), the same sequence for every call with the same s_kv
+// (srand(1) first), so that the benchmarks' variants reduce into the same rows.
+inline void fill_random_rows(std::vector<int>& rows, long s_kv) {
+    srand(1);
+    for (size_t i = 0; i < rows.size(); ++i) {
+        rows[i] = static_cast<int>((static_cast<uint64_t>(rand()) * 2654435761u + rand()) % s_kv);
+    }
+}

@@ -161,8 +161,7 @@ int main(int argc, char** argv) {
     // MMA FLOP per launch: 2 consumer warpgroups x iters x 4 k-steps x (64 x 64 x 16 x 2), per SM.
     const double mma_flop = 2.0 * iters * 4 * (64.0 * 64 * 16 * 2) * sms;
     for (long s_kv : {8192L, 32768L}) {
-        srand(1);
-        for (long i = 0; i < n_idx; ++i) h[i] = static_cast<int>(((uint64_t)rand() * 2654435761u + rand()) % s_kv);
+        fill_random_rows(h, s_kv);
         CK(cudaMemcpy(idx, h.data(), n_idx * 4, cudaMemcpyHostToDevice));
         float* acc;
         CK(cudaMalloc(&acc, s_kv * kRowBytes));

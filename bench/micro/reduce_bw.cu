@@ -86,8 +86,7 @@ int main() {
     CK(cudaMalloc(&idx, rows * 4));
     std::vector<int> h(rows);
     for (long s_kv : {8192L, 32768L, 131072L}) {
-        srand(1);
-        for (long i = 0; i < rows; ++i) h[i] = static_cast<int>(((uint64_t)rand() * 2654435761u + rand()) % s_kv);
+        fill_random_rows(h, s_kv);
         CK(cudaMemcpy(idx, h.data(), rows * 4, cudaMemcpyHostToDevice));
         float* acc;
         CK(cudaMalloc(&acc, s_kv * kRowBytes));
