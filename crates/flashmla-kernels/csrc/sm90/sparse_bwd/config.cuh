@@ -82,11 +82,11 @@ static_assert(kHeadsPerCta == kTileRows, "Q/dO and KV tiles share the gather geo
 // code paths: hence the unaligned barrier.sync (named_barrier_sync_unaligned; the aligned bar.sync is what
 // compute-sanitizer synccheck reported as divergent).
 enum class Bar : uint32_t {
-    DsReady = 1,       // consumer 1 stored the bf16 dS tile (fenced for the async proxy)
-    PdsFree = 2,       // both consumers finished the dKV products of the previous tile (P, dS tiles reusable)
+    DsReady = 1,       // consumer 0 stored the bf16 P and dS' tiles (fenced for the async proxy)
+    PdsFree = 2,       // consumer 0 finished the dKV products of the previous tile (arrives; consumer 1 syncs)
     MmaDone = 3,       // epilogue: every wgmma of both consumers retired (the Q region becomes staging)
     StagingReady = 4,  // epilogue: the bf16 dQ tile is complete in shared memory
-    PReady = 5,        // consumer 0 stored the bf16 P tile (fenced) and its rounding error (in the dS tile)
+    DpReady = 5,       // consumer 1 stored dP - delta in the P / dS tiles (arrives; consumer 0 syncs)
 };
 
 template <int kDqk>

@@ -947,11 +947,14 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
             wgmma_fence_regs(sd);
         }
 
-        // ---- P (consumer 0) and dS' = sm_scale * P * (dP - delta) (consumer 1). Column n of S is tile row n;
+        // ---- The hand-off. Consumer 1 publishes dP - delta as bf16 hi + lo pairs (f32-like) in the P and dS
+        // tiles as soon as its dP retired (usually while consumer 0's S still runs); consumer 0 then computes
+        // P = exp2(S sm_scale log2e - lse2') and dS' = sm_scale P (dP - delta) from its own f32 P, and overwrites
+        // the same positions with bf16 P (the dKV operand) and bf16 dS' (dQ and dKV): each thread reads and writes
+        // only its own fragment positions, which are the same in both consumers. So the chain from S to dQ holds
+        // one warpgroup's work instead of consumer 0's P followed by consumer 1's dS'. Column n of S is tile row n;
         // invalid rows (bad index, tail) get P = 0 by a select, so nothing from a zero-filled row (or an inf/NaN
-        // logit) leaks. P goes to its tile as bf16 (the dKV operand) and, so that dS' is computed from P at
-        // f32-like precision, its bf16 rounding error goes into the dS tile, which consumer 1 then overwrites
-        // element by element with dS' (each thread reads and writes the same positions).
+        // logit) leaks.
         // Byte offset of this thread's bf16x2 of n8 block j, row half rr in the P / dS tiles (SW128, 128-byte rows):
         // row r = rows[rr], chunk j ^ (r % 8) = j ^ g, byte 4 q, i.e. frag_base(rr) ^ (j << 4) with frag_base(rr) =
         // 128 r + 16 g + 4 q (bits 4-6 hold only g). From volatile reads, so the compiler does not hoist 16 offsets
@@ -961,11 +964,40 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
         auto tile_off = [&](int j, int rr) {
             return (frag_base0 + rr * 8 * kSw128RowBytes) ^ (static_cast<uint32_t>(j) << 4);
         };
-        uint32_t pa[kSteps][4];  // consumer 1: dS' as register A fragments of dQ
-        if (i > 0) named_barrier_sync_unaligned(Bar::PdsFree, kConsumerThreads);  // both consumers' dKV(i - 1) retired
-        if constexpr (kCw == 0) {
+        if constexpr (kCw == 1) {
+            // Consumer 0's dKV(i - 1) products (readers of both tiles) retired: it arrived at the end of its chunk
+            // phase. Our own retired in program order.
+            if (i > 0) named_barrier_sync_unaligned(Bar::PdsFree, kConsumerThreads);
 #pragma unroll
             for (int j = 0; j < kSdBlocks; ++j) {
+#pragma unroll
+                for (int rr = 0; rr < 2; ++rr) {
+                    const float d0 = sd[4 * j + 2 * rr] - delta[rr];
+                    const float d1 = sd[4 * j + 2 * rr + 1] - delta[rr];
+                    const uint32_t hi = pack_bf16x2(d0, d1);
+                    const uint32_t lo = pack_bf16x2(d0 - bf16x2_lo(hi), d1 - bf16x2_hi(hi));
+                    const uint32_t off = tile_off(j, rr);
+                    st_shared_u32(p_addr + off, hi);
+                    st_shared_u32(ds_addr + off, lo);
+                }
+            }
+            named_barrier_arrive_unaligned(Bar::DpReady, kConsumerThreads);
+        } else {
+            // Consumer 1 stored dP - delta, which also means that its dKV(i - 1) products retired.
+            named_barrier_sync_unaligned(Bar::DpReady, kConsumerThreads);
+            // Block j's four words are loaded one block ahead, so their latency hides under block j - 1's work.
+            uint32_t nx[4];
+            auto load_block = [&](int j) {
+                nx[0] = ld_shared_u32(p_addr + tile_off(j, 0));
+                nx[1] = ld_shared_u32(ds_addr + tile_off(j, 0));
+                nx[2] = ld_shared_u32(p_addr + tile_off(j, 1));
+                nx[3] = ld_shared_u32(ds_addr + tile_off(j, 1));
+            };
+            load_block(0);
+#pragma unroll
+            for (int j = 0; j < kSdBlocks; ++j) {
+                const uint32_t cur[4] = {nx[0], nx[1], nx[2], nx[3]};
+                if (j + 1 < kSdBlocks) load_block(j + 1);
                 const int2 rid = *reinterpret_cast<const int2*>(ridx + f.col(j));
                 const bool va = rid.x >= 0;
                 const bool vb = rid.y >= 0;
@@ -973,47 +1005,19 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
                 for (int rr = 0; rr < 2; ++rr) {
                     const float p0 = va ? exp2f(fmaf(sd[4 * j + 2 * rr], p.sm_scale_log2, -lse2[rr])) : 0.f;
                     const float p1 = vb ? exp2f(fmaf(sd[4 * j + 2 * rr + 1], p.sm_scale_log2, -lse2[rr])) : 0.f;
-                    const uint32_t hi = pack_bf16x2(p0, p1);
-                    const uint32_t lo = pack_bf16x2(p0 - bf16x2_lo(hi), p1 - bf16x2_hi(hi));
+                    const float dd0 = bf16x2_lo(cur[2 * rr]) + bf16x2_lo(cur[2 * rr + 1]);
+                    const float dd1 = bf16x2_hi(cur[2 * rr]) + bf16x2_hi(cur[2 * rr + 1]);
                     const uint32_t off = tile_off(j, rr);
-                    st_shared_u32(p_addr + off, hi);
-                    st_shared_u32(ds_addr + off, lo);
+                    st_shared_u32(p_addr + off, pack_bf16x2(p0, p1));
+                    st_shared_u32(ds_addr + off, pack_bf16x2(p.sm_scale * p0 * dd0, p.sm_scale * p1 * dd1));
                 }
             }
-            fence_proxy_async_shared();  // P: generic stores -> dKV's wgmma reads (async proxy)
-            named_barrier_sync_unaligned(Bar::PReady, kConsumerThreads);
-        } else {
-            named_barrier_sync_unaligned(Bar::PReady, kConsumerThreads);
-            uint32_t ds_pk[kSdBlocks][2];
-#pragma unroll
-            for (int j = 0; j < kSdBlocks; ++j) {
-#pragma unroll
-                for (int rr = 0; rr < 2; ++rr) {
-                    const uint32_t off = tile_off(j, rr);
-                    const uint32_t hi = ld_shared_u32(p_addr + off);
-                    const uint32_t lo = ld_shared_u32(ds_addr + off);
-                    const float p0 = bf16x2_lo(hi) + bf16x2_lo(lo);
-                    const float p1 = bf16x2_hi(hi) + bf16x2_hi(lo);
-                    const float d0 = p.sm_scale * p0 * (sd[4 * j + 2 * rr] - delta[rr]);
-                    const float d1 = p.sm_scale * p1 * (sd[4 * j + 2 * rr + 1] - delta[rr]);
-                    ds_pk[j][rr] = pack_bf16x2(d0, d1);
-                    st_shared_u32(ds_addr + off, ds_pk[j][rr]);
-                }
-            }
-            // Register A fragments (smem_layout.cuh): k-step kb covers n8 blocks 2kb, 2kb + 1.
-#pragma unroll
-            for (int kb = 0; kb < kSteps; ++kb) {
-                pa[kb][0] = ds_pk[2 * kb][0];
-                pa[kb][1] = ds_pk[2 * kb][1];
-                pa[kb][2] = ds_pk[2 * kb + 1][0];
-                pa[kb][3] = ds_pk[2 * kb + 1][1];
-            }
-            fence_proxy_async_shared();  // dS': generic stores -> dQ / dKV wgmma reads (async proxy)
+            fence_proxy_async_shared();  // P, dS': generic stores -> dQ / dKV wgmma reads (async proxy)
         }
         named_barrier_sync_unaligned(Bar::DsReady, kConsumerThreads);
 
-        // ---- dQ[:, own slabs] += dS' K over all 64 tile rows: consumer 1 from its registers, consumer 0 from the
-        // dS tile (K-major A, +32 bytes per 16-row k-step). K read MN-major (LBO = next slab).
+        // ---- dQ[:, own slabs] += dS' K over all 64 tile rows, A from the dS tile (K-major, +32 bytes per 16-row
+        // k-step), K read MN-major (LBO = next slab).
         const uint32_t k_slab0 = kv_addr + kDqSlab0 * C::kSlabBytes;
         wgmma_fence();
 #pragma unroll
@@ -1021,29 +1025,16 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
             const int row0 = kb * 16;
             const uint64_t desc_b = make_wgmma_desc_sw128(k_slab0 + row0 * kSw128RowBytes, C::kSlabBytes,
                                                           kSw128AtomBytes);
-            if constexpr (kCw == 1) {
-                wgmma_m64n256k16_rs_mn(dq.a, pa[kb], desc_b, true);
-                if constexpr (kDqSlabs == 5) {
-                    wgmma_m64n64k16_rs_mn(dq.b, pa[kb], wgmma_desc_advance(desc_b, kN256Slabs * C::kSlabBytes),
-                                          true);
-                }
-            } else {
-                const uint64_t desc_a = make_wgmma_desc_sw128(ds_addr + row0 * 2, kUnusedLbo, kSw128AtomBytes);
-                wgmma_m64n256k16_ss_kmn(dq.a, desc_a, desc_b, true);
-                if constexpr (kDqSlabs == 5) {
-                    wgmma_m64n64k16_ss_kmn(dq.b, desc_a, wgmma_desc_advance(desc_b, kN256Slabs * C::kSlabBytes),
-                                           true);
-                }
+            const uint64_t desc_a = make_wgmma_desc_sw128(ds_addr + row0 * 2, kUnusedLbo, kSw128AtomBytes);
+            wgmma_m64n256k16_ss_kmn(dq.a, desc_a, desc_b, true);
+            if constexpr (kDqSlabs == 5) {
+                wgmma_m64n64k16_ss_kmn(dq.b, desc_a, wgmma_desc_advance(desc_b, kN256Slabs * C::kSlabBytes), true);
             }
         }
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_regs(dq.a);
         if constexpr (kDqSlabs == 5) wgmma_fence_regs(dq.b);
-        if constexpr (kCw == 1) {
-#pragma unroll
-            for (int kb = 0; kb < kSteps; ++kb) wgmma_fence_regs(pa[kb]);
-        }
 
         // ---- Release the KV tile (S, dP, dQ of this thread retired): every consumer thread arrives, so that each
         // lane's earlier shared-memory reads (e.g. the previous tile's row_idx, which the producer rewrites for tile
@@ -1074,6 +1065,13 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
         // consumer 1) comes after it with its own straight-line code, so no branch ever sits between MMAs on one
         // accumulator. `k` counts this consumer's chunks in the tile.
         float acc[kChunkRegs];
+        // Consumer 0's last dKV product of this tile retired: consumer 1 may write the next tile's dP - delta into
+        // the P / dS tiles (PdsFree; consumer 1's own products retire in its program order).
+        auto release_pds = [&]() {
+            if constexpr (kCw == 0) {
+                if (i + 1 < w.n_tiles) named_barrier_arrive_unaligned(Bar::PdsFree, kConsumerThreads);
+            }
+        };
         auto issue = [&](auto with_do, int slab) {
             wgmma_fence();
 #pragma unroll
@@ -1140,6 +1138,7 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
 #pragma unroll 1
             for (int k = 1; k < kVChunks; ++k) step(std::true_type{}, k);
             if constexpr (kVChunks < kChunks) step(std::false_type{}, kVChunks);
+            release_pds();
             if (defer_last) {
                 reduce(kChunks - 1, &dr);
                 dr_live = true;
@@ -1171,6 +1170,7 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
                 retire();
                 pair_send(pair_link(sm, kCw, warp), acc, (round0 + kVChunks) & 1u, kept);
             }
+            release_pds();
             pair_reduce<kDet>(p, pair_link(sm, kCw, warp), kept, ridx_warp, kFirstChunk + 2 * (kChunks - 1),
                               (round0 + kChunks - 1) & 1u, true, drained);
         } else {
@@ -1191,6 +1191,7 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
                 retire();
                 solo_reduce<kDet>(p, slot, acc, ridx_warp, kFirstChunk + 2 * kVChunks, true, drained);
             }
+            release_pds();
         }
     }
 
