@@ -82,11 +82,12 @@ static_assert(kHeadsPerCta == kTileRows, "Q/dO and KV tiles share the gather geo
 // code paths: hence the unaligned barrier.sync (named_barrier_sync_unaligned; the aligned bar.sync is what
 // compute-sanitizer synccheck reported as divergent).
 enum class Bar : uint32_t {
-    DsReady = 1,       // consumer 0 stored the bf16 P and dS' tiles (fenced for the async proxy)
+    DsReady = 1,       // both consumers stored their halves of the bf16 P and dS' tiles (fenced for the async proxy)
     PdsFree = 2,       // consumer 0 finished the dKV products of the previous tile (arrives; consumer 1 syncs)
     MmaDone = 3,       // epilogue: every wgmma of both consumers retired (the Q region becomes staging)
     StagingReady = 4,  // epilogue: the bf16 dQ tile is complete in shared memory
-    DpReady = 5,       // consumer 1 stored dP - delta in the P / dS tiles (arrives; consumer 0 syncs)
+    DpReady = 5,       // consumer 1 stored dP - delta of its half in the P / dS tiles (arrives; consumer 0 syncs)
+    SReady = 6,        // consumer 0 stored the exp2 arguments of its half (arrives; consumer 1 syncs)
 };
 
 template <int kDqk>

@@ -947,14 +947,15 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
             wgmma_fence_regs(sd);
         }
 
-        // ---- The hand-off. Consumer 1 publishes dP - delta as bf16 hi + lo pairs (f32-like) in the P and dS
-        // tiles as soon as its dP retired (usually while consumer 0's S still runs); consumer 0 then computes
-        // P = exp2(S sm_scale log2e - lse2') and dS' = sm_scale P (dP - delta) from its own f32 P, and overwrites
-        // the same positions with bf16 P (the dKV operand) and bf16 dS' (dQ and dKV): each thread reads and writes
-        // only its own fragment positions, which are the same in both consumers. So the chain from S to dQ holds
-        // one warpgroup's work instead of consumer 0's P followed by consumer 1's dS'. Column n of S is tile row n;
-        // invalid rows (bad index, tail) get P = 0 by a select, so nothing from a zero-filled row (or an inf/NaN
-        // logit) leaks.
+        // ---- The hand-off: P = exp2(S sm_scale log2e - lse2') and dS' = sm_scale P (dP - delta) into the P and dS
+        // tiles (bf16: the dKV and dQ operands), split by n8 blocks between the consumers so that both compute
+        // at once. Consumer 1 publishes dP - delta of blocks [0, 4) as soon as its dP retired (usually while S
+        // still runs), consumer 0 the exp2 arguments of blocks [4, 8); each then finishes its half from its own
+        // registers and the other's values. A pair (element 0, element 1) of a block travels as two f32, element 0
+        // at the pair's P-tile position and element 1 at its dS-tile position: each thread reads and writes only
+        // its own fragment positions, which are the same in both consumers, and nothing is rounded before P and
+        // dS'. Column n of S is tile row n; invalid rows (bad index, tail) get P = 0 (argument -inf), so nothing
+        // from a zero-filled row (or an inf/NaN logit) leaks.
         // Byte offset of this thread's bf16x2 of n8 block j, row half rr in the P / dS tiles (SW128, 128-byte rows):
         // row r = rows[rr], chunk j ^ (r % 8) = j ^ g, byte 4 q, i.e. frag_base(rr) ^ (j << 4) with frag_base(rr) =
         // 128 r + 16 g + 4 q (bits 4-6 hold only g). From volatile reads, so the compiler does not hoist 16 offsets
@@ -964,56 +965,88 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
         auto tile_off = [&](int j, int rr) {
             return (frag_base0 + rr * 8 * kSw128RowBytes) ^ (static_cast<uint32_t>(j) << 4);
         };
+        constexpr int kHalfBlocks = kSdBlocks / 2;
+        // Finishes block j from the other consumer's two f32 per pair (loaded one block ahead by the caller):
+        // `arg` true: they are exp2 arguments (consumer 1), else dP - delta (consumer 0, P from its own S).
+        auto finish_block = [&](int j, const float (&v)[4], bool arg, bool va, bool vb) {
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                float p0, p1, d0, d1;
+                if (arg) {
+                    p0 = exp2f(v[2 * rr]);
+                    p1 = exp2f(v[2 * rr + 1]);
+                    d0 = sd[4 * j + 2 * rr] - delta[rr];
+                    d1 = sd[4 * j + 2 * rr + 1] - delta[rr];
+                } else {
+                    p0 = va ? exp2f(fmaf(sd[4 * j + 2 * rr], p.sm_scale_log2, -lse2[rr])) : 0.f;
+                    p1 = vb ? exp2f(fmaf(sd[4 * j + 2 * rr + 1], p.sm_scale_log2, -lse2[rr])) : 0.f;
+                    d0 = v[2 * rr];
+                    d1 = v[2 * rr + 1];
+                }
+                const uint32_t off = tile_off(j, rr);
+                st_shared_u32(p_addr + off, pack_bf16x2(p0, p1));
+                st_shared_u32(ds_addr + off, pack_bf16x2(p.sm_scale * p0 * d0, p.sm_scale * p1 * d1));
+            }
+        };
+        auto load_block = [&](int j, float (&v)[4]) {
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                v[2 * rr] = __uint_as_float(ld_shared_u32(p_addr + tile_off(j, rr)));
+                v[2 * rr + 1] = __uint_as_float(ld_shared_u32(ds_addr + tile_off(j, rr)));
+            }
+        };
+        // Blocks [j0, j0 + 4), each block's values loaded one block ahead so that their latency hides.
+        auto finish_half = [&](int j0, bool arg) {
+            float nx[4];
+            load_block(j0, nx);
+#pragma unroll
+            for (int j = j0; j < j0 + kHalfBlocks; ++j) {
+                const float cur[4] = {nx[0], nx[1], nx[2], nx[3]};
+                if (j + 1 < j0 + kHalfBlocks) load_block(j + 1, nx);
+                bool va = true, vb = true;
+                if (!arg) {
+                    const int2 rid = *reinterpret_cast<const int2*>(ridx + f.col(j));
+                    va = rid.x >= 0;
+                    vb = rid.y >= 0;
+                }
+                finish_block(j, cur, arg, va, vb);
+            }
+        };
         if constexpr (kCw == 1) {
             // Consumer 0's dKV(i - 1) products (readers of both tiles) retired: it arrived at the end of its chunk
             // phase. Our own retired in program order.
             if (i > 0) named_barrier_sync_unaligned(Bar::PdsFree, kConsumerThreads);
 #pragma unroll
-            for (int j = 0; j < kSdBlocks; ++j) {
+            for (int j = 0; j < kHalfBlocks; ++j) {
 #pragma unroll
                 for (int rr = 0; rr < 2; ++rr) {
-                    const float d0 = sd[4 * j + 2 * rr] - delta[rr];
-                    const float d1 = sd[4 * j + 2 * rr + 1] - delta[rr];
-                    const uint32_t hi = pack_bf16x2(d0, d1);
-                    const uint32_t lo = pack_bf16x2(d0 - bf16x2_lo(hi), d1 - bf16x2_hi(hi));
                     const uint32_t off = tile_off(j, rr);
-                    st_shared_u32(p_addr + off, hi);
-                    st_shared_u32(ds_addr + off, lo);
+                    st_shared_u32(p_addr + off, __float_as_uint(sd[4 * j + 2 * rr] - delta[rr]));
+                    st_shared_u32(ds_addr + off, __float_as_uint(sd[4 * j + 2 * rr + 1] - delta[rr]));
                 }
             }
             named_barrier_arrive_unaligned(Bar::DpReady, kConsumerThreads);
+            named_barrier_sync_unaligned(Bar::SReady, kConsumerThreads);
+            finish_half(kHalfBlocks, true);
         } else {
-            // Consumer 1 stored dP - delta, which also means that its dKV(i - 1) products retired.
+            // Consumer 1 stored its half, which also means that its dKV(i - 1) products retired.
             named_barrier_sync_unaligned(Bar::DpReady, kConsumerThreads);
-            // Block j's four words are loaded one block ahead, so their latency hides under block j - 1's work.
-            uint32_t nx[4];
-            auto load_block = [&](int j) {
-                nx[0] = ld_shared_u32(p_addr + tile_off(j, 0));
-                nx[1] = ld_shared_u32(ds_addr + tile_off(j, 0));
-                nx[2] = ld_shared_u32(p_addr + tile_off(j, 1));
-                nx[3] = ld_shared_u32(ds_addr + tile_off(j, 1));
-            };
-            load_block(0);
 #pragma unroll
-            for (int j = 0; j < kSdBlocks; ++j) {
-                const uint32_t cur[4] = {nx[0], nx[1], nx[2], nx[3]};
-                if (j + 1 < kSdBlocks) load_block(j + 1);
+            for (int j = kHalfBlocks; j < kSdBlocks; ++j) {
                 const int2 rid = *reinterpret_cast<const int2*>(ridx + f.col(j));
-                const bool va = rid.x >= 0;
-                const bool vb = rid.y >= 0;
 #pragma unroll
                 for (int rr = 0; rr < 2; ++rr) {
-                    const float p0 = va ? exp2f(fmaf(sd[4 * j + 2 * rr], p.sm_scale_log2, -lse2[rr])) : 0.f;
-                    const float p1 = vb ? exp2f(fmaf(sd[4 * j + 2 * rr + 1], p.sm_scale_log2, -lse2[rr])) : 0.f;
-                    const float dd0 = bf16x2_lo(cur[2 * rr]) + bf16x2_lo(cur[2 * rr + 1]);
-                    const float dd1 = bf16x2_hi(cur[2 * rr]) + bf16x2_hi(cur[2 * rr + 1]);
+                    const float a0 = rid.x >= 0 ? fmaf(sd[4 * j + 2 * rr], p.sm_scale_log2, -lse2[rr]) : -kInf;
+                    const float a1 = rid.y >= 0 ? fmaf(sd[4 * j + 2 * rr + 1], p.sm_scale_log2, -lse2[rr]) : -kInf;
                     const uint32_t off = tile_off(j, rr);
-                    st_shared_u32(p_addr + off, pack_bf16x2(p0, p1));
-                    st_shared_u32(ds_addr + off, pack_bf16x2(p.sm_scale * p0 * dd0, p.sm_scale * p1 * dd1));
+                    st_shared_u32(p_addr + off, __float_as_uint(a0));
+                    st_shared_u32(ds_addr + off, __float_as_uint(a1));
                 }
             }
-            fence_proxy_async_shared();  // P, dS': generic stores -> dQ / dKV wgmma reads (async proxy)
+            named_barrier_arrive_unaligned(Bar::SReady, kConsumerThreads);
+            finish_half(0, false);
         }
+        fence_proxy_async_shared();  // P, dS': generic stores -> dQ / dKV wgmma reads (async proxy)
         named_barrier_sync_unaligned(Bar::DsReady, kConsumerThreads);
 
         // ---- dQ[:, own slabs] += dS' K over all 64 tile rows, A from the dS tile (K-major, +32 bytes per 16-row
