@@ -42,13 +42,6 @@ __device__ __forceinline__ void named_barrier_sync_unaligned(Id id, uint32_t num
     asm volatile("barrier.sync %0, %1;" ::"r"(static_cast<uint32_t>(id)), "r"(num_threads) : "memory");
 }
 
-// Arrives on a named barrier without waiting (barrier.arrive, unaligned): the producer side of a one-way
-// hand-off whose consumers wait with named_barrier_sync_unaligned on the same id and count.
-template <class Id>
-__device__ __forceinline__ void named_barrier_arrive_unaligned(Id id, uint32_t num_threads) {
-    asm volatile("barrier.arrive %0, %1;" ::"r"(static_cast<uint32_t>(id)), "r"(num_threads) : "memory");
-}
-
 // Register reallocation between warpgroups (sm_90a). Takes effect only when the kernel has a register cap at
 // entry (__launch_bounds__(threads, 1)); every warp of the warpgroup must execute it.
 template <uint32_t kRegs>

@@ -1015,7 +1015,7 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
         if constexpr (kCw == 1) {
             // Consumer 0's dKV(i - 1) products (readers of both tiles) retired: it arrived at the end of its chunk
             // phase. Our own retired in program order.
-            if (i > 0) named_barrier_sync_unaligned(Bar::PdsFree, kConsumerThreads);
+            if (i > 0) MBarrier::wait(&sm.pds_free, static_cast<uint32_t>((i - 1) & 1));
 #pragma unroll
             for (int j = 0; j < kHalfBlocks; ++j) {
 #pragma unroll
@@ -1025,12 +1025,12 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
                     st_shared_u32(ds_addr + off, __float_as_uint(sd[4 * j + 2 * rr + 1] - delta[rr]));
                 }
             }
-            named_barrier_arrive_unaligned(Bar::DpReady, kConsumerThreads);
-            named_barrier_sync_unaligned(Bar::SReady, kConsumerThreads);
+            MBarrier::arrive(&sm.dp_ready);
+            MBarrier::wait(&sm.s_ready, static_cast<uint32_t>(i & 1));
             finish_half(kHalfBlocks, true);
         } else {
             // Consumer 1 stored its half, which also means that its dKV(i - 1) products retired.
-            named_barrier_sync_unaligned(Bar::DpReady, kConsumerThreads);
+            MBarrier::wait(&sm.dp_ready, static_cast<uint32_t>(i & 1));
 #pragma unroll
             for (int j = kHalfBlocks; j < kSdBlocks; ++j) {
                 const int2 rid = *reinterpret_cast<const int2*>(ridx + f.col(j));
@@ -1043,7 +1043,7 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
                     st_shared_u32(ds_addr + off, __float_as_uint(a1));
                 }
             }
-            named_barrier_arrive_unaligned(Bar::SReady, kConsumerThreads);
+            MBarrier::arrive(&sm.s_ready);
             finish_half(0, false);
         }
         fence_proxy_async_shared();  // P, dS': generic stores -> dQ / dKV wgmma reads (async proxy)
@@ -1099,10 +1099,10 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
         // accumulator. `k` counts this consumer's chunks in the tile.
         float acc[kChunkRegs];
         // Consumer 0's last dKV product of this tile retired: consumer 1 may write the next tile's dP - delta into
-        // the P / dS tiles (PdsFree; consumer 1's own products retire in its program order).
+        // the P / dS tiles (pds_free; consumer 1's own products retire in its program order).
         auto release_pds = [&]() {
             if constexpr (kCw == 0) {
-                if (i + 1 < w.n_tiles) named_barrier_arrive_unaligned(Bar::PdsFree, kConsumerThreads);
+                if (i + 1 < w.n_tiles) MBarrier::arrive(&sm.pds_free);
             }
         };
         auto issue = [&](auto with_do, int slab) {
@@ -1304,6 +1304,9 @@ __device__ __forceinline__ void sparse_bwd_main(const SparseBwdParams& p, uint8_
         for (int s = 0; s < C::kDqkSlabs; ++s) MBarrier::init(&sm.kv_full[s], kWarpgroupThreads);
         MBarrier::init(&sm.kv_empty, kConsumerThreads);  // every consumer thread once per tile
         MBarrier::init(&sm.x_drained, kConsumerThreads);  // every consumer thread once per tile (report_drained)
+        MBarrier::init(&sm.dp_ready, kWarpgroupThreads);
+        MBarrier::init(&sm.s_ready, kWarpgroupThreads);
+        MBarrier::init(&sm.pds_free, kWarpgroupThreads);
         if constexpr (kPair) {
 #pragma unroll
             for (int s = 0; s < kXbBufs * kXSlots; ++s) {
