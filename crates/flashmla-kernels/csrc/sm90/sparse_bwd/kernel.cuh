@@ -14,9 +14,10 @@
 //                    ascending KV-row bucket order ("Bucketed order" below).
 //   WG 1, 2 (consumers c = 0, 1), per tile:
 //     c = 0: S = Q K^T, c = 1: dP = dO V^T, each over all 64 tile rows           (wgmma 64x64, K = d_qk / 512)
-//     c = 0: P = exp2(S * sm_scale * log2e - lse2'), 0 for invalid rows -> bf16 P tile (+ its rounding error)
-//     c = 1: dS' = sm_scale * P * (dP - delta) -> bf16 dS tile, and register A fragments
-//     dQ[:, own slabs] += dS' K          (c = 1 from registers, c = 0 from the dS tile)
+//     P = exp2(S * sm_scale * log2e - lse2') (0 for invalid rows) and dS' = sm_scale * P * (dP - delta) -> bf16
+//     P and dS tiles, each consumer one half of the elements from its own accumulator and the other's values
+//     (the hand-off: c = 1 publishes dP - delta of its half, c = 0 the exp2 arguments of the other half)
+//     dQ[:, own slabs] += dS' K          (A from the dS tile)
 //     -> release the KV tile
 //     dKV[:, slab s] = dS'^T Q[:, s] + P^T dO[:, s] for the slabs s this consumer owns (wgmma 64x64, K = heads),
 //     then the 64 x 64 f32 chunk is reduced into the accumulator rows (valid rows only) through a 2 KB slot per
