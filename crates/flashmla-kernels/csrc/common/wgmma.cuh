@@ -141,9 +141,6 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss_mnmn(float (&d)[32], uint64_t
 __device__ __forceinline__ void wgmma_m64n64k16_rs_kk(float (&d)[32], const uint32_t (&a)[4], uint64_t b, bool acc) {
     wgmma_m64n64k16_rs<0>(d, a, b, acc);
 }
-__device__ __forceinline__ void wgmma_m64n64k16_rs_mn(float (&d)[32], const uint32_t (&a)[4], uint64_t b, bool acc) {
-    wgmma_m64n64k16_rs<1>(d, a, b, acc);
-}
 
 // D[64x256] (+)= A[64x16] B[16x256]; A K-major in shared memory, B MN-major (N contiguous) in shared memory.
 __device__ __forceinline__ void wgmma_m64n256k16_ss_kmn(float (&d)[128], uint64_t desc_a, uint64_t desc_b,

@@ -21,10 +21,10 @@ inline constexpr uint32_t kFlagDkvVec16 = 1u << 2;    // `d_kv` rows 16-byte ali
 inline constexpr uint32_t kFlagDkvF32 = 1u << 3;      // `d_kv` is f32 (finalisation copies); else bf16 (casts)
 inline constexpr uint32_t kFlagAccumulate = 1u << 4;  // finalisation adds into the existing f32 `d_kv`
 inline constexpr uint32_t kFlagFixedPoint = 1u << 5;  // dkv_acc holds int64 fixed point (deterministic mode)
-inline constexpr uint32_t kFlagDeferLastReduce = 1u << 7;  // bf16 exchange: a tile's last-chunk reductions are
-                                                           // issued during the next tile's S / dP
 inline constexpr uint32_t kFlagDrainFirst = 1u << 6;  // d_qk 576 bf16 exchange: a tile's last chunk reports the drain
                                                       // before its reductions (set when d_kv and KV exceed L2)
+inline constexpr uint32_t kFlagDeferLastReduce = 1u << 7;  // bf16 exchange: a tile's last-chunk reductions are
+                                                           // issued during the next tile's S / dP
 
 struct SparseBwdParams {
     const uint16_t* q;            // [s_q, h_q, d_qk] bf16; strides (q_stride_t, q_stride_h, 1)
