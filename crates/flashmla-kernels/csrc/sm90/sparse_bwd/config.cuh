@@ -83,6 +83,8 @@ static_assert(kHeadsPerCta == kTileRows, "Q/dO and KV tiles share the gather geo
 // compute-sanitizer synccheck reported as divergent).
 enum class Bar : uint32_t {
     DsReady = 1,       // both consumers stored their halves of the bf16 P and dS' tiles (fenced for the async proxy)
+    HandoffStart = 2,  // consumer 1 stored dP - delta of its half, consumer 0's S retired
+    HalvesStored = 5,  // consumer 0 stored the exp2 arguments of its half
     MmaDone = 3,       // epilogue: every wgmma of both consumers retired (the Q region becomes staging)
     StagingReady = 4,  // epilogue: the bf16 dQ tile is complete in shared memory
 };
@@ -135,7 +137,7 @@ __host__ __device__ constexpr int dkv_chunk_owner(int s) { return (s % 2 == 0) ?
 //                                           fragment-order accesses and the row-order reads are conflict-free.
 //                                           Own region at d_qk 512 (first in the plan); KV slabs 7-8 at d_qk 576
 //   barriers: qdo_full, kv_full[slab], kv_empty; pair mode x_full[slot], x_empty[slot], x_drained; the
-//            consumers' hand-off dp_ready, s_ready, pds_free
+//            consumers' hand-off pds_free
 template <int kDqk>
 struct XbufRegion {
     alignas(kSw128AtomBytes) uint8_t xbuf[kXBytes];
@@ -161,11 +163,7 @@ struct SmemPlan : XbufRegion<kDqk> {
                                           // arrival); bf16 exchange: [2 s + b] for buffer b
     uint64_t x_drained;              // every consumer thread consumed the last chunk of a tile (producer waits
                                      // at d_qk 576 before refilling the KV slabs the slots alias)
-    // The hand-off between the consumers (one arrival per thread of the arriving warpgroup, phase i = tile i;
-    // mbarriers rather than named-barrier arrive / sync pairs, whose ordering compute-sanitizer racecheck does
-    // not model):
-    uint64_t dp_ready;  // consumer 1 -> 0: dP - delta of its half stored (128)
-    uint64_t s_ready;   // consumer 0 -> 1: the exp2 arguments of its half stored (128)
+    // Consumer 0 -> 1 (one arrival per thread; an mbarrier, whose ordering racecheck models):
     uint64_t pds_free;  // consumer 0 -> 1: its dKV products of tile i retired, phase i (128; not after the last)
 
     // Base of the exchange slots.

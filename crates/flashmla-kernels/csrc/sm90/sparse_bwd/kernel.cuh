@@ -1013,6 +1013,10 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
                 finish_block(j, cur, arg, va, vb);
             }
         };
+        // The two signals between the consumers' stores are rendezvous that both execute (bar.sync on both sides,
+        // which compute-sanitizer racecheck models; it does not model a barrier.arrive before its barrier.sync):
+        // HandoffStart (consumer 1 stored dP - delta, consumer 0's S retired) and HalvesStored. Each consumer
+        // reaches them when it would wait anyway.
         if constexpr (kCw == 1) {
             // Consumer 0's dKV(i - 1) products (readers of both tiles) retired: it arrived at the end of its chunk
             // phase. Our own retired in program order.
@@ -1026,12 +1030,12 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
                     st_shared_u32(ds_addr + off, __float_as_uint(sd[4 * j + 2 * rr + 1] - delta[rr]));
                 }
             }
-            MBarrier::arrive(&sm.dp_ready);
-            MBarrier::wait(&sm.s_ready, static_cast<uint32_t>(i & 1));
+            named_barrier_sync_unaligned(Bar::HandoffStart, kConsumerThreads);
+            named_barrier_sync_unaligned(Bar::HalvesStored, kConsumerThreads);
             finish_half(kHalfBlocks, true);
         } else {
             // Consumer 1 stored its half, which also means that its dKV(i - 1) products retired.
-            MBarrier::wait(&sm.dp_ready, static_cast<uint32_t>(i & 1));
+            named_barrier_sync_unaligned(Bar::HandoffStart, kConsumerThreads);
 #pragma unroll
             for (int j = kHalfBlocks; j < kSdBlocks; ++j) {
                 const int2 rid = *reinterpret_cast<const int2*>(ridx + f.col(j));
@@ -1044,7 +1048,7 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
                     st_shared_u32(ds_addr + off, __float_as_uint(a1));
                 }
             }
-            MBarrier::arrive(&sm.s_ready);
+            named_barrier_sync_unaligned(Bar::HalvesStored, kConsumerThreads);
             finish_half(0, false);
         }
         fence_proxy_async_shared();  // P, dS': generic stores -> dQ / dKV wgmma reads (async proxy)
@@ -1305,8 +1309,6 @@ __device__ __forceinline__ void sparse_bwd_main(const SparseBwdParams& p, uint8_
         for (int s = 0; s < C::kDqkSlabs; ++s) MBarrier::init(&sm.kv_full[s], kWarpgroupThreads);
         MBarrier::init(&sm.kv_empty, kConsumerThreads);  // every consumer thread once per tile
         MBarrier::init(&sm.x_drained, kConsumerThreads);  // every consumer thread once per tile (report_drained)
-        MBarrier::init(&sm.dp_ready, kWarpgroupThreads);
-        MBarrier::init(&sm.s_ready, kWarpgroupThreads);
         MBarrier::init(&sm.pds_free, kWarpgroupThreads);
         if constexpr (kPair) {
 #pragma unroll
