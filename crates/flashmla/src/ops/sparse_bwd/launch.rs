@@ -46,8 +46,9 @@
 //! variable `FLASHMLA_SPARSE_BWD_KV_BUCKETS=n` ([`KV_BUCKETS_ENV`]) replaces the host's choice for
 //! every call of the process (1 = index order in one launch, clamped to 1..=[`MAX_KV_BUCKETS`]);
 //! `FLASHMLA_SPARSE_BWD_KV_BUCKET_ORDER=ascending` ([`KV_BUCKET_ORDER_ENV`]) makes every wave walk
-//! them upwards; `FLASHMLA_SPARSE_BWD_PDL=off` ([`PDL_ENV`]) launches the waves one after the other.
-//! Results are the same up to the f32 reduction order.
+//! them upwards; `FLASHMLA_SPARSE_BWD_PDL=off` ([`PDL_ENV`]) launches the waves one after the other;
+//! `FLASHMLA_SPARSE_BWD_DRAIN_FIRST=on|off` ([`DRAIN_FIRST_ENV`]) replaces the host's choice of
+//! [`FLAG_DRAIN_FIRST`]. Results are the same up to the f32 reduction order.
 
 use super::{SparseBwdArgs, SparseBwdDims, SparseBwdOutput};
 use crate::cuda::{Gpu, LaunchConfig};
@@ -96,7 +97,9 @@ pub const FLAG_FIXED_POINT: u32 = 1 << 5;
 /// reductions instead of after them. Set when the accumulator and the KV rows do not fit L2: the late
 /// gather then no longer waits behind those reductions' L2 misses (V3.2 h_q 128: +8 / +12 / +8% at s_kv
 /// 32K / 64K / 128K); with an L2-resident accumulator the other order is 1.6% faster (s_kv 8K). Between
-/// (s_kv 8K-16K at d_qk 576) the threshold is not measured.
+/// (s_kv 8K-16K at d_qk 576) the threshold is not measured. With the bucketed order and overlapped
+/// waves (full clock, three rounds in one process): +3% at 64K, +0.8% at 128K, and 0.4% slower at
+/// 32K, within the noise.
 pub const FLAG_DRAIN_FIRST: u32 = 1 << 6;
 /// `flags` bit: the bf16-exchange kernels issue a tile's last-chunk reductions (consumer 1's, and
 /// consumer 0's at `d_qk` 512) during the next tile's dP instead of before it
@@ -158,6 +161,9 @@ pub const KV_BUCKET_ORDER_ENV: &str = "FLASHMLA_SPARSE_BWD_KV_BUCKET_ORDER";
 pub const PDL_ENV: &str = "FLASHMLA_SPARSE_BWD_PDL";
 /// Environment variable that, set to `off`, clears [`FLAG_DEFER_LAST_REDUCE`] (an experiment aid).
 pub const DEFER_ENV: &str = "FLASHMLA_SPARSE_BWD_DEFER";
+/// Environment variable that, set to `on` or `off`, replaces the host's choice of [`FLAG_DRAIN_FIRST`]
+/// (an experiment aid).
+pub const DRAIN_FIRST_ENV: &str = "FLASHMLA_SPARSE_BWD_DRAIN_FIRST";
 /// 4-byte words per accumulator value in deterministic mode (int64 fixed point).
 const FIXED_POINT_WORDS: usize = 2;
 /// Largest `blockIdx.x` + 1 the driver accepts.
@@ -581,7 +587,11 @@ pub fn lower(
         (FLAG_FIXED_POINT, options.deterministic),
         (
             FLAG_DRAIN_FIRST,
-            f.s_kv.saturating_mul(f.d_qk).saturating_mul(6) > DRAIN_FIRST_MIN_BYTES,
+            match std::env::var(DRAIN_FIRST_ENV).as_deref().map(str::trim) {
+                Ok("on") => true,
+                Ok("off") => false,
+                _ => f.s_kv.saturating_mul(f.d_qk).saturating_mul(6) > DRAIN_FIRST_MIN_BYTES,
+            },
         ),
         (
             FLAG_DEFER_LAST_REDUCE,
