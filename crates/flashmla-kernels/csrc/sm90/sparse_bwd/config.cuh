@@ -165,6 +165,9 @@ struct SmemPlan : XbufRegion<kDqk> {
                                      // at d_qk 576 before refilling the KV slabs the slots alias)
     // Consumer 0 -> 1 (one arrival per thread; an mbarrier, whose ordering racecheck models):
     uint64_t pds_free;  // consumer 0 -> 1: its dKV products of tile i retired, phase i (128; not after the last)
+    uint32_t p_order_sink[kWarpgroupThreads];  // consumer 0 thread t stores a value derived from all of its P
+                                               // at [t] before HandoffStart (keeps the exp2s ahead of the
+                                               // rendezvous); never read
 
     // Base of the exchange slots.
     __device__ __forceinline__ uint8_t* xbuf_base() {
@@ -185,8 +188,8 @@ inline constexpr uint32_t kMaxSmemPerBlock = 227 * 1024;  // sm_90 opt-in limit 
 static_assert(kSmemBytes<576> <= kMaxSmemPerBlock, "d_qk 576 plan exceeds 227 KB");
 static_assert(kSmemBytes<512> <= kMaxSmemPerBlock, "d_qk 512 plan exceeds 227 KB");
 // launch.rs requests these exact sizes (SMEM_BYTES_D576 / SMEM_BYTES_D512); keep both in step.
-static_assert(kSmemBytes<576> == 231424, "update launch.rs SMEM_BYTES_D576");
-static_assert(kSmemBytes<512> == 231424, "update launch.rs SMEM_BYTES_D512");
+static_assert(kSmemBytes<576> == 232448, "update launch.rs SMEM_BYTES_D576");
+static_assert(kSmemBytes<512> == 232448, "update launch.rs SMEM_BYTES_D512");
 
 // The small kernels of the family.
 inline constexpr int kSmallThreads = 256;           // every auxiliary kernel: 8 warps

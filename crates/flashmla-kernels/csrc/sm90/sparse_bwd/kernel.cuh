@@ -949,14 +949,15 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
         }
 
         // ---- The hand-off: P = exp2(S sm_scale log2e - lse2') and dS' = sm_scale P (dP - delta) into the P and dS
-        // tiles (bf16: the dKV and dQ operands), split by n8 blocks between the consumers so that both compute
-        // at once. Consumer 1 publishes dP - delta of blocks [0, 4) as soon as its dP retired (usually while S
-        // still runs), consumer 0 the exp2 arguments of blocks [4, 8); each then finishes its half from its own
-        // registers and the other's values. A pair (element 0, element 1) of a block travels as two f32, element 0
-        // at the pair's P-tile position and element 1 at its dS-tile position: each thread reads and writes only
-        // its own fragment positions, which are the same in both consumers, and nothing is rounded before P and
-        // dS'. Column n of S is tile row n; invalid rows (bad index, tail) get P = 0 (argument -inf), so nothing
-        // from a zero-filled row (or an inf/NaN logit) leaks.
+        // tiles (bf16: the dKV and dQ operands), split by n8 blocks between the consumers so that both finish at
+        // once. Consumer 0 turns its S into P in registers first (all 8 blocks: its exp2s run while it would wait
+        // for consumer 1, whose chunk phase is the longer one); consumer 1 publishes dP - delta of blocks [0, 4) as
+        // soon as its dP retired, consumer 0 then publishes P of blocks [4, 8); each finishes its half from its own
+        // registers and the other's values, with no exp2 left after the rendezvous. A pair (element 0, element 1)
+        // of a block travels as two f32, element 0 at the pair's P-tile position and element 1 at its dS-tile
+        // position: each thread reads and writes only its own fragment positions, which are the same in both
+        // consumers, and nothing is rounded before P and dS'. Column n of S is tile row n; invalid rows (bad
+        // index, tail) get P = 0, so nothing from a zero-filled row (or an inf/NaN logit) leaks.
         // Byte offset of this thread's bf16x2 of n8 block j, row half rr in the P / dS tiles (SW128, 128-byte rows):
         // row r = rows[rr], chunk j ^ (r % 8) = j ^ g, byte 4 q, i.e. frag_base(rr) ^ (j << 4) with frag_base(rr) =
         // 128 r + 16 g + 4 q (bits 4-6 hold only g). From volatile reads, so the compiler does not hoist 16 offsets
@@ -967,20 +968,21 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
             return (frag_base0 + rr * 8 * kSw128RowBytes) ^ (static_cast<uint32_t>(j) << 4);
         };
         constexpr int kHalfBlocks = kSdBlocks / 2;
+        float pv[kCw == 0 ? kSdRegs : 1];  // consumer 0: P
         // Finishes block j from the other consumer's two f32 per pair (loaded one block ahead by the caller):
-        // `arg` true: they are exp2 arguments (consumer 1), else dP - delta (consumer 0, P from its own S).
-        auto finish_block = [&](int j, const float (&v)[4], bool arg, bool va, bool vb) {
+        // consumer 1 receives P (its dP in sd), consumer 0 dP - delta (its P in pv).
+        auto finish_block = [&](int j, const float (&v)[4]) {
 #pragma unroll
             for (int rr = 0; rr < 2; ++rr) {
                 float p0, p1, d0, d1;
-                if (arg) {
-                    p0 = exp2f(v[2 * rr]);
-                    p1 = exp2f(v[2 * rr + 1]);
+                if constexpr (kCw == 1) {
+                    p0 = v[2 * rr];
+                    p1 = v[2 * rr + 1];
                     d0 = sd[4 * j + 2 * rr] - delta[rr];
                     d1 = sd[4 * j + 2 * rr + 1] - delta[rr];
                 } else {
-                    p0 = va ? exp2f(fmaf(sd[4 * j + 2 * rr], p.sm_scale_log2, -lse2[rr])) : 0.f;
-                    p1 = vb ? exp2f(fmaf(sd[4 * j + 2 * rr + 1], p.sm_scale_log2, -lse2[rr])) : 0.f;
+                    p0 = pv[4 * j + 2 * rr];
+                    p1 = pv[4 * j + 2 * rr + 1];
                     d0 = v[2 * rr];
                     d1 = v[2 * rr + 1];
                 }
@@ -997,26 +999,20 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
             }
         };
         // Blocks [j0, j0 + 4), each block's values loaded one block ahead so that their latency hides.
-        auto finish_half = [&](int j0, bool arg) {
+        auto finish_half = [&](int j0) {
             float nx[4];
             load_block(j0, nx);
 #pragma unroll
             for (int j = j0; j < j0 + kHalfBlocks; ++j) {
                 const float cur[4] = {nx[0], nx[1], nx[2], nx[3]};
                 if (j + 1 < j0 + kHalfBlocks) load_block(j + 1, nx);
-                bool va = true, vb = true;
-                if (!arg) {
-                    const int2 rid = *reinterpret_cast<const int2*>(ridx + f.col(j));
-                    va = rid.x >= 0;
-                    vb = rid.y >= 0;
-                }
-                finish_block(j, cur, arg, va, vb);
+                finish_block(j, cur);
             }
         };
         // The two signals between the consumers' stores are rendezvous that both execute (bar.sync on both sides,
         // which compute-sanitizer racecheck models; it does not model a barrier.arrive before its barrier.sync):
-        // HandoffStart (consumer 1 stored dP - delta, consumer 0's S retired) and HalvesStored. Each consumer
-        // reaches them when it would wait anyway.
+        // HandoffStart (consumer 1 stored dP - delta, consumer 0 holds P) and HalvesStored. Each consumer reaches
+        // them when it would wait anyway.
         if constexpr (kCw == 1) {
             // Consumer 0's dKV(i - 1) products (readers of both tiles) retired: it arrived at the end of its chunk
             // phase. Our own retired in program order.
@@ -1032,27 +1028,68 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
             }
             named_barrier_sync_unaligned(Bar::HandoffStart, kConsumerThreads);
             named_barrier_sync_unaligned(Bar::HalvesStored, kConsumerThreads);
-            finish_half(kHalfBlocks, true);
+            finish_half(kHalfBlocks);
         } else {
+            // P (0 on invalid rows) into registers of its own: S is a wgmma accumulator, and writing it under a
+            // condition makes the compiler serialise every wgmma of the kernel.
+            uint32_t p_bits = 0;
+#pragma unroll
+            for (int j = 0; j < kSdBlocks; ++j) {
+                const int2 rid = *reinterpret_cast<const int2*>(ridx + f.col(j));
+#pragma unroll
+                for (int rr = 0; rr < 2; ++rr) {
+                    const float e0 = exp2f(fmaf(sd[4 * j + 2 * rr], p.sm_scale_log2, -lse2[rr]));
+                    const float e1 = exp2f(fmaf(sd[4 * j + 2 * rr + 1], p.sm_scale_log2, -lse2[rr]));
+                    pv[4 * j + 2 * rr] = rid.x >= 0 ? e0 : 0.f;
+                    pv[4 * j + 2 * rr + 1] = rid.y >= 0 ? e1 : 0.f;
+                    p_bits |= __float_as_uint(pv[4 * j + 2 * rr]) | __float_as_uint(pv[4 * j + 2 * rr + 1]);
+                }
+            }
+            // A store of a value that depends on every P, ahead of the rendezvous (which no shared-memory store
+            // crosses): otherwise the scheduler sinks the exp2s below it, next to their uses. Never read.
+            st_shared_u32(smem_addr(&sm.p_order_sink[t]), p_bits);
             // Consumer 1 stored its half, which also means that its dKV(i - 1) products retired.
             named_barrier_sync_unaligned(Bar::HandoffStart, kConsumerThreads);
 #pragma unroll
             for (int j = kHalfBlocks; j < kSdBlocks; ++j) {
-                const int2 rid = *reinterpret_cast<const int2*>(ridx + f.col(j));
 #pragma unroll
                 for (int rr = 0; rr < 2; ++rr) {
-                    const float a0 = rid.x >= 0 ? fmaf(sd[4 * j + 2 * rr], p.sm_scale_log2, -lse2[rr]) : -kInf;
-                    const float a1 = rid.y >= 0 ? fmaf(sd[4 * j + 2 * rr + 1], p.sm_scale_log2, -lse2[rr]) : -kInf;
                     const uint32_t off = tile_off(j, rr);
-                    st_shared_u32(p_addr + off, __float_as_uint(a0));
-                    st_shared_u32(ds_addr + off, __float_as_uint(a1));
+                    st_shared_u32(p_addr + off, __float_as_uint(pv[4 * j + 2 * rr]));
+                    st_shared_u32(ds_addr + off, __float_as_uint(pv[4 * j + 2 * rr + 1]));
                 }
             }
             named_barrier_sync_unaligned(Bar::HalvesStored, kConsumerThreads);
-            finish_half(0, false);
+            finish_half(0);
         }
         fence_proxy_async_shared();  // P, dS': generic stores -> dQ / dKV wgmma reads (async proxy)
         named_barrier_sync_unaligned(Bar::DsReady, kConsumerThreads);
+
+        // ---- The dKV chunk accumulator and its MMAs (used below; the bf16 exchange issues the first chunk right
+        // behind dQ).
+        float acc[kChunkRegs];
+        auto issue = [&](auto with_do, int slab) {
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < kHeadsPerCta / 16; ++ks) {
+                const uint64_t desc_a = make_wgmma_desc_sw128(ds_addr + ks * kKStepMnBytes, C::kSlabBytes,
+                                                              kSw128AtomBytes);
+                const uint64_t desc_b = make_wgmma_desc_sw128(q_addr + slab * C::kSlabBytes + ks * kKStepMnBytes,
+                                                              C::kSlabBytes, kSw128AtomBytes);
+                wgmma_m64n64k16_ss_mnmn(acc, desc_a, desc_b, ks > 0);
+            }
+            if constexpr (decltype(with_do)::value) {
+#pragma unroll
+                for (int ks = 0; ks < kHeadsPerCta / 16; ++ks) {
+                    const uint64_t desc_a = make_wgmma_desc_sw128(p_addr + ks * kKStepMnBytes, C::kSlabBytes,
+                                                                  kSw128AtomBytes);
+                    const uint64_t desc_b = make_wgmma_desc_sw128(
+                        do_addr + slab * C::kSlabBytes + ks * kKStepMnBytes, C::kSlabBytes, kSw128AtomBytes);
+                    wgmma_m64n64k16_ss_mnmn(acc, desc_a, desc_b, true);
+                }
+            }
+            wgmma_commit();
+        };
 
         // ---- dQ[:, own slabs] += dS' K over all 64 tile rows, A from the dS tile (K-major, +32 bytes per 16-row
         // k-step), K read MN-major (LBO = next slab).
@@ -1070,7 +1107,15 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
             }
         }
         wgmma_commit();
-        wgmma_wait<0>();
+        // Bf16 exchange: the first dKV chunk's MMAs queue right behind dQ (they read Q, dO, P and dS', not the KV
+        // tile), so the tensor cores have them when dQ retires; wait<1> waits for dQ alone.
+        constexpr bool kChunk0WithDq = kPair && kXBf16;
+        if constexpr (kChunk0WithDq) {
+            issue(std::true_type{}, kFirstChunk);
+            wgmma_wait<1>();
+        } else {
+            wgmma_wait<0>();
+        }
         wgmma_fence_regs(dq.a);
         if constexpr (kDqSlabs == 5) wgmma_fence_regs(dq.b);
 
@@ -1102,35 +1147,12 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
         // The V chunks (with the dO term) run in a rolled loop (code size); the RoPE chunk (slab 8, d_qk 576,
         // consumer 1) comes after it with its own straight-line code, so no branch ever sits between MMAs on one
         // accumulator. `k` counts this consumer's chunks in the tile.
-        float acc[kChunkRegs];
         // Consumer 0's last dKV product of this tile retired: consumer 1 may write the next tile's dP - delta into
         // the P / dS tiles (pds_free; consumer 1's own products retire in its program order).
         auto release_pds = [&]() {
             if constexpr (kCw == 0) {
                 if (i + 1 < w.n_tiles) MBarrier::arrive(&sm.pds_free);
             }
-        };
-        auto issue = [&](auto with_do, int slab) {
-            wgmma_fence();
-#pragma unroll
-            for (int ks = 0; ks < kHeadsPerCta / 16; ++ks) {
-                const uint64_t desc_a = make_wgmma_desc_sw128(ds_addr + ks * kKStepMnBytes, C::kSlabBytes,
-                                                              kSw128AtomBytes);
-                const uint64_t desc_b = make_wgmma_desc_sw128(q_addr + slab * C::kSlabBytes + ks * kKStepMnBytes,
-                                                              C::kSlabBytes, kSw128AtomBytes);
-                wgmma_m64n64k16_ss_mnmn(acc, desc_a, desc_b, ks > 0);
-            }
-            if constexpr (decltype(with_do)::value) {
-#pragma unroll
-                for (int ks = 0; ks < kHeadsPerCta / 16; ++ks) {
-                    const uint64_t desc_a = make_wgmma_desc_sw128(p_addr + ks * kKStepMnBytes, C::kSlabBytes,
-                                                                  kSw128AtomBytes);
-                    const uint64_t desc_b = make_wgmma_desc_sw128(
-                        do_addr + slab * C::kSlabBytes + ks * kKStepMnBytes, C::kSlabBytes, kSw128AtomBytes);
-                    wgmma_m64n64k16_ss_mnmn(acc, desc_a, desc_b, true);
-                }
-            }
-            wgmma_commit();
         };
         auto retire = [&]() {
             wgmma_wait<0>();
@@ -1172,7 +1194,10 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
                 }
                 keep_xb(acc, kept);
             };
-            step(std::true_type{}, 0);
+            // Chunk 0 was issued with dQ.
+            retire();
+            send(0);
+            keep_xb(acc, kept);
 #pragma unroll 1
             for (int k = 1; k < kVChunks; ++k) step(std::true_type{}, k);
             if constexpr (kVChunks < kChunks) step(std::false_type{}, kVChunks);

@@ -72,10 +72,10 @@ pub const THREADS_PER_CTA: u32 = 384;
 pub const SMALL_THREADS: u32 = 256;
 /// Dynamic shared memory of the d_qk = 576 main kernel (`kSmemBytes<576>`, static_asserted in
 /// config.cuh).
-pub const SMEM_BYTES_D576: u32 = 231_424;
+pub const SMEM_BYTES_D576: u32 = 232_448;
 /// Dynamic shared memory of the d_qk = 512 main kernel (`kSmemBytes<512>`, with its own 16 KB of
 /// pair-exchange slots).
-pub const SMEM_BYTES_D512: u32 = 231_424;
+pub const SMEM_BYTES_D512: u32 = 232_448;
 /// CTAs per cluster of the pair kernels (`kPairCtas`): the two head groups of one token.
 pub const PAIR_CTAS: u32 = 2;
 /// Gathers, vector reductions and vector stores move 16-byte chunks.
