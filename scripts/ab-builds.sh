@@ -2,10 +2,11 @@
 # Times several builds of flashmla against each other on one GPU: for a change that no environment switch can
 # select (`flashmla bench --ab` compares switches inside one process). The builds alternate inside every round, so
 # that clock, temperature and card drift fall on all of them alike; each (round, build, shape) is one
-# `flashmla bench` process at full clock (`--timing full-clock --rounds 1`).
+# `flashmla bench` process (`--timing TIMING --rounds 1`: full clock unless TIMING says otherwise).
 #
 # Usage: scripts/ab-builds.sh OUT.json NAME=BINARY [NAME=BINARY ...]
-# Env:   OP (default sparse_bwd), INDICES (default random), ROUNDS (default 3),
+# Env:   OP (default sparse_bwd), INDICES (default random), ROUNDS (default 3), TIMING (default full-clock;
+#        `sustained` compares the builds at the power cap),
 #        SHAPES: `;`-separated `--shape` filters (default the V3.2 h_q 128 shapes at s_kv 8K and 32K),
 #        BENCH_ARGS: more `flashmla bench` arguments for every run.
 # Output: OUT.json, every record of every run with `build` (NAME) and `round` added; a table on stdout.
@@ -19,6 +20,7 @@ shift
 op="${OP:-sparse_bwd}"
 indices="${INDICES:-random}"
 rounds="${ROUNDS:-3}"
+timing="${TIMING:-full-clock}"
 shapes="${SHAPES:-s_q=4096 h_q=128 d_qk=576 s_kv=8192;s_q=4096 h_q=128 d_qk=576 s_kv=32768}"
 names=()
 bins=()
@@ -50,7 +52,7 @@ for ((r = 1; r <= rounds; r++)); do
       json="$tmp/r$r-b$i-s$s.json"
       echo "round $r/$rounds, ${names[$i]}, ${shape_list[$s]}" >&2
       # shellcheck disable=SC2086
-      "${bins[$i]}" bench --op "$op" --indices "$indices" --shape "${shape_list[$s]}" --timing full-clock \
+      "${bins[$i]}" bench --op "$op" --indices "$indices" --shape "${shape_list[$s]}" --timing "$timing" \
         --rounds 1 --json "$json" ${BENCH_ARGS:-} >"$tmp/log" 2>&1 || {
         status=1
         tail -5 "$tmp/log" >&2
@@ -72,12 +74,16 @@ json.dump(records, open(out, "w"), indent=1)
 shapes = {}
 for rec in records:
     key = " ".join(f"{k}={rec[k]}" for k in ("s_q", "s_kv", "topk", "h_q", "d_qk") if k in rec)
-    shapes.setdefault(key, {}).setdefault(rec["build"], []).append(rec.get("tflops"))
+    shapes.setdefault(key, {}).setdefault(rec["build"], []).append(rec)
+def col(recs, field, fmt):
+    vals = [r.get(field) for r in recs if r.get(field) is not None]
+    return " / ".join(fmt.format(v) for v in vals) if vals else "-"
 for key, per_build in shapes.items():
     print(key)
     for name in names:
-        vals = [v for v in per_build.get(name, []) if v is not None]
-        print(f"  {name:<24} " + " / ".join(f"{v:.1f}" for v in vals) + " TFLOPS")
+        recs = per_build.get(name, [])
+        print(f"  {name:<24} " + col(recs, "tflops", "{:.1f}") + " TFLOPS; SM MHz " +
+              col(recs, "run_sm_clock_mhz", "{:.0f}") + "; J/call " + col(recs, "run_joules_per_call", "{:.2f}"))
 print(f"wrote {len(records)} records to {out}")
 EOF
 exit $status
