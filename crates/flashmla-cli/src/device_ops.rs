@@ -173,12 +173,26 @@ impl SparseBwdOnGpu {
 
     /// Launches the backward (asynchronously) with `options`.
     pub fn run(&self, gpu: &Gpu, options: &SparseBwdOptions) -> Result<()> {
+        self.run_indices(gpu, options, None)
+    }
+
+    /// [`Self::run`] with other `indices` (`[s_q, 1, topk]` i32) and `topk_length` (`[s_q]` i32) than the
+    /// forward's, e.g. a subset of each row's entries (benchmark experiments).
+    pub fn run_indices(
+        &self,
+        gpu: &Gpu,
+        options: &SparseBwdOptions,
+        indices: Option<(&DeviceTensor, Option<&DeviceTensor>)>,
+    ) -> Result<()> {
         let f = &self.fwd;
-        let (q, kv, indices) = (f.q.view(), f.kv.view(), f.indices.view());
+        let (q, kv) = (f.q.view(), f.kv.view());
+        let (indices, len) = match indices {
+            Some((i, l)) => (i.view(), l.map(|t| t.view())),
+            None => (f.indices.view(), f.topk_length.as_ref().map(|t| t.view())),
+        };
         let out = self.out_strided.as_ref().unwrap_or(&f.out).view();
         let (lse, d_out) = (f.lse.view(), self.d_out.view());
         let sink = f.attn_sink.as_ref().map(|t| t.view());
-        let len = f.topk_length.as_ref().map(|t| t.view());
         let args = SparseBwdArgs {
             q: &q,
             kv: &kv,

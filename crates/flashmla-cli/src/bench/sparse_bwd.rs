@@ -10,6 +10,40 @@ use flashmla::ops::sparse_fwd::D_V;
 use flashmla::testing::{peer_bf16, rng, SparseCase};
 use flashmla::{DType, HostTensor};
 
+/// Experiment aid: when this variable is set while the inputs are prepared, the bench also builds, per token, two
+/// index rows holding the entries of KV rows `[0, s_kv / 2)` and `[s_kv / 2, s_kv)` (compacted, with
+/// `topk_length`); every call with the variable at `2` then runs the backward twice, once per half (all tokens
+/// on the first half, then all on the second), to time a two-pass order whose live `d_kv` accumulator is half
+/// the size. The second pass overwrites `d_q` and `d_kv` (timing only; a real two-pass op would add them). E.g.
+/// `FLASHMLA_BENCH_SPARSE_BWD_PASSES=1 flashmla bench --op sparse_bwd --ab FLASHMLA_BENCH_SPARSE_BWD_PASSES=1,2`.
+pub const PASSES_ENV: &str = "FLASHMLA_BENCH_SPARSE_BWD_PASSES";
+
+/// Per token, the entries of `indices` (`[s_q, topk]` values) whose KV row lies in the lower (`upper` false) or
+/// upper half of `[0, s_kv)`, compacted to the front of the row and padded with -1, and their counts.
+fn half_rows(
+    indices: &[i32],
+    s_q: usize,
+    topk: usize,
+    s_kv: usize,
+    upper: bool,
+) -> (Vec<i32>, Vec<i32>) {
+    let mid = (s_kv / 2) as i64;
+    let mut rows = vec![-1i32; s_q * topk];
+    let mut lens = vec![0i32; s_q];
+    for t in 0..s_q {
+        let mut n = 0;
+        for &i in &indices[t * topk..(t + 1) * topk] {
+            let v = i64::from(i);
+            if v >= 0 && (v < s_kv as i64) && ((v >= mid) == upper) {
+                rows[t * topk + n] = i;
+                n += 1;
+            }
+        }
+        lens[t] = n as i32;
+    }
+    (rows, lens)
+}
+
 /// Op name of the deterministic backward (`SparseBwdOptions::deterministic`), timed only when `--op`
 /// names it.
 pub const DETERMINISTIC_OP: &str = "sparse_bwd_deterministic";
@@ -51,13 +85,36 @@ pub fn benches(suite: BenchSuite, choice: IndexChoice, deterministic: bool) -> V
                     let d_out = peer_bf16(&mut rng(0xd0), s_q * h_q * D_V);
                     let d_out = HostTensor::bf16_from_f32(&d_out, &[s_q, h_q, D_V])?;
                     let dev = SparseBwdOnGpu::new(gpu, &inp, &d_out, DType::Bf16, false)?;
+                    let halves = if std::env::var_os(PASSES_ENV).is_some() {
+                        let idx = inp.indices.to_i32_vec()?;
+                        let mut v = Vec::new();
+                        for upper in [false, true] {
+                            let (rows, lens) = half_rows(&idx, s_q, topk, s_kv, upper);
+                            v.push((
+                                gpu.upload(&HostTensor::from_i32(rows, &[s_q, 1, topk])?)?,
+                                gpu.upload(&HostTensor::from_i32(lens, &[s_q])?)?,
+                            ));
+                        }
+                        v
+                    } else {
+                        Vec::new()
+                    };
                     let gpu = gpu.clone();
                     Ok(Box::new(move || {
                         let options = SparseBwdOptions {
                             deterministic,
                             ..SparseBwdOptions::default()
                         };
-                        dev.run(&gpu, &options)
+                        let two_pass = !halves.is_empty()
+                            && std::env::var(PASSES_ENV).map(|v| v == "2").unwrap_or(false);
+                        if two_pass {
+                            for (rows, lens) in &halves {
+                                dev.run_indices(&gpu, &options, Some((rows, Some(lens))))?;
+                            }
+                            Ok(())
+                        } else {
+                            dev.run(&gpu, &options)
+                        }
                     }))
                 }),
             });
