@@ -122,3 +122,21 @@ pub fn benches(suite: BenchSuite, choice: IndexChoice, deterministic: bool) -> V
     }
     v
 }
+
+#[cfg(test)]
+mod tests {
+    use super::half_rows;
+
+    #[test]
+    fn half_rows_split_every_valid_entry_once_and_drop_invalid_ones() {
+        // s_kv 10: rows [0, 5) are the lower half. Token 0 holds both halves, an out-of-range row and -1; token 1
+        // only upper rows.
+        let idx = [0, 7, 4, 10, 5, -1, 9, 8, 6, 5, 7, 9];
+        let (lo, lo_len) = half_rows(&idx, 2, 6, 10, false);
+        let (hi, hi_len) = half_rows(&idx, 2, 6, 10, true);
+        assert_eq!(lo, [0, 4, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1]);
+        assert_eq!(lo_len, [2, 0]);
+        assert_eq!(hi, [7, 5, -1, -1, -1, -1, 9, 8, 6, 5, 7, 9]);
+        assert_eq!(hi_len, [2, 6]);
+    }
+}
