@@ -7,7 +7,7 @@ use flashmla::ops::sparse_bwd::{
 };
 use flashmla::ops::sparse_fwd::{sparse_fwd_cuda, SparseFwdArgs, SparseFwdOutput, D_V};
 use flashmla::testing::SparseInputs;
-use flashmla::{DType, Result, TensorMeta};
+use flashmla::{DType, DeviceView, Layout, Result, TensorMeta};
 
 /// Poison byte for outputs: 0xFF.. is NaN in bf16 and f32, so an element a kernel leaves unwritten fails a check.
 pub const POISON: u8 = 0xFF;
@@ -85,6 +85,45 @@ impl SparseFwdOnGpu {
             lse: self.lse.view(),
         };
         sparse_fwd_cuda(gpu, &args, &out)
+    }
+
+    /// [`Self::run`] with other `indices` (`[s_q, 1, topk]` i32, e.g. each row reordered) and, with `wave` set, as
+    /// one launch per `wave` consecutive tokens, one after another (benchmark experiments on the entry order).
+    pub fn run_ordered(
+        &self,
+        gpu: &Gpu,
+        indices: Option<&DeviceTensor>,
+        wave: Option<usize>,
+    ) -> Result<()> {
+        let q = self.q.view();
+        let s_q = q.shape()[0];
+        let indices = indices.unwrap_or(&self.indices).view();
+        let wave = wave.unwrap_or(s_q).max(1);
+        let (kv, sink) = (self.kv.view(), self.attn_sink.as_ref().map(|t| t.view()));
+        let len = self.topk_length.as_ref().map(|t| t.view());
+        let (out, max_logits, lse) = (self.out.view(), self.max_logits.view(), self.lse.view());
+        let mut t0 = 0;
+        while t0 < s_q {
+            let n = wave.min(s_q - t0);
+            let len = len.as_ref().map(|v| token_slice(v, t0, n)).transpose()?;
+            let (q, indices) = (token_slice(&q, t0, n)?, token_slice(&indices, t0, n)?);
+            let args = SparseFwdArgs {
+                q: &q,
+                kv: &kv,
+                indices: &indices,
+                sm_scale: self.sm_scale,
+                attn_sink: sink.as_ref(),
+                topk_length: len.as_ref(),
+            };
+            let out = SparseFwdOutput {
+                out: token_slice(&out, t0, n)?,
+                max_logits: token_slice(&max_logits, t0, n)?,
+                lse: token_slice(&lse, t0, n)?,
+            };
+            sparse_fwd_cuda(gpu, &args, &out)?;
+            t0 += n;
+        }
+        Ok(())
     }
 
     /// Copies the outputs back.
@@ -227,4 +266,15 @@ impl SparseBwdOnGpu {
                 .transpose()?,
         })
     }
+}
+
+/// Tokens `[t0, t0 + n)` of a view whose first dimension is the token (`t0 + n` at most that dimension).
+fn token_slice(v: &DeviceView, t0: usize, n: usize) -> Result<DeviceView> {
+    let mut shape = v.shape().to_vec();
+    assert!(t0 + n <= shape[0], "token_slice: tokens out of range");
+    shape[0] = n;
+    let layout = Layout::strided(&shape, v.strides())?;
+    let ptr = v.ptr() + (t0 * v.strides()[0] * v.dtype().size_bytes()) as u64;
+    // SAFETY: the slice covers a subset of the elements `v` covers, in the same allocation.
+    Ok(unsafe { DeviceView::from_raw(ptr, v.dtype(), layout, v.device()) })
 }
