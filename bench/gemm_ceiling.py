@@ -154,7 +154,9 @@ def main():
             for _ in range(args.warmup):
                 torch.matmul(a, b, out=out)
             times += time_products(a, b, out, args.reps)
-    records.append(record("full-clock", times, sampler))
+    rec = record("full-clock", times, sampler)
+    rec.update(warmup=args.warmup, reps=args.reps, rounds=args.rounds, cooldown_s=args.cooldown)
+    records.append(rec)
 
     # Sustained: load the card until it sits at its power cap, then time.
     deadline = time.perf_counter() + args.load
@@ -167,7 +169,9 @@ def main():
         times = time_products(a, b, out, args.sustained_reps)
         e1 = nvml.energy_j()
     joules = e1 - e0 if e0 is not None and e1 is not None else None
-    records.append(record("sustained", times, sampler, joules))
+    rec = record("sustained", times, sampler, joules)
+    rec.update(load_s=args.load, reps=args.sustained_reps)
+    records.append(rec)
 
     for rec in records:
         print(json.dumps(rec))
