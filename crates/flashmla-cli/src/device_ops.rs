@@ -278,3 +278,45 @@ fn token_slice(v: &DeviceView, t0: usize, n: usize) -> Result<DeviceView> {
     // SAFETY: the slice covers a subset of the elements `v` covers, in the same allocation.
     Ok(unsafe { DeviceView::from_raw(ptr, v.dtype(), layout, v.device()) })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::SparseFwdOnGpu;
+    use crate::bench::sparse_fwd::sorted_rows;
+    use flashmla::cuda::Gpu;
+    use flashmla::testing::SparseCase;
+    use flashmla::HostTensor;
+
+    /// The bench's entry-order experiment computes what the op computes: sorted index rows, launched in waves of
+    /// 66 tokens (the last one partial), on freshly poisoned outputs, against one plain launch.
+    #[test]
+    #[ignore = "needs an sm_90 GPU; run with --ignored on the device"]
+    fn ordered_runs_match_the_op() {
+        let gpu = Gpu::new(0).unwrap();
+        let (s_q, topk) = (300, 512);
+        let inp = SparseCase::plain(s_q, 4096, 128, 576, topk)
+            .generate(7)
+            .unwrap();
+        let plain = SparseFwdOnGpu::new(&gpu, &inp, true).unwrap();
+        plain.run(&gpu).unwrap();
+        let want = plain.download(&gpu).unwrap();
+        let rows = sorted_rows(&inp.indices.to_i32_vec().unwrap(), topk);
+        let sorted = gpu
+            .upload(&HostTensor::from_i32(rows, &[s_q, 1, topk]).unwrap())
+            .unwrap();
+        let ordered = SparseFwdOnGpu::new(&gpu, &inp, true).unwrap();
+        ordered.run_ordered(&gpu, Some(&sorted), Some(66)).unwrap();
+        let got = ordered.download(&gpu).unwrap();
+        for (name, a, b, rel) in [
+            ("out", &want.out, &got.out, 1e-2f32),
+            ("lse", &want.lse, &got.lse, 1e-5),
+            ("max_logits", &want.max_logits, &got.max_logits, 1e-5),
+        ] {
+            assert_eq!(a.len(), b.len());
+            for (i, (x, y)) in a.iter().zip(b.iter()).enumerate() {
+                let tol = rel * x.abs().max(y.abs()) + 1e-4;
+                assert!((x - y).abs() <= tol, "{name}[{i}]: {x} against {y}");
+            }
+        }
+    }
+}

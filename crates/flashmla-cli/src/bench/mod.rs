@@ -3,7 +3,7 @@
 
 mod kv_quant;
 mod sparse_bwd;
-mod sparse_fwd;
+pub(crate) mod sparse_fwd;
 
 use crate::clocks::{ClockStats, Nvml, Sampler};
 use crate::report::{progress, table, LogProgress};

@@ -17,7 +17,7 @@ use flashmla::HostTensor;
 pub const ORDER_ENV: &str = "FLASHMLA_BENCH_SPARSE_FWD_ORDER";
 
 /// Each `topk`-entry row of `indices` sorted ascending (invalid `-1` entries first).
-fn sorted_rows(indices: &[i32], topk: usize) -> Vec<i32> {
+pub(crate) fn sorted_rows(indices: &[i32], topk: usize) -> Vec<i32> {
     let mut v = indices.to_vec();
     for row in v.chunks_mut(topk.max(1)) {
         row.sort_unstable();
