@@ -68,27 +68,12 @@ impl SparseFwdOnGpu {
 
     /// Launches the forward kernel (asynchronously).
     pub fn run(&self, gpu: &Gpu) -> Result<()> {
-        let (q, kv, indices) = (self.q.view(), self.kv.view(), self.indices.view());
-        let sink = self.attn_sink.as_ref().map(|t| t.view());
-        let len = self.topk_length.as_ref().map(|t| t.view());
-        let args = SparseFwdArgs {
-            q: &q,
-            kv: &kv,
-            indices: &indices,
-            sm_scale: self.sm_scale,
-            attn_sink: sink.as_ref(),
-            topk_length: len.as_ref(),
-        };
-        let out = SparseFwdOutput {
-            out: self.out.view(),
-            max_logits: self.max_logits.view(),
-            lse: self.lse.view(),
-        };
-        sparse_fwd_cuda(gpu, &args, &out)
+        self.run_ordered(gpu, None, None)
     }
 
     /// [`Self::run`] with other `indices` (`[s_q, 1, topk]` i32, e.g. each row reordered) and, with `wave` set, as
-    /// one launch per `wave` consecutive tokens, one after another (benchmark experiments on the entry order).
+    /// one launch per `wave` consecutive tokens, one after another (benchmark experiments on the entry order);
+    /// without `wave`, one launch on the whole views.
     pub fn run_ordered(
         &self,
         gpu: &Gpu,
@@ -98,15 +83,24 @@ impl SparseFwdOnGpu {
         let q = self.q.view();
         let s_q = q.shape()[0];
         let indices = indices.unwrap_or(&self.indices).view();
-        let wave = wave.unwrap_or(s_q).max(1);
         let (kv, sink) = (self.kv.view(), self.attn_sink.as_ref().map(|t| t.view()));
         let len = self.topk_length.as_ref().map(|t| t.view());
         let (out, max_logits, lse) = (self.out.view(), self.max_logits.view(), self.lse.view());
-        let mut t0 = 0;
-        while t0 < s_q {
-            let n = wave.min(s_q - t0);
-            let len = len.as_ref().map(|v| token_slice(v, t0, n)).transpose()?;
-            let (q, indices) = (token_slice(&q, t0, n)?, token_slice(&indices, t0, n)?);
+        // Without waves the whole views go to the op as they are (its own checks see exactly what was uploaded).
+        let ranges: Vec<Option<(usize, usize)>> = match wave {
+            None => vec![None],
+            Some(w) => (0..s_q)
+                .step_by(w.max(1))
+                .map(|t0| Some((t0, w.max(1).min(s_q - t0))))
+                .collect(),
+        };
+        for range in ranges {
+            let part = |v: &DeviceView| match range {
+                None => Ok(v.clone()),
+                Some((t0, n)) => token_slice(v, t0, n),
+            };
+            let len = len.as_ref().map(part).transpose()?;
+            let (q, indices) = (part(&q)?, part(&indices)?);
             let args = SparseFwdArgs {
                 q: &q,
                 kv: &kv,
@@ -116,12 +110,11 @@ impl SparseFwdOnGpu {
                 topk_length: len.as_ref(),
             };
             let out = SparseFwdOutput {
-                out: token_slice(&out, t0, n)?,
-                max_logits: token_slice(&max_logits, t0, n)?,
-                lse: token_slice(&lse, t0, n)?,
+                out: part(&out)?,
+                max_logits: part(&max_logits)?,
+                lse: part(&lse)?,
             };
             sparse_fwd_cuda(gpu, &args, &out)?;
-            t0 += n;
         }
         Ok(())
     }
@@ -268,10 +261,17 @@ impl SparseBwdOnGpu {
     }
 }
 
-/// Tokens `[t0, t0 + n)` of a view whose first dimension is the token (`t0 + n` at most that dimension).
+/// Tokens `[t0, t0 + n)` of a view whose first dimension is the token; an error past that dimension.
 fn token_slice(v: &DeviceView, t0: usize, n: usize) -> Result<DeviceView> {
     let mut shape = v.shape().to_vec();
-    assert!(t0 + n <= shape[0], "token_slice: tokens out of range");
+    let tokens = shape.first().copied().unwrap_or(0);
+    if t0 + n > tokens {
+        return Err(flashmla::Error::invalid(
+            "tokens",
+            format!("a range inside the {tokens} tokens of the view"),
+            format!("[{t0}, {})", t0 + n),
+        ));
+    }
     shape[0] = n;
     let layout = Layout::strided(&shape, v.strides())?;
     let ptr = v.ptr() + (t0 * v.strides()[0] * v.dtype().size_bytes()) as u64;
