@@ -3,8 +3,8 @@
 # machine (scripts/verify-variants.sh runs there). A variant is the tree with some patches applied (e.g. the
 # prepared experiments in docs/experiments/); `base` is the tree as it is.
 #
-# Usage: scripts/build-variants.sh OUTDIR NAME=SPEC [NAME=SPEC ...]
-#   SPEC: `-` for the tree as it is, or PATCH[+PATCH...] (paths relative to the repository root)
+# Usage: scripts/build-variants.sh OUTDIR NAME=spec [NAME=spec ...]
+#   spec: `-` for the tree as it is, or PATCH[+PATCH...] (paths relative to the repository root)
 #   e.g. scripts/build-variants.sh target/exp base=- pe=docs/experiments/a.patch both=docs/experiments/a.patch+b.patch
 # Output: OUTDIR/NAME.gz (stripped release binary, gzipped: carry OUTDIR to the GPU machine), OUTDIR/variants.txt.
 # The patched files must have no uncommitted changes; every patch is reverted after its build, also on failure.
@@ -37,7 +37,7 @@ for arg in "$@"; do
   case "$arg" in
   *=*) ;;
   *)
-    echo "build-variants: expected NAME=SPEC, got '$arg'" >&2
+    echo "build-variants: expected NAME=spec, got '$arg'" >&2
     exit 2
     ;;
   esac

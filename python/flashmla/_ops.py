@@ -67,7 +67,7 @@ def _sparse_fwd_op(
     attn_sink: Optional[Tensor] = None,
     topk_length: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Sparse MLA prefill forward (SPEC section 1): ``(out [s_q, h_q, 512] bf16, max_logits, lse [s_q, h_q] f32)``.
+    """Sparse MLA prefill forward (docs/spec.md section 1): ``(out [s_q, h_q, 512] bf16, max_logits, lse [s_q, h_q] f32)``.
 
     ``q [s_q, h_q, d_qk]`` bf16, ``kv [s_kv, 1, d_qk]`` bf16, ``indices [s_q, 1, topk]`` int32 (values outside
     ``[0, s_kv)`` are ignored), optional ``attn_sink [h_q]`` float32 and ``topk_length [s_q]`` int32. ``lse`` is
@@ -157,7 +157,7 @@ def _sparse_bwd_op(
     topk_length: Optional[Tensor] = None,
     d_kv_f32: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Sparse MLA prefill backward (SPEC section 2): ``(d_q, d_kv, delta, d_attn_sink)``.
+    """Sparse MLA prefill backward (docs/spec.md section 2): ``(d_q, d_kv, delta, d_attn_sink)``.
 
     ``d_q [s_q, h_q, d_qk]`` bf16, ``d_kv [s_kv, 1, d_qk]`` bf16 (float32 with ``d_kv_f32``), ``delta [s_q, h_q]``
     float32 and ``d_attn_sink [h_q]`` float32 (shape ``[0]`` without a sink). ``lse`` must be the forward's.
@@ -227,7 +227,7 @@ def _decode_dense_op(
     causal: bool = False,
     attn_sink: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Dense decode over a paged bf16/fp16 cache (SPEC section 4): ``(out [b, s_q, h_q, 512], lse [b, h_q, s_q])``."""
+    """Dense decode over a paged bf16/fp16 cache (docs/spec.md section 4): ``(out [b, s_q, h_q, 512], lse [b, h_q, s_q])``."""
     ins = (
         _glue.desc(q, "q"),
         _glue.desc(k_cache, "k_cache"),
@@ -273,7 +273,7 @@ def _decode_sparse_op(
     extra_indices: Optional[Tensor] = None,
     extra_topk_length: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Sparse decode over an FP8 cache (SPEC sections 3 and 4): ``(out [b, s_q, h_q, 512] bf16, lse [b, h_q, s_q])``."""
+    """Sparse decode over an FP8 cache (spec sections 3 and 4): ``(out [b, s_q, h_q, 512] bf16, lse [b, h_q, s_q])``."""
     args = _sparse_decode_descs(
         _glue.desc, _glue.desc_opt, q, k_cache, indices, topk_length, attn_sink,
         extra_k_cache, extra_indices, extra_topk_length,
@@ -329,7 +329,7 @@ def _decode_sparse_fake(
 
 @torch.library.custom_op("flashmla::kv_quantize", mutates_args=())
 def _kv_quantize_op(kv: Tensor) -> Tensor:
-    """Quantises ``kv [num_blocks, page_size, 1, d_qk]`` bf16 into a new packed uint8 FP8 cache (SPEC section 3)."""
+    """Quantises ``kv [num_blocks, page_size, 1, d_qk]`` bf16 into a new packed uint8 FP8 cache (docs/spec.md section 3)."""
     shape = _native.kv_quantize_check(_glue.desc(kv, "kv"))
     cache = torch.empty(shape, dtype=torch.uint8, device=kv.device)
     kv_quantize_into(kv, cache)
@@ -394,7 +394,7 @@ def sparse_fwd(
     attn_sink: Optional[Tensor] = None,
     topk_length: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Sparse MLA prefill forward (SPEC section 1): ``(out [s_q, h_q, 512] bf16, max_logits, lse [s_q, h_q] f32)``.
+    """Sparse MLA prefill forward (docs/spec.md section 1): ``(out [s_q, h_q, 512] bf16, max_logits, lse [s_q, h_q] f32)``.
 
     ``q [s_q, h_q, d_qk]`` bf16, ``kv [s_kv, 1, d_qk]`` bf16, ``indices [s_q, 1, topk]`` int32 (values outside
     ``[0, s_kv)`` are ignored), optional ``attn_sink [h_q]`` float32 and ``topk_length [s_q]`` int32. ``lse`` is
@@ -417,7 +417,7 @@ def sparse_bwd(
     topk_length: Optional[Tensor] = None,
     d_kv_f32: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Sparse MLA prefill backward (SPEC section 2): ``(d_q, d_kv, delta, d_attn_sink)``.
+    """Sparse MLA prefill backward (docs/spec.md section 2): ``(d_q, d_kv, delta, d_attn_sink)``.
 
     ``d_q [s_q, h_q, d_qk]`` bf16, ``d_kv [s_kv, 1, d_qk]`` bf16 (float32 with ``d_kv_f32``), ``delta [s_q, h_q]``
     float32 and ``d_attn_sink [h_q]`` float32 (shape ``[0]`` without a sink). ``out`` and ``lse`` must be the
@@ -439,7 +439,7 @@ def decode_dense(
     causal: bool = False,
     attn_sink: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Dense decode over a paged cache (SPEC section 4): ``(out [b, s_q, h_q, 512], lse [b, h_q, s_q] f32)``.
+    """Dense decode over a paged cache (docs/spec.md section 4): ``(out [b, s_q, h_q, 512], lse [b, h_q, s_q] f32)``.
 
     ``q [b, s_q, h_q, d_qk]`` bf16/fp16, ``k_cache [num_blocks, page_size, h_kv, d_qk]`` of q's dtype,
     ``block_table [b, max_blocks]`` and ``cache_seqlens [b]`` int32; ``causal`` is bottom-right aligned.
@@ -462,7 +462,7 @@ def decode_sparse(
     extra_indices: Optional[Tensor] = None,
     extra_topk_length: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Sparse decode over an FP8 cache (SPEC sections 3, 4): ``(out [b, s_q, h_q, 512] bf16, lse [b, h_q, s_q])``.
+    """Sparse decode over an FP8 cache (spec sections 3, 4): ``(out [b, s_q, h_q, 512] bf16, lse [b, h_q, s_q])``.
 
     ``q [b, s_q, h_q, d_qk]`` bf16 (576: V3.2 cache, 512: MODEL1 cache), ``k_cache [num_blocks, page_size, 1,
     656 | 584]`` uint8/float8_e4m3fn, ``indices [b, s_q, topk]`` int32 token ids ``block * page_size + offset``
@@ -482,7 +482,7 @@ def decode_sparse(
 
 
 def kv_quantize(kv: Tensor, out: Optional[Tensor] = None) -> Tensor:
-    """Quantises ``kv [num_blocks, page_size, 1, d_qk]`` bf16 to an FP8 cache (SPEC section 3).
+    """Quantises ``kv [num_blocks, page_size, 1, d_qk]`` bf16 to an FP8 cache (docs/spec.md section 3).
 
     Returns a new packed uint8 cache ``[num_blocks, page_size, 1, 656 | 584]``, or fills ``out`` (uint8 or
     float8_e4m3fn, block stride may be padded; the bytes between blocks are left as they are) and returns it.

@@ -237,7 +237,7 @@ def flash_mla_with_kvcache(
 def _dense_prefill_missing(name: str):
     def missing(*args, **kwargs):
         raise NotImplementedError(
-            f"{name}: dense MHA prefill (SPEC section 5) is not implemented in flashmla yet"
+            f"{name}: dense MHA prefill (docs/spec.md section 5) is not implemented in flashmla yet"
         )
 
     missing.__name__ = name

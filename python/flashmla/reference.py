@@ -1,11 +1,11 @@
-"""Pure-torch references of the sparse MLA prefill (SPEC sections 1 and 2), for tests and for checking results.
+"""Pure-torch references of the sparse MLA prefill (spec sections 1 and 2), for tests and for checking results.
 
 Written with plain torch ops so that autograd differentiates them and ``torch.autograd.gradcheck`` can verify
 them in float64. They accept any floating dtype and any ``d_qk >= d_v`` (the flashmla ops need bf16 inputs and
 ``d_qk`` in {512, 576}; tests feed these references the same values upcast). Work is split over chunks of query
 tokens so that large problems fit in memory (``chunk`` tokens gather ``chunk * topk * d_qk`` elements at a time).
 
-Conventions follow SPEC: an index is valid when it lies in ``[0, s_kv)`` and, with ``topk_length``, its position
+Conventions follow spec: an index is valid when it lies in ``[0, s_kv)`` and, with ``topk_length``, its position
 is below ``topk_length[t]``; invalid entries take no part (their KV rows are never used, so NaN there cannot
 leak); a token with no valid entry gives ``out = 0``, ``lse = +inf``, ``max_logits = -inf``; ``lse`` is a natural
 log and excludes the sink.
@@ -82,7 +82,7 @@ def sparse_mla_reference(
     d_v: int = 512,
     chunk: int = 256,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """SPEC section 1 in q's dtype: ``(out [s_q, h_q, d_v], max_logits [s_q, h_q], lse [s_q, h_q])``.
+    """docs/spec.md section 1 in q's dtype: ``(out [s_q, h_q, d_v], max_logits [s_q, h_q], lse [s_q, h_q])``.
 
     Differentiable in ``q``, ``kv`` and ``attn_sink`` (``max_logits`` and ``lse`` are not meant to be).
     """
@@ -117,7 +117,7 @@ def sparse_mla_backward_reference(
     chunk: int = 256,
     magnitudes: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """SPEC section 2 written out (not autograd), in float32 or q's dtype when wider.
+    """docs/spec.md section 2 written out (not autograd), in float32 or q's dtype when wider.
 
     Returns ``(d_q [s_q, h_q, d_qk], d_kv [s_kv, 1, d_qk], delta [s_q, h_q], d_attn_sink [h_q] or None)``.
     Uses the given ``out`` and ``lse`` as the kernels do (``lse = +inf`` marks a token without entries).
@@ -183,7 +183,7 @@ def dense_decode_reference(
     attn_sink: Optional[Tensor] = None,
     d_v: int = 512,
 ) -> Tuple[Tensor, Tensor]:
-    """SPEC section 4, dense: ``(out [b, s_q, h_q, d_v], lse [b, h_q, s_q])`` in float64 (f32 inputs upcast).
+    """docs/spec.md section 4, dense: ``(out [b, s_q, h_q, d_v], lse [b, h_q, s_q])`` in float64 (f32 inputs upcast).
 
     Request ``b`` sees its first ``cache_seqlens[b]`` tokens, token ``p`` at ``k_cache[block_table[b, p //
     page_size], p % page_size]``; query head ``h`` reads KV head ``h // (h_q / h_kv)``; ``causal`` is bottom-right
@@ -234,7 +234,7 @@ def sparse_decode_reference(
     extra_topk_length: Optional[Tensor] = None,
     d_v: int = 512,
 ) -> Tuple[Tensor, Tensor]:
-    """SPEC section 4, sparse: ``(out [b, s_q, h_q, d_v], lse [b, h_q, s_q])`` in float64.
+    """docs/spec.md section 4, sparse: ``(out [b, s_q, h_q, d_v], lse [b, h_q, s_q])`` in float64.
 
     ``values [num_tokens, d_qk]`` are the (dequantised) cache tokens in index order (``block * page_size +
     offset``); an index outside ``[0, num_tokens)`` is ignored, as are positions ``>= topk_length[b]``. The extra

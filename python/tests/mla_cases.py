@@ -1,4 +1,4 @@
-"""Shared test helpers: SPEC section 6 input generators and acceptance checks (CPU and GPU tests use both)."""
+"""Shared test helpers: docs/spec.md section 6 input generators and acceptance checks (CPU and GPU tests use both)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from typing import Optional
 
 import torch
 
-#: Invalid index values the peer's tests use (SPEC section 6); `s_kv` itself is added per case.
+#: Invalid index values the peer's tests use (docs/spec.md section 6); `s_kv` itself is added per case.
 INVALID_INDEX_VALUES = (-(2**31), -123456, -1, 114514, 1919810, 2147480000, 2**31 - 1)
 
-#: SPEC section 6 tolerances: (abs_tol, rel_tol, cos_tol).
+#: docs/spec.md section 6 tolerances: (abs_tol, rel_tol, cos_tol).
 TOL_PREFILL_OUT = (8e-4, 3.01 / 128, 7e-6)
 TOL_PREFILL_STATS = (1e-6, 2.01 / 65536, None)
 TOL_DECODE_OUT = (1e-3, 2.01 / 128, 5e-6)
@@ -19,7 +19,7 @@ TOL_BWD = (1e-3, 8.01 / 128, 7e-6)
 
 
 def assert_spec_close(name: str, got: torch.Tensor, ref: torch.Tensor, tol, context: str = "", allowance=None) -> None:
-    """SPEC section 6: every element within abs or rel tolerance, same inf/NaN positions, cosine distance small.
+    """docs/spec.md section 6: every element within abs or rel tolerance, same inf/NaN positions, cosine distance small.
 
     ``allowance`` (same shape as ``ref``, >= 0): judge each element's error net of it, ``max(0, |a - r| - allowance)``,
     for errors a kernel makes by design and that are bounded per element (the backward's bf16 MMA operands).
@@ -53,7 +53,7 @@ def assert_spec_close(name: str, got: torch.Tensor, ref: torch.Tensor, tol, cont
 
 
 def padded(t: torch.Tensor, fill: float | int) -> torch.Tensor:
-    """The same values in a non-contiguous layout: last dim padded by 128, every other dim by 1 (SPEC 6)."""
+    """The same values in a non-contiguous layout: last dim padded by 128, every other dim by 1 (docs/spec.md section 6)."""
     big_shape = [n + 1 for n in t.shape[:-1]] + [t.shape[-1] + 128]
     big = torch.full(big_shape, fill, dtype=t.dtype, device=t.device)
     view = big[tuple(slice(0, n) for n in t.shape)]
@@ -100,7 +100,7 @@ def make_sparse_case(
     nan_unreferenced: bool = False,
     device: str = "cpu",
 ) -> SparseCase:
-    """A SPEC section 6 case: inputs ``randn/10`` plus a per-tensor offset, some invalid index values, optionally
+    """A docs/spec.md section 6 case: inputs ``randn/10`` plus a per-tensor offset, some invalid index values, optionally
     rows with no valid entry, ``topk_length`` (including 0), sinks (``"random"``, ``"inf"``, ``"-inf"``,
     ``"mixed"``), non-contiguous layouts and NaN in every KV row no valid entry references."""
     dev = torch.device(device)

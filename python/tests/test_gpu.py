@@ -1,4 +1,4 @@
-"""Device tests (skipped without CUDA): kernels against pure-torch fp32 references on the SPEC case grid, streams,
+"""Device tests (skipped without CUDA): kernels against pure-torch fp32 references on the spec case grid, streams,
 no host synchronisation, CUDA graphs, multi-GPU placement, torch.compile and a tiny training loop.
 
 Ops whose CUDA kernel is not wired into this build raise NotImplementedError; their tests are skipped with that

@@ -124,7 +124,7 @@ def test_backward_f32_dkv_noncontiguous_nan_rows():
 
 
 def test_backward_formula_matches_autograd_f64():
-    """The explicit SPEC section 2 formulas (used to check the op) equal autograd of the forward reference."""
+    """The explicit docs/spec.md section 2 formulas (used to check the op) equal autograd of the forward reference."""
     case = make_sparse_case(5, s_q=4, s_kv=12, h_q=3, d_qk=24, topk=10, sink="random", topk_length=True, empty_rows=1)
     q = case.q.to(F64).requires_grad_()
     kv = case.kv.to(F64).requires_grad_()

@@ -1,5 +1,5 @@
 //! FP8 building blocks shared by the KV-cache formats: float8 e4m3fn and e8m0 codecs, and the two
-//! cache layouts of SPEC section 3 as named, derived constants.
+//! cache layouts of docs/spec.md section 3 as named, derived constants.
 //!
 //! The codecs are written with exact integer/power-of-two arithmetic so that the CUDA kernels, which use
 //! the same steps (`cvt.rn.satfinite.e4m3x2.f32`, exponent-bit scale rounding), match them bit for bit.
@@ -83,7 +83,7 @@ pub fn pow2_scale(amax: f32) -> (f32, i32) {
     (f32::from_bits(((e + 127) as u32) << 23), e)
 }
 
-/// The two FP8 KV-cache layouts of SPEC section 3.
+/// The two FP8 KV-cache layouts of docs/spec.md section 3.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KvFormat {
     /// DeepSeek V3.2: 656 bytes per token, `d_qk = 576`, four f32 scales per 128 NoPE values.

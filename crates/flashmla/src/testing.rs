@@ -1,5 +1,5 @@
 //! Input generators shared by the tests, the CLI's `check`, `bench` and `demo`: the peer's adversarial data
-//! (SPEC section 6) in one place, seeded so every failure can be replayed.
+//! (docs/spec.md section 6) in one place, seeded so every failure can be replayed.
 
 use crate::error::Result;
 use crate::fp8::KvFormat;
@@ -9,7 +9,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
 
-/// Invalid index values the kernels must survive (SPEC section 6): never dereferenced, whatever they are.
+/// Invalid index values the kernels must survive (docs/spec.md section 6): never dereferenced, whatever they are.
 pub const INVALID_INDEX_VALUES: [i64; 8] = [
     i32::MIN as i64,
     -123456,
@@ -183,7 +183,7 @@ pub enum SinkKind {
     Infinite,
 }
 
-/// One sparse-prefill problem of the test grid (SPEC section 6).
+/// One sparse-prefill problem of the test grid (docs/spec.md section 6).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SparseCase {
     /// Query tokens.
@@ -229,7 +229,7 @@ impl SparseCase {
     }
 }
 
-/// Host inputs of a sparse-prefill problem, in SPEC shapes and dtypes.
+/// Host inputs of a sparse-prefill problem, in spec shapes and dtypes.
 #[derive(Debug, Clone)]
 pub struct SparseInputs {
     /// `[s_q, h_q, d_qk]` bf16.
@@ -374,7 +374,7 @@ impl SparseInputs {
         })
     }
 
-    /// The same inputs, every tensor made non-contiguous as SPEC section 6 asks: the last dimension padded by
+    /// The same inputs, every tensor made non-contiguous as docs/spec.md section 6 asks: the last dimension padded by
     /// 128 elements and every other dimension by 1, then sliced back.
     pub fn padded(&self) -> Result<SparseInputs> {
         fn pad(t: &HostTensor) -> Result<HostTensor> {
@@ -431,7 +431,7 @@ fn normal(rng: &mut StdRng) -> f32 {
 /// FP8 KV-cache token flavours (extremes the quantiser must survive); `token_values` picks one per token so every cache mixes them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvFlavour {
-    /// `randn / 10 + offset` (SPEC section 6).
+    /// `randn / 10 + offset` (docs/spec.md section 6).
     Plain,
     /// Each scale tile at its own magnitude, `10^-8 .. 10^8`.
     Magnitudes,

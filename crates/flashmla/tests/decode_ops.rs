@@ -1,5 +1,5 @@
 //! The CPU decode ops: bf16 and f16 dense, sparse FP8 with padded block strides and non-contiguous inputs,
-//! against the naive f64 formulation with SPEC section 6 tolerances; and argument validation.
+//! against the naive f64 formulation with docs/spec.md section 6 tolerances; and argument validation.
 
 mod decode_support;
 
@@ -12,7 +12,7 @@ use flashmla::ops::decode::{
 use flashmla::{DType, Error, HostData, HostTensor, Layout, TensorMeta};
 use half::f16;
 
-/// SPEC-6 non-contiguity: pad the last dimension by 128 and every other dimension by 1, then slice.
+/// spec section 6 non-contiguity: pad the last dimension by 128 and every other dimension by 1, then slice.
 fn padded(t: &HostTensor) -> HostTensor {
     let rank = t.shape().len();
     let pad: Vec<usize> = (0..rank)

@@ -42,7 +42,7 @@ fn spec(
     }
 }
 
-/// Checks the f64 reference against the naive f64 formulation tightly and the f32 reference with the SPEC
+/// Checks the f64 reference against the naive f64 formulation tightly and the f32 reference with the spec
 /// decode tolerances.
 fn check_dense(case: &DenseCase, seed: u64) {
     let x = case.inputs();
@@ -663,7 +663,7 @@ fn sparse_invalid_indices_and_all_invalid_rows() {
         true,
     );
     let n_tok = case.kv.layout.num_tokens() as i32;
-    // Row 0: every SPEC invalid value (and s_kv); row 3: all -1.
+    // Row 0: every spec invalid value (and s_kv); row 3: all -1.
     let bad: Vec<i32> = INVALID_INDICES
         .iter()
         .copied()

@@ -1,4 +1,4 @@
-//! The SPEC-6 comparison (`reference::compare`) against a brute-force reading of the rule.
+//! The spec section 6 comparison (`reference::compare`) against a brute-force reading of the rule.
 
 mod common;
 

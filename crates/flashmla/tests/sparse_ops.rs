@@ -1,5 +1,5 @@
-//! The sparse prefill ops on the CPU: outputs in the SPEC dtypes and shapes, agreement with the f64
-//! reference within SPEC-6 tolerances, and stride independence.
+//! The sparse prefill ops on the CPU: outputs in the spec dtypes and shapes, agreement with the f64
+//! reference within spec section 6 tolerances, and stride independence.
 
 mod common;
 

@@ -1,5 +1,5 @@
 //! The sparse prefill forward/backward references against an independent naive f64 formulation,
-//! finite differences, and the SPEC section 1/2/6 edge cases.
+//! finite differences, and the docs/spec.md section 1/2/6 edge cases.
 
 mod common;
 
@@ -834,7 +834,7 @@ fn fwd_rows_sample_a_70000_token_problem() {
 }
 
 /// `sparse_bwd_operand_rounding` bounds what rounding the MMA operands P and dS' to bf16 does (an
-/// emulation of the GPU backward's numerics) on a case where that rounding exceeds the plain SPEC rule
+/// emulation of the GPU backward's numerics) on a case where that rounding exceeds the plain spec rule
 /// (few valid entries per token, so large probabilities), and judging net of it still catches a single
 /// dropped contribution.
 #[test]
@@ -908,7 +908,7 @@ fn bwd_operand_rounding_bounds_bf16_operands_and_still_catches_a_dropped_entry()
     // The case is one where the plain rule is not enough...
     assert!(
         compare(&emu_kv, &exact.d_kv).check(&BWD_GRAD).is_err(),
-        "this case should exceed the plain SPEC tolerance"
+        "this case should exceed the plain spec tolerance"
     );
     // ...the bound holds element by element (f32 storage of the emulation aside)...
     for (name, emu, want, b) in [

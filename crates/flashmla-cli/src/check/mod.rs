@@ -1,5 +1,5 @@
 //! `flashmla check`: the GPU correctness suite. Every case runs a kernel on fresh seeded inputs, with outputs
-//! poisoned beforehand, and compares against the CPU reference (bit-exact or SPEC-6 tolerances).
+//! poisoned beforehand, and compares against the CPU reference (bit-exact or spec section 6 tolerances).
 
 mod kv_quant;
 mod sparse_bwd;
@@ -61,7 +61,7 @@ pub const GRID_PAIRS: [(usize, usize); 12] = [
     (1000, 1),
 ];
 
-/// Compares `got` with the reference under `tol` (SPEC section 6) as one named check of an [`Outcome`].
+/// Compares `got` with the reference under `tol` (docs/spec.md section 6) as one named check of an [`Outcome`].
 pub fn check(
     name: &str,
     got: &[f32],

@@ -1,5 +1,5 @@
 //! Sparse prefill backward: the kernels against the CPU reference (f64 where cheap, f32 otherwise) with the
-//! SPEC-6 backward tolerances. The forward kernel (checked by its own cases) produces `out` and `lse`, which the
+//! spec section 6 backward tolerances. The forward kernel (checked by its own cases) produces `out` and `lse`, which the
 //! GPU backward and the reference both consume. Every case also checks that `d_kv` rows no valid index
 //! references are exactly zero, and gradients are poisoned before the run.
 
@@ -21,7 +21,7 @@ const F64_LIMIT: usize = 4 << 20;
 #[derive(Clone)]
 struct Spec {
     case: SparseCase,
-    /// Non-contiguous inputs (SPEC 6), and an `out` whose rows are only 2-byte aligned.
+    /// Non-contiguous inputs (docs/spec.md section 6), and an `out` whose rows are only 2-byte aligned.
     padded: bool,
     d_kv_dtype: DType,
     deterministic: bool,
@@ -103,7 +103,7 @@ fn run_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
     };
     // Where the f64 reference runs, d_q and d_kv are judged net of the bf16 rounding of the P / dS'
     // MMA operands (a per-element bound; it only matters for tokens with few valid entries, i.e. large
-    // probabilities). The larger cases use the plain SPEC rule.
+    // probabilities). The larger cases use the plain spec rule.
     // With two head groups and a bf16 d_kv the pair kernel also passes each 64-head partial of d_kv to
     // the peer CTA as bf16 (launch.rs: the `_xb` kernels), one more rounding bounded the same way.
     let bf16_exchange = spec.d_kv_dtype == DType::Bf16 && c.h_q > 64 && !spec.deterministic;

@@ -1,4 +1,4 @@
-//! Sparse prefill forward: the kernel against the f64 reference (SPEC-6 prefill tolerances) on the case grid of
+//! Sparse prefill forward: the kernel against the f64 reference (spec section 6 prefill tolerances) on the case grid of
 //! the forward issue, with outputs poisoned before every run. Large problems compare a sample of query rows.
 
 use super::{check, Case, Outcome, GRID_PAIRS};

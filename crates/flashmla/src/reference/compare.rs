@@ -1,4 +1,4 @@
-//! Numerical acceptance of a computed tensor against a reference (SPEC section 6).
+//! Numerical acceptance of a computed tensor against a reference (docs/spec.md section 6).
 //!
 //! An element passes when `|a - r| < abs` **or** `|a - r| / (|r| + 1e-6) < rel`; every element must
 //! pass; the positions of `+inf`, `-inf` and NaN must be the same in both; and

@@ -1,4 +1,4 @@
-//! CPU reference of the FP8 KV-cache formats (SPEC section 3): quantise and dequantise, token by token
+//! CPU reference of the FP8 KV-cache formats (docs/spec.md section 3): quantise and dequantise, token by token
 //! and for whole paged caches.
 //!
 //! Values are f32 holding bf16 values (the cache's source dtype); the RoPE part is stored as bf16 unchanged,

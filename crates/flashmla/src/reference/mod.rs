@@ -2,7 +2,7 @@
 //! where there is no GPU.
 //!
 //! Inputs are f32 slices holding the values of the op's (bf16/f16) inputs, contiguous, in the shapes the
-//! SPEC names; the accumulation type `R` is f32 (the reference) or f64 (the truth for tests).
+//! spec names; the accumulation type `R` is f32 (the reference) or f64 (the truth for tests).
 
 pub mod compare;
 pub mod kv_quant;

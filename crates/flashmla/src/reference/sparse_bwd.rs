@@ -1,4 +1,4 @@
-//! CPU reference of the sparse MLA prefill backward (SPEC section 2).
+//! CPU reference of the sparse MLA prefill backward (docs/spec.md section 2).
 //!
 //! The forward's `out` and `lse` are taken as given (not recomputed). With
 //! `p[t,h,j] = exp(s[t,h,j] - lse'[t,h])`, where `lse'` combines the given `lse` with the sink as in
@@ -295,7 +295,7 @@ pub struct OperandRounding {
 ///
 /// The bound matters where probabilities are large: a token with a handful of valid entries has
 /// `P ~ 1/len`, and its products, similar across heads, round the same way, which can exceed the
-/// SPEC-6 absolute tolerance of `d_kv` (1e-3); with `topk` in the hundreds or more it is far below it.
+/// spec section 6 absolute tolerance of `d_kv` (1e-3); with `topk` in the hundreds or more it is far below it.
 /// A wrongly kept or dropped contribution is about `1/u = 256` times larger than its share of the
 /// bound, so judging errors net of it still catches every real mistake.
 ///

@@ -1,4 +1,4 @@
-//! CPU reference of the sparse MLA prefill forward (SPEC section 1).
+//! CPU reference of the sparse MLA prefill forward (docs/spec.md section 1).
 //!
 //! Every query token `t` attends to the multiset of KV rows its `indices[t, :]` name; every query head
 //! reads the same latent row (`h_kv = 1`), and V is the first `d_v` columns of that row:
@@ -24,7 +24,7 @@ use rayon::prelude::*;
 
 /// One sparse prefill forward problem: dimensions plus contiguous f32 slices holding the (bf16) inputs.
 ///
-/// The op layer enforces the SPEC's `d_v = 512`, `d_qk` in {512, 576}; the reference accepts any
+/// The op layer enforces the spec's `d_v = 512`, `d_qk` in {512, 576}; the reference accepts any
 /// `d_qk >= d_v >= 1` and `h_q >= 1` so that tests can use tiny problems.
 #[derive(Debug, Clone, Copy)]
 pub struct SparseFwdProblem<'a> {

@@ -1,5 +1,5 @@
 //! Helpers shared by the integration tests: seeded generators of adversarial sparse-attention inputs
-//! (SPEC section 6), host-tensor builders and the SPEC-6 comparison ([`assert_close`]).
+//! (docs/spec.md section 6), host-tensor builders and the spec section 6 comparison ([`assert_close`]).
 //!
 //! Every generator takes an explicit seed; tests put the seed in their assertion messages so a failure
 //! can be replayed.
@@ -19,7 +19,7 @@ use rand::rngs::StdRng;
 use rand::Rng;
 
 /// Panics with `name`, the worst element, max abs/rel error and cos_diff unless `got` passes `tol`
-/// against `want` per SPEC section 6.
+/// against `want` per docs/spec.md section 6.
 #[track_caller]
 pub fn assert_close<W: Copy + Into<f64>>(name: &str, got: &[f32], want: &[W], tol: Tolerance) {
     if let Err(msg) = compare::compare(got, want).check(&tol) {
@@ -62,7 +62,7 @@ pub fn offset(rng: &mut StdRng, max: f32) -> f32 {
     rng.random_range(-max..=max)
 }
 
-/// The SPEC-6 invalid index values, as they apply to a KV tensor of `s_kv` rows.
+/// The spec section 6 invalid index values, as they apply to a KV tensor of `s_kv` rows.
 pub fn invalid_index_values(s_kv: usize) -> Vec<i32> {
     let n = flashmla::testing::INVALID_INDEX_VALUES.len();
     let mut v: Vec<i32> = (0..n)
@@ -349,7 +349,7 @@ impl Inputs {
         }
     }
 
-    /// Every tensor made non-contiguous per SPEC 6: the last dimension padded by 128, every other
+    /// Every tensor made non-contiguous per spec section 6: the last dimension padded by 128, every other
     /// by 1 (NaN / `i32::MIN` in the padding).
     pub fn padded(&self) -> Inputs {
         Inputs {

@@ -1,5 +1,5 @@
 //! Shared helpers of the decode tests: seeded generators of adversarial dense and sparse cases, a naive
-//! f64 formulation of decode (keys gathered explicitly per request, then a plain softmax) and the SPEC
+//! f64 formulation of decode (keys gathered explicitly per request, then a plain softmax) and the spec
 //! section 6 comparison.
 #![allow(dead_code)]
 
@@ -14,7 +14,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
 
-/// The invalid index values SPEC section 6 draws from (`s_kv` is replaced by the cache's token count).
+/// The invalid index values docs/spec.md section 6 draws from (`s_kv` is replaced by the cache's token count).
 pub const INVALID_INDICES: [i32; 7] =
     [i32::MIN, -123456, -1, 114514, 1919810, 2147480000, i32::MAX];
 
@@ -26,14 +26,14 @@ pub fn round_bf16(x: f32) -> f32 {
     bf16::from_f32(x).to_f32()
 }
 
-/// `randn / 10 + offset`, rounded to bf16 (the SPEC-6 generator).
+/// `randn / 10 + offset`, rounded to bf16 (the spec section 6 generator).
 pub fn randn_bf16(rng: &mut StdRng, n: usize, offset: f32) -> Vec<f32> {
     (0..n)
         .map(|_| round_bf16(rng.sample::<f32, _>(StandardNormal) / 10.0 + offset))
         .collect()
 }
 
-/// SPEC section 6 tolerances.
+/// docs/spec.md section 6 tolerances.
 #[derive(Debug, Clone, Copy)]
 pub struct Tol {
     pub abs: f64,

@@ -1,5 +1,5 @@
-// The two FP8 KV-cache byte layouts of SPEC section 3, as compile-time traits. Mirrors fp8.rs `KvFormat`
-// (same names, same derived constants, same offset formulas); the static_asserts pin the SPEC numbers.
+// The two FP8 KV-cache byte layouts of docs/spec.md section 3, as compile-time traits. Mirrors fp8.rs `KvFormat`
+// (same names, same derived constants, same offset formulas); the static_asserts pin the spec numbers.
 #pragma once
 
 #include <cstdint>
@@ -45,8 +45,8 @@ struct FormatModel1 {
     __device__ static int64_t rope_offset(int64_t t) { return t * kValueBytes + kDNope; }
 };
 
-static_assert(FormatV32::kBytesPerToken == 656, "SPEC: V3.2 is 656 bytes/token (512 + 4*4 + 64*2)");
-static_assert(FormatModel1::kBytesPerToken == 584, "SPEC: MODEL1 is 584 bytes/token (448 + 64*2 + 8)");
-static_assert(FormatV32::kNumScales == 4 && FormatModel1::kNumScales == 7, "SPEC scale counts");
+static_assert(FormatV32::kBytesPerToken == 656, "spec: V3.2 is 656 bytes/token (512 + 4*4 + 64*2)");
+static_assert(FormatModel1::kBytesPerToken == 584, "spec: MODEL1 is 584 bytes/token (448 + 64*2 + 8)");
+static_assert(FormatV32::kNumScales == 4 && FormatModel1::kNumScales == 7, "spec scale counts");
 
 }  // namespace flashmla::kv_quant

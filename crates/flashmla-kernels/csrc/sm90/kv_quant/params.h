@@ -1,4 +1,4 @@
-// Parameters of the FP8 KV-cache quantise / dequantise kernels (SPEC section 3).
+// Parameters of the FP8 KV-cache quantise / dequantise kernels (docs/spec.md section 3).
 // Mirrors `KvQuantParams` in crates/flashmla/src/ops/kv_quant/launch.rs (#[repr(C)]): same fields, order and types;
 // both sides assert the size and offsets.
 #pragma once

@@ -102,7 +102,7 @@ __device__ __forceinline__ void sink_grad(const SparseBwdParams& p) {
     double acc = 0.0;
     for (int t = static_cast<int>(threadIdx.x); t < p.s_q; t += kSmallThreads) {
         const float lse = __ldg(p.lse + static_cast<int64_t>(t) * p.lse_stride_t + static_cast<int64_t>(h) * p.lse_stride_h);
-        if (lse == __builtin_huge_valf()) continue;  // empty row: contributes nothing (SPEC 2, reference)
+        if (lse == __builtin_huge_valf()) continue;  // empty row: contributes nothing (docs/spec.md section 2, reference)
         const float delta = p.delta[static_cast<int64_t>(t) * p.delta_stride_t + static_cast<int64_t>(h) * p.delta_stride_h];
         // exp(sink - lse') = sigmoid(sink - lse), evaluated without overflow; exact 1 / 0 at +inf / -inf sinks.
         const double x = static_cast<double>(sink) - static_cast<double>(lse);

@@ -1,4 +1,4 @@
-// Sparse MLA prefill backward for sm_90a (SPEC section 2): the main kernel. docs/sparse-bwd.md has the design:
+// Sparse MLA prefill backward for sm_90a (docs/spec.md section 2): the main kernel. docs/sparse-bwd.md has the design:
 // shared-memory plan, warp roles, barrier protocols, masking, how d_kv is reduced. The small kernels of the family
 // (accumulator zeroing, d_kv finalisation, sink gradient) are in aux.cuh; delta = rowsum(out * dO) is fused
 // into consumer 1 (fused_delta).
@@ -387,7 +387,7 @@ __device__ __forceinline__ void producer(const SparseBwdParams& p, SmemPlan<kDqk
 // Consumer warpgroups.
 
 // Base-2 log-sum-exp the probabilities are normalised by: lse2' = log2(2^a + 2^b) with a = lse * log2e and
-// b = sink * log2e (SPEC 1: the sink is one more logit with a zero value vector). +inf when either is +inf: an
+// b = sink * log2e (docs/spec.md section 1: the sink is one more logit with a zero value vector). +inf when either is +inf: an
 // empty row (lse = +inf) or a +inf sink gives P = exp2(s - inf) = 0 everywhere, without forming inf - inf.
 __device__ __forceinline__ float lse2_with_sink(float lse, const float* sink) {
     const float a = lse * kLog2e;
@@ -415,7 +415,7 @@ __device__ __forceinline__ float dot_bf16x8(uint4 a, uint4 b) {
     return s;
 }
 
-// delta = rowsum(out * dO) (SPEC 2) of the 16 heads of warp `warp` of consumer 1 (CTA rows [16 warp, 16 warp +
+// delta = rowsum(out * dO) (docs/spec.md section 2) of the 16 heads of warp `warp` of consumer 1 (CTA rows [16 warp, 16 warp +
 // 16): the rows whose dS' the warp computes), fused into the main kernel so that no pre-pass reads `out` and `dO`
 // again. Lane l covers columns [16 l, 16 l + 16) of each row: 32 contiguous bytes of `out` (with 16-byte aligned
 // rows all 16 heads' loads are in flight before the wait for dO) and chunks 2 (l % 4), +1 of dO slab l / 4 in

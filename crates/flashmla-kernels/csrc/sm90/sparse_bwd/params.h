@@ -1,9 +1,9 @@
-// Parameters of the sparse MLA prefill backward family (SPEC section 2). ONE struct for every kernel of the family
+// Parameters of the sparse MLA prefill backward family (docs/spec.md section 2). ONE struct for every kernel of the family
 // (accumulator zeroing, main kernel, d_kv finalisation, sink gradient); each kernel reads the
 // fields it needs. Mirrored field by field by `crates/flashmla/src/ops/sparse_bwd/launch.rs` (`SparseBwdParams`,
 // #[repr(C)]); the static_asserts below and the Rust `const` asserts pin the same size and offsets.
 //
-// Shapes use SPEC names. Strides are in elements, last dimensions are contiguous (stride 1, not stored). All
+// Shapes use spec names. Strides are in elements, last dimensions are contiguous (stride 1, not stored). All
 // strides are i64: the host checked that every reachable offset fits. q, kv and d_out rows are 16-byte aligned
 // (the main kernel gathers them in 16-byte chunks); dkv_acc rows are 16-byte aligned (vector reductions); the
 // host checked both.

@@ -1,4 +1,4 @@
-// Entry points of the sparse_bwd family (SPEC section 2), launched in this order by ops/sparse_bwd/launch.rs:
+// Entry points of the sparse_bwd family (docs/spec.md section 2), launched in this order by ops/sparse_bwd/launch.rs:
 //   sparse_bwd_zero_acc          grid-stride over s_kv * d_qk / 4 float4s, kSmallThreads   (skipped when accumulating)
 //   sparse_bwd_main_d576         h_q <= 64 ("solo"): grid (s_q), block kThreads = 384, dynamic smem kSmemBytes<576>
 //   sparse_bwd_main_pair_d576    64 < h_q <= 128 ("pair"): grid (2 s_q) in clusters of (2, 1, 1), same block and

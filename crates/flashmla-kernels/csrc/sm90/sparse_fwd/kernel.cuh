@@ -1,4 +1,4 @@
-// Sparse MLA prefill forward for sm_90a (SPEC section 1). docs/sparse-fwd.md has the design: shared-memory
+// Sparse MLA prefill forward for sm_90a (docs/spec.md section 1). docs/sparse-fwd.md has the design: shared-memory
 // plan, warp roles, pipeline schedule, barrier protocol, masking.
 //
 // One CTA = one query token x one group of 64 heads; 3 warpgroups:

@@ -2,7 +2,7 @@
 // `crates/flashmla/src/ops/sparse_fwd/launch.rs` (`SparseFwdParams`, #[repr(C)]); the static_asserts below and
 // the Rust `const` asserts pin the same size and offsets, so a change on one side breaks the build of the other.
 //
-// Shapes use SPEC names. Strides are in elements (not bytes), last dimensions are contiguous (stride 1, not
+// Shapes use spec names. Strides are in elements (not bytes), last dimensions are contiguous (stride 1, not
 // stored). All strides are i64: the host checked that every reachable offset fits. q, kv rows and (when
 // kFlagOutVec16 is set) out rows are 16-byte aligned; the host checked that too.
 #pragma once

@@ -1,4 +1,4 @@
-// Entry points of the sparse_fwd family (SPEC section 1), one per (pipeline, d_qk):
+// Entry points of the sparse_fwd family (docs/spec.md section 1), one per (pipeline, d_qk):
 //   sparse_fwd_d576, sparse_fwd_d512            split pipeline (score + value warpgroups; long contexts)
 //   sparse_fwd_alt_d576, sparse_fwd_alt_d512    alternating pipeline (consumers alternate tiles; short contexts)
 // Launch: grid (s_q * ceil(h_q / 64), 1, 1), block (kThreads = 384, 1, 1), dynamic shared memory

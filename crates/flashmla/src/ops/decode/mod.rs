@@ -1,4 +1,4 @@
-//! MLA decode over a paged KV cache (SPEC section 4).
+//! MLA decode over a paged KV cache (docs/spec.md section 4).
 //!
 //! * **Dense**: `q [b, s_q, h_q, d_qk]` bf16/f16, `k_cache [num_blocks, page_size, h_kv, d_qk]` of the same
 //!   dtype, `block_table [b, max_blocks]` and `cache_seqlens [b]` i32, optional bottom-right causal mask and

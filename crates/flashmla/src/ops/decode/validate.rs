@@ -117,7 +117,7 @@ fn expect_nonzero(arg: &str, value: usize, what: &str) -> Result<()> {
     Err(Error::invalid(arg, format!("{what} >= 1"), value))
 }
 
-/// `softmax_scale`, or the SPEC default `d_qk^-0.5`.
+/// `softmax_scale`, or the spec default `d_qk^-0.5`.
 fn softmax_scale(given: Option<f32>, d_qk: usize) -> Result<f32> {
     let scale = given.unwrap_or_else(|| (d_qk as f32).sqrt().recip());
     expect_positive_finite("softmax_scale", scale)?;

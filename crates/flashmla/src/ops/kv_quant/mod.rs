@@ -1,4 +1,4 @@
-//! FP8 KV-cache quantise and dequantise (SPEC section 3): bf16 latent rows <-> the V3.2 (656 bytes/token) or
+//! FP8 KV-cache quantise and dequantise (docs/spec.md section 3): bf16 latent rows <-> the V3.2 (656 bytes/token) or
 //! MODEL1 (584 bytes/token) cache layout, with the reference quantiser's power-of-two scales.
 //!
 //! | argument | shape | dtype |

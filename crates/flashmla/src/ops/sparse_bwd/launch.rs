@@ -1374,7 +1374,7 @@ mod tests {
 
     #[test]
     fn gathered_tensors_need_16_byte_rows_others_fall_back() {
-        // The SPEC's adversarial layout (every dim padded, last by 128) keeps 16-byte rows.
+        // The spec's adversarial layout (every dim padded, last by 128) keeps 16-byte rows.
         let mut c = case(5, 64, 576, 100, 64, DType::Bf16);
         c.q = view(at(0), DType::Bf16, &[5, 64, 576], Some(&[65 * 704, 704, 1]));
         c.kv = view(at(1), DType::Bf16, &[100, 1, 576], Some(&[1408, 704, 1]));

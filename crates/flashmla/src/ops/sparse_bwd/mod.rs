@@ -1,4 +1,4 @@
-//! Sparse MLA prefill backward (SPEC section 2): gradients of the sparse prefill forward
+//! Sparse MLA prefill backward (docs/spec.md section 2): gradients of the sparse prefill forward
 //! ([`crate::ops::sparse_fwd`]) with respect to `q`, `kv` and `attn_sink`, given the forward's `out`
 //! and `lse` and the incoming gradient `d_out`.
 //!

@@ -574,7 +574,7 @@ mod tests {
     #[test]
     fn gather_needs_16_byte_rows_and_output_falls_back_to_scalar_stores() {
         let mut c = case(5, 64, 576, 100, 64);
-        // Padded strides that stay multiples of 8 elements (the SPEC's adversarial layout) are
+        // Padded strides that stay multiples of 8 elements (the spec's adversarial layout) are
         // fine.
         c.q = view(BASE, DType::Bf16, &[5, 64, 576], Some(&[65 * 704, 704, 1]));
         c.kv = view(

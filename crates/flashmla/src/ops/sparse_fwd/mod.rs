@@ -1,4 +1,4 @@
-//! Sparse MLA prefill forward (SPEC section 1): every query token attends to the `topk` latent KV rows
+//! Sparse MLA prefill forward (docs/spec.md section 1): every query token attends to the `topk` latent KV rows
 //! its index row names, with all query heads sharing each row (`h_kv = 1`) and V = the first
 //! [`D_V`] columns of the row.
 //!

@@ -1,4 +1,4 @@
-//! CPU reference of MLA decode over a paged KV cache (SPEC section 4): dense (bf16/f16 cache, block table)
+//! CPU reference of MLA decode over a paged KV cache (docs/spec.md section 4): dense (bf16/f16 cache, block table)
 //! and sparse (FP8 cache, per-token indices, optional "extra" cache), plus the split-KV pieces a GPU uses:
 //! the pure [`decode_schedule`], the per-chunk partial results and their [`combine`].
 //!
@@ -6,7 +6,7 @@
 //! softmax-weighted sum of the keys' first `d_v` columns (V is part of the K row), `lse` the natural-log
 //! log-sum-exp of the logits `softmax_scale * dot(q, k)`. A row without any key gives `out = 0`,
 //! `lse = +inf`. The optional sink is an extra logit with a zero value vector: it damps `out` and leaves
-//! `lse` unchanged (SPEC section 1).
+//! `lse` unchanged (docs/spec.md section 1).
 //!
 //! Which keys exist (rules the GPU kernels follow too, so that no kernel ever reads outside its buffers):
 //! * Dense: request `b` has `s_k = clamp(cache_seqlens[b], 0, max_blocks * page_size)` key positions; key
@@ -227,7 +227,7 @@ impl DenseDecodeProblem {
 }
 
 /// How rows are finished: a whole decode applies the sink and gives rows without keys `lse = +inf` (the
-/// SPEC convention); a partial applies no sink and gives them `-inf`, so the combine weighs them 0.
+/// spec convention); a partial applies no sink and gives them `-inf`, so the combine weighs them 0.
 #[derive(Clone, Copy)]
 struct Finish<'a, R> {
     sink: Option<&'a [f32]>,
@@ -371,7 +371,7 @@ fn partial<R: Real>(
 /// `out = sum_c w_c * out_c / (sum_c w_c + exp(sink - m))`. Chunks with `lse = -inf` (no key) get weight 0.
 /// The sink is applied here, once. A row whose chunks are all empty gets `out = 0`, `lse = +inf`.
 ///
-/// Returns `out [s_q, h_q, d_v]` and `lse [h_q, s_q]` (this request's slices of the SPEC outputs).
+/// Returns `out [s_q, h_q, d_v]` and `lse [h_q, s_q]` (this request's slices of the spec outputs).
 pub fn combine<R: Real>(
     partials: &[DecodePartial<R>],
     shape: RowShape,

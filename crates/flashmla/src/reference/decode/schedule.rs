@@ -1,4 +1,4 @@
-//! The split-KV schedule of decode (SPEC section 4): which SM part processes which chunk of which request's
+//! The split-KV schedule of decode (docs/spec.md section 4): which SM part processes which chunk of which request's
 //! keys. A pure function of the shapes, the SM count and the per-request key counts (`cache_seqlens` or
 //! `topk_length` values), so a GPU computes the same schedule on the device with no host synchronisation;
 //! this is the host version, used by the reference and by tests.
