@@ -23,22 +23,17 @@
 #include "common/mbarrier.cuh"
 #include "common/pipeline.cuh"
 #include "common/smem_layout.cuh"
+#include "common/softmax_tile.cuh"
 #include "common/wgmma.cuh"
 #include "sm90/sparse_fwd/config.cuh"
 #include "sm90/sparse_fwd/params.h"
 
 namespace flashmla::sparse_fwd {
 
-inline constexpr float kLog2e = 1.4426950408889634f;
-inline constexpr float kLn2 = 0.6931471805599453f;
-inline constexpr float kInf = __builtin_huge_valf();
-// Lazy rescaling: the reference max that P is computed against is only raised when a row's running max exceeds
-// it by more than this (base-2 logits), so P <= 2^8 (exact enough in bf16, far from overflow in f32) and O is
-// rarely rescaled. lse and the output use the same reference, so the result does not depend on it.
-inline constexpr float kRescaleThreshold = 8.0f;
-inline constexpr uint32_t kFullMask = 0xffffffffu;
-
 using Ring = RingPos<kStages>;
+static_assert(kHeadsPerCta == kTileM && kTileRows == kTileN && kDvPerConsumer == kOHalfCols &&
+                  kWarpgroupThreads == kTileThreads,
+              "the CTA tiles are the shared softmax tiles (common/softmax_tile.cuh)");
 
 
 // Index entry `j` of the token's row, or -1 (invalid) at and past topk_eff, which is never read.
@@ -48,13 +43,6 @@ __device__ __forceinline__ int load_index(const int32_t* idx_row, int j, int top
 
 // An index selects a KV row iff 0 <= i < s_kv (s_kv clamped to i32::MAX on the host, which keeps this exact).
 __device__ __forceinline__ bool index_valid(int idx, int s_kv) { return idx >= 0 && idx < s_kv; }
-
-// One elected arrival per warp on an "empty" barrier, after the warp's last use of the guarded data. The
-// __syncwarp orders every lane's earlier accesses before lane 0's (release) arrival.
-__device__ __forceinline__ void release_by_warp(uint64_t* bar, int lane) {
-    __syncwarp();
-    if (lane == 0) MBarrier::arrive(bar);
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Producer warpgroup.
@@ -178,27 +166,6 @@ __device__ __forceinline__ void producer(const SparseFwdParams& p, SmemPlan<kDqk
 // ---------------------------------------------------------------------------------------------------------------
 // Consumer warpgroups.
 
-__device__ __forceinline__ float quad_max(float v) {
-    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, 1));
-    return fmaxf(v, __shfl_xor_sync(kFullMask, v, 2));
-}
-__device__ __forceinline__ float quad_sum(float v) {
-    v += __shfl_xor_sync(kFullMask, v, 1);
-    return v + __shfl_xor_sync(kFullMask, v, 2);
-}
-
-__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(addr)
-                 : "memory");
-    return v;
-}
-
 // Eight bf16 (one 16-byte chunk) to global memory: one vector store when the host proved 16-byte alignment.
 __device__ __forceinline__ void store_out_chunk(uint16_t* dst, uint4 v, bool vec16) {
     if (vec16) {
@@ -213,20 +180,6 @@ __device__ __forceinline__ void store_out_chunk(uint16_t* dst, uint4 v, bool vec
     }
 }
 
-// Zeroes a register array (accumulators before their first use).
-template <int N>
-__device__ __forceinline__ void zero_regs(float (&a)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) a[i] = 0.f;
-}
-
-// Shapes of the consumers' register tiles.
-inline constexpr int kSRegs = kHeadsPerCta * kTileRows / kWarpgroupThreads;       // 32: S, 64 x 64 f32
-inline constexpr int kORegs = kHeadsPerCta * kDvPerConsumer / kWarpgroupThreads;  // 128: O half, 64 x 256 f32
-inline constexpr int kPvSteps = kTileRows / 16;                                    // 4 k-steps of 16 kv rows
-inline constexpr int kSBlocks = kSRegs / 4;                                        // 8 n8 blocks of S
-inline constexpr uint32_t kUnusedLbo = 16;  // K-major SW128 operands ignore LBO
-
 // Validity of the 64 rows of a tile as a bit mask (bit n = tile row n), derived from the index row itself (the
 // same test the producer applies), so no flag crosses from the producer to the consumers. Lane l holds the raw
 // entries for rows l and l + 32, loaded a tile ahead.
@@ -238,13 +191,9 @@ struct TileIndices {
                 load_index(idx_row, tile * kTileRows + 32 + lane, topk_eff)};
     }
 };
-struct TileMask {
-    uint32_t lo;  // rows 0..31
-    uint32_t hi;  // rows 32..63
-    static __device__ __forceinline__ TileMask of(const TileIndices& ix, int s_kv) {
-        return {__ballot_sync(kFullMask, index_valid(ix.lo, s_kv)), __ballot_sync(kFullMask, index_valid(ix.hi, s_kv))};
-    }
-};
+__device__ __forceinline__ TileMask tile_mask_of(const TileIndices& ix, int s_kv) {
+    return TileMask::of_lanes(index_valid(ix.lo, s_kv), index_valid(ix.hi, s_kv));
+}
 
 // Q's rope columns (512..575) of the thread's two rows as register A fragments: a[0] = (row0, c, c+1),
 // a[1] = (row0+8, c, c+1), a[2] = (row0, c+8, c+9), a[3] = (row0+8, c+8, c+9) with c = 512 + 16 ks + 2 quad
@@ -268,64 +217,6 @@ __device__ __forceinline__ void load_q_rope(const SparseFwdParams& p, const CtaW
                 }
             }
         }
-    }
-}
-
-// Column n of S is tile row n. Invalid rows (bad index, tail) -> -inf (a select, not an add, so an inf in Q cannot
-// turn into NaN); their K and V rows were zero-filled by the producer. The mask is warp-uniform, so fully valid
-// tiles (the common case) skip it.
-__device__ __forceinline__ void mask_invalid_rows(float (&s)[kSRegs], const TileMask& mask, const AccFrag& f) {
-    if (mask.lo != kFullMask || mask.hi != kFullMask) {
-        const uint32_t v_lo = mask.lo >> (2 * f.quad);
-        const uint32_t v_hi = mask.hi >> (2 * f.quad);
-#pragma unroll
-        for (int j = 0; j < kSBlocks; ++j) {
-            const uint32_t v = j < kSBlocks / 2 ? v_lo : v_hi;
-            const uint32_t bit = 1u << (8 * (j % (kSBlocks / 2)));
-            const bool va = (v & bit) != 0;         // column 8 j + 2 q
-            const bool vb = (v & (bit << 1)) != 0;  // column 8 j + 2 q + 1
-            s[4 * j + 0] = va ? s[4 * j + 0] : -kInf;
-            s[4 * j + 1] = vb ? s[4 * j + 1] : -kInf;
-            s[4 * j + 2] = va ? s[4 * j + 2] : -kInf;
-            s[4 * j + 3] = vb ? s[4 * j + 3] : -kInf;
-        }
-    }
-}
-
-// Online-softmax bookkeeping of one tile: the running max of the base-2 logits and the lazily raised reference
-// (raised only when the running max exceeds it by kRescaleThreshold; also on the first valid entry, where m_ref is
-// -inf and alpha = exp2(-inf) = 0). Row maxima as trees (short dependency chains). m_exp is the reference to
-// subtract, 0 while a row has seen no valid entry (keeps exp2 away from NaN).
-__device__ __forceinline__ void update_row_max(const float (&s)[kSRegs], float scale, float (&m_run)[2],
-                                               float (&m_ref)[2], float (&alpha)[2], float (&m_exp)[2]) {
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-        float t[kSBlocks];
-#pragma unroll
-        for (int j = 0; j < kSBlocks; ++j) t[j] = fmaxf(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]);
-#pragma unroll
-        for (int w2 = kSBlocks / 2; w2 >= 1; w2 /= 2) {
-#pragma unroll
-            for (int j = 0; j < w2; ++j) t[j] = fmaxf(t[j], t[j + w2]);
-        }
-        m_run[rr] = fmaxf(m_run[rr], quad_max(t[0]) * scale);
-        alpha[rr] = 1.f;
-        if (m_run[rr] > m_ref[rr] + kRescaleThreshold) {
-            alpha[rr] = exp2f(m_ref[rr] - m_run[rr]);
-            m_ref[rr] = m_run[rr];
-        }
-        m_exp[rr] = m_ref[rr] == -kInf ? 0.f : m_ref[rr];
-    }
-}
-
-// O *= alpha per row (the thread's two rows): brings an O half to a raised reference max.
-__device__ __forceinline__ void scale_o_rows(float (&o)[kORegs], float a0, float a1) {
-#pragma unroll
-    for (int j = 0; j < kORegs / 4; ++j) {
-        o[4 * j + 0] *= a0;
-        o[4 * j + 1] *= a0;
-        o[4 * j + 2] *= a1;
-        o[4 * j + 3] *= a1;
     }
 }
 
@@ -458,7 +349,7 @@ __device__ __forceinline__ void score_consumer(const SparseFwdParams& p, SmemPla
     TileIndices ix_next{-1, -1};
     if (w.n_tiles > 0) {
         load_q_rope<kDqk>(p, w, f, rows, q_rope);
-        mask = TileMask::of(TileIndices::load(idx_row, 0, w.topk_eff, lane), p.s_kv);
+        mask = tile_mask_of(TileIndices::load(idx_row, 0, w.topk_eff, lane), p.s_kv);
         if (w.n_tiles > 1) ix_next = TileIndices::load(idx_row, 1, w.topk_eff, lane);
         MBarrier::wait(&sm.q_full, 0);
         issue_qk<kDqk>(sm, Ring::of(0), desc_q, q_rope, s);
@@ -542,7 +433,7 @@ __device__ __forceinline__ void score_consumer(const SparseFwdParams& p, SmemPla
         if (has_next) {
             // Next tile's validity (indices loaded a tile ago); prefetch the one after. Done before the issue so
             // that nothing sits between the issue and the Handoff.
-            mask = TileMask::of(ix_next, p.s_kv);
+            mask = tile_mask_of(ix_next, p.s_kv);
             if (i + 2 < w.n_tiles) ix_next = TileIndices::load(idx_row, i + 2, w.topk_eff, lane);
         }
         wgmma_wait<0>();
@@ -703,7 +594,7 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
 
     for (int i = kC; i < n; i += 2) {
         const Ring pos = Ring::of(i);
-        const TileMask mask = TileMask::of(TileIndices::load(idx_row, i, w.topk_eff, lane), p.s_kv);
+        const TileMask mask = tile_mask_of(TileIndices::load(idx_row, i, w.topk_eff, lane), p.s_kv);
         issue_qk<kDqk, kC == 0 ? kGroupLeft : kGroupRight, kC == 0 ? kGroupRight : kGroupLeft>(sm, pos, desc_q,
                                                                                               q_rope, s);
         if (i >= 1) {
