@@ -2,10 +2,12 @@
 //! (docs/spec.md section 6) in one place, seeded so every failure can be replayed.
 
 use crate::error::Result;
+use crate::reference::decode::{DenseDecodeInputs, DenseDecodeProblem};
 use crate::fp8::KvFormat;
 use crate::tensor::{HostTensor, TensorMeta};
 use half::bf16;
 use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
 
@@ -640,3 +642,124 @@ mod tests {
         }
     }
 }
+
+/// What to generate for a dense case.
+#[derive(Debug, Clone)]
+pub struct DenseSpec {
+    /// Requests.
+    pub batch: usize,
+    /// Query tokens per request.
+    pub s_q: usize,
+    /// Query heads.
+    pub h_q: usize,
+    /// Key heads.
+    pub h_kv: usize,
+    /// Query/key width.
+    pub d_qk: usize,
+    /// Value width.
+    pub d_v: usize,
+    /// Tokens per cache block.
+    pub page_size: usize,
+    /// `cache_seqlens`, one per request.
+    pub seqlens: Vec<i32>,
+    /// Bottom-right causal mask.
+    pub causal: bool,
+    /// Draw an `attn_sink`.
+    pub sink: bool,
+}
+
+/// A dense case: paged cache with shuffled blocks, NaN in every slot no request owns (spare blocks and the
+/// tails of partly used blocks), garbage block ids past each request's used blocks.
+#[derive(Debug, Clone)]
+pub struct DenseCase {
+    /// The problem's dimensions.
+    pub p: DenseDecodeProblem,
+    /// `[b, s_q, h_q, d_qk]` (bf16 values).
+    pub q: Vec<f32>,
+    /// `[num_blocks, page_size, h_kv, d_qk]` (bf16 values; NaN where no request reads).
+    pub k_cache: Vec<f32>,
+    /// `[b, max_blocks]`.
+    pub block_table: Vec<i32>,
+    /// `[b]`.
+    pub cache_seqlens: Vec<i32>,
+    /// `[h_q]`, when drawn.
+    pub sink: Option<Vec<f32>>,
+}
+
+impl DenseCase {
+    /// The reference's view of the case.
+    pub fn inputs(&self) -> DenseDecodeInputs<'_> {
+        DenseDecodeInputs {
+            q: &self.q,
+            k_cache: &self.k_cache,
+            block_table: &self.block_table,
+            cache_seqlens: &self.cache_seqlens,
+            attn_sink: self.sink.as_deref(),
+        }
+    }
+}
+
+/// Draws a dense decode case (`randn / 10` plus a per-tensor offset, rounded to bf16).
+pub fn dense_case(rng: &mut StdRng, spec: &DenseSpec) -> DenseCase {
+    let page = spec.page_size;
+    let used: Vec<usize> = spec
+        .seqlens
+        .iter()
+        .map(|&n| (n.max(0) as usize).div_ceil(page))
+        .collect();
+    let num_blocks = used.iter().sum::<usize>() + 2;
+    let max_blocks = used.iter().copied().max().unwrap_or(0) + 1;
+    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+    ids.shuffle(rng);
+    let garbage = [-1, i32::MAX, num_blocks as i32, i32::MIN];
+    let mut block_table = Vec::with_capacity(spec.batch * max_blocks);
+    let mut next = 0;
+    for &u in &used {
+        for j in 0..max_blocks {
+            if j < u {
+                block_table.push(ids[next]);
+                next += 1;
+            } else {
+                block_table.push(garbage[j % garbage.len()]);
+            }
+        }
+    }
+    let row = spec.h_kv * spec.d_qk;
+    let mut k_cache = vec![f32::NAN; num_blocks * page * row];
+    let offset_k = rng.random_range(-0.2f32..0.2);
+    for (b, &n) in spec.seqlens.iter().enumerate() {
+        for pos in 0..n.max(0) as usize {
+            let block = block_table[b * max_blocks + pos / page] as usize;
+            let at = (block * page + pos % page) * row;
+            k_cache[at..at + row].copy_from_slice(&randn_bf16(rng, row, 0.1, offset_k));
+        }
+    }
+    let offset_q = rng.random_range(-0.2f32..0.2);
+    let q = randn_bf16(rng, spec.batch * spec.s_q * spec.h_q * spec.d_qk, 0.1, offset_q);
+    let sink = spec.sink.then(|| {
+        (0..spec.h_q)
+            .map(|_| rng.sample::<f32, _>(StandardNormal))
+            .collect()
+    });
+    DenseCase {
+        p: DenseDecodeProblem {
+            batch: spec.batch,
+            s_q: spec.s_q,
+            h_q: spec.h_q,
+            h_kv: spec.h_kv,
+            d_qk: spec.d_qk,
+            d_v: spec.d_v,
+            num_blocks,
+            page_size: page,
+            max_blocks,
+            softmax_scale: (spec.d_qk as f32).sqrt().recip(),
+            causal: spec.causal,
+        },
+        q,
+        k_cache,
+        block_table,
+        cache_seqlens: spec.seqlens.clone(),
+        sink,
+    }
+}
+

@@ -1,6 +1,7 @@
 //! `flashmla bench`: times ops with CUDA events (warm-up, many repetitions, median) on the PERF.md shapes and
 //! writes JSON records carrying the GPU, driver, commit and date.
 
+mod decode_dense;
 mod kv_quant;
 mod sparse_bwd;
 pub(crate) mod sparse_fwd;
@@ -187,6 +188,14 @@ pub struct Record {
     pub format: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokens: Option<usize>,
+    /// Decode: tokens per cache block, and `skewed` for the 1 x 131072 + 127 x 1024 batch.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub page_size: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seqlens: Option<String>,
+    /// Decode: element type of q and the cache.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<String>,
     /// Device memory the op allocates beyond its inputs and outputs, bytes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub extra_bytes: Option<usize>,
@@ -270,6 +279,7 @@ fn all_benches(args: &BenchArgs) -> Vec<Bench> {
     v.extend(sparse_bwd::benches(args.suite, args.indices, false));
     v.extend(sparse_bwd::benches(args.suite, args.indices, true));
     v.extend(kv_quant::benches(args.suite));
+    v.extend(decode_dense::benches(args.suite));
     v.into_iter()
         .filter(|b| op_selected(&args.op, &b.record.op))
         .collect()
@@ -561,6 +571,9 @@ fn shape_label(r: &Record) -> String {
     add("idx", r.indices.clone());
     add("fmt", r.format.clone());
     add("tokens", r.tokens.map(|x| x.to_string()));
+    add("page", r.page_size.map(|x| x.to_string()));
+    add("seqlens", r.seqlens.clone());
+    add("dtype", r.dtype.clone());
     parts.join(" ")
 }
 

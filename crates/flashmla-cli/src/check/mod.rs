@@ -1,6 +1,7 @@
 //! `flashmla check`: the GPU correctness suite. Every case runs a kernel on fresh seeded inputs, with outputs
 //! poisoned beforehand, and compares against the CPU reference (bit-exact or spec section 6 tolerances).
 
+mod decode_dense;
 mod kv_quant;
 mod sparse_bwd;
 mod sparse_fwd;
@@ -153,6 +154,7 @@ fn all_cases() -> Vec<Case> {
     cases.extend(kv_quant::cases());
     cases.extend(sparse_fwd::cases());
     cases.extend(sparse_bwd::cases());
+    cases.extend(decode_dense::cases());
     cases
 }
 

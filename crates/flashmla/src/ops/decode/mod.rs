@@ -12,21 +12,25 @@
 //! Outputs: `out [b, s_q, h_q, 512]` in q's dtype and `lse [b, h_q, s_q]` f32 (natural log; `+inf` and
 //! `out = 0` for a row without keys). `softmax_scale` defaults to `d_qk^-0.5`.
 //!
-//! The CPU path runs [`crate::reference::decode`] in f32 (without a split: the split-KV schedule and combine
-//! of [`crate::reference::decode::decode_schedule`] are what the GPU path will follow, and they equal the
-//! unsplit result up to rounding).
+//! The CPU path runs [`crate::reference::decode`] in f32 (without a split; the split-KV schedule and combine
+//! equal the unsplit result up to rounding). The GPU path of the dense decode ([`decode_dense_cuda`]) runs the
+//! sm_90a kernels of [`launch`]: an on-device schedule, the split kernel and an f32 combine, with no host
+//! synchronisation.
 
+pub mod launch;
 pub mod validate;
 
 pub use validate::{
     check_dense_values, validate_dense, validate_sparse, DenseDecodeDims, SparseDecodeDims,
 };
 
+use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::reference::decode::{
     self as reference, DecodeResult, DenseDecodeInputs, SparseDecodeInputs, SparseKv,
 };
-use crate::tensor::{DType, HostData, HostTensor};
+use crate::tensor::{DType, DeviceView, HostData, HostTensor, Location, TensorMeta};
+use crate::validate::{expect_dtype, expect_location, expect_rank, expect_shape};
 use half::{bf16, f16};
 
 /// Value width of every decode: V is the first 512 columns of a key row.
@@ -210,4 +214,56 @@ pub fn decode_sparse_cpu(
     };
     let res = reference::decode_sparse::<f32>(&dims.problem(), &inputs)?;
     pack(res, DType::Bf16, [dims.batch, dims.s_q, dims.h_q, dims.d_v])
+}
+
+/// Options of the GPU decode. `Default` is the measured heuristic.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DecodeOptions {
+    /// Batch-invariant mode: every request's keys are cut into chunks that depend only on its own length (a fixed
+    /// chunk budget), so its output and lse are bitwise the same whatever else is in the batch. Costs the balance
+    /// of the default schedule on skewed batches and more workspace (see [`launch`]).
+    pub batch_invariant: bool,
+    /// Parts the balanced schedule cuts the work into (the split kernel's grid y); `None`: `sm_count /
+    /// head_tiles`. Also the grid y of the batch-invariant mode, whose CTAs loop over its parts.
+    pub num_parts: Option<usize>,
+    /// Batch-invariant mode only: the chunk budget in line units (key tiles of 64 plus the per-chunk overhead of
+    /// 4); `None`: the heuristic of [`launch::ScheduleGeometry::of`].
+    pub chunk_tiles: Option<usize>,
+}
+
+/// Checks the caller-provided outputs of a dense decode: `out [b, s_q, h_q, 512]` in q's dtype and
+/// `lse [b, h_q, s_q]` f32, on `loc`, last dimensions contiguous.
+pub fn validate_dense_output<T: TensorMeta>(
+    dims: &DenseDecodeDims,
+    loc: Location,
+    out: &DecodeOutput<T>,
+) -> Result<()> {
+    for (arg, t, dtype, shape) in [
+        ("out", &out.out, dims.dtype, vec![dims.batch, dims.s_q, dims.h_q, dims.d_v]),
+        ("lse", &out.lse, DType::F32, vec![dims.batch, dims.h_q, dims.s_q]),
+    ] {
+        expect_location(arg, t, loc)?;
+        expect_dtype(arg, t, &[dtype])?;
+        expect_rank(arg, t, shape.len())?;
+        expect_shape(arg, t, &shape)?;
+        crate::validate::expect_last_dim_contiguous(arg, t)?;
+    }
+    Ok(())
+}
+
+/// Dense decode on the GPU: validates the arguments and the caller-provided outputs, checks the kernels' limits
+/// (see [`launch`]) and queues the schedule, split and combine kernels on `gpu`'s stream. Asynchronous.
+/// `workspace`: a contiguous f32 buffer of at least [`launch::dense_workspace_words`] elements, or `None` to
+/// allocate one for the call. `cache_seqlens` values are clamped to `0..=max_blocks * page_size` and a block id
+/// outside `0..num_blocks` is a missing key (no value is read on the host).
+pub fn decode_dense_cuda(
+    gpu: &Gpu,
+    args: &DenseDecodeArgs<'_, DeviceView>,
+    out: &DecodeOutput<DeviceView>,
+    options: &DecodeOptions,
+    workspace: Option<&DeviceView>,
+) -> Result<()> {
+    let dims = validate_dense(args)?;
+    validate_dense_output(&dims, args.q.location(), out)?;
+    launch::launch(gpu, &dims, args, out, options, workspace)
 }

@@ -1,0 +1,125 @@
+// Tile sizes, warp roles and the shared-memory plan of the dense decode (docs/decode.md explains the choices).
+// One CTA of the split kernel serves one tile of 64 query rows (rows = (query token, head) pairs of one key head)
+// over the chunks of key positions its part of the schedule holds; it gathers each chunk's keys in tiles of 64
+// from the paged cache and keeps the 64 x 512 output tile on chip.
+#pragma once
+
+#include <cstdint>
+
+#include "common/smem_layout.cuh"
+#include "common/softmax_tile.cuh"
+
+namespace flashmla::decode {
+
+inline constexpr int kRowsPerCta = kTileM;     // query rows per CTA (the wgmma M); rows past `rows` are zero
+inline constexpr int kKeysPerTile = kTileN;    // keys gathered per pipeline stage (the N of S = Q K^T)
+inline constexpr int kStages = 2;              // KV ring depth; 3 would not fit next to Q at d_qk = 576
+inline constexpr int kDv = 512;                // V width: the first 512 columns of each key row
+inline constexpr int kConsumers = 2;           // consumer warpgroups, each owning half of the output columns
+inline constexpr int kDvPerConsumer = kOHalfCols;  // 256
+static_assert(kConsumers * kDvPerConsumer == kDv, "the two O halves cover d_v");
+
+inline constexpr int kWarpgroupThreads = kTileThreads;  // 128
+inline constexpr int kWarpsPerWarpgroup = kWarpgroupThreads / 32;
+inline constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;  // 384
+inline constexpr int kConsumerThreads = kConsumers * kWarpgroupThreads;
+
+// Warpgroup roles (warpgroup index = threadIdx.x / 128), as in the sparse forward's split pipeline:
+//   Producer: per chunk, loads the Q tile, then gathers the chunk's key tiles into the ring.
+//   Score:    S = Q K^T per tile, masks, online softmax, P for both consumers; O[:, 0:256] += P V.
+//   Value:    O[:, 256:512] += P V with the P the score warpgroup published.
+enum class Role : int { Producer = 0, Score = 1, Value = 2 };
+
+// Register split after setmaxnreg (see sparse_fwd/config.cuh: the three budgets share 3 x 168 per thread slot).
+inline constexpr uint32_t kRegsAtLaunch = (65536u / kThreads) & ~7u;  // 168
+inline constexpr uint32_t kProducerRegs = 48;
+inline constexpr uint32_t kScoreRegs = 256;
+inline constexpr uint32_t kValueRegs = 200;
+static_assert(kProducerRegs + kScoreRegs + kValueRegs <= 3 * kRegsAtLaunch, "setmaxnreg pool of the CTA");
+
+// Producer gather geometry: 8 threads per 128-byte slab row, 16 rows per pass, 4 passes per 64-row tile.
+inline constexpr int kThreadsPerRow = kSw128ChunksPerRow;                  // 8
+inline constexpr int kRowsPerPass = kWarpgroupThreads / kThreadsPerRow;    // 16
+inline constexpr int kPassesPerTile = kKeysPerTile / kRowsPerPass;         // 4
+static_assert(kRowsPerCta == kKeysPerTile, "Q and key tiles share the gather geometry");
+
+// Column groups of a key stage, each with its own full/empty barrier pair (as in the sparse forward):
+//   Left  = slabs 0..3 (V columns 0..255):   read by QK and by the score warpgroup's PV; released by it.
+//   Right = slabs 4..7 (V columns 256..511): read by QK and by the value warpgroup's PV; released by it.
+//   Rope  = slabs 8.. (d_qk 576 only):       read by QK only; released by the score warpgroup after QK.
+inline constexpr int kGroupLeft = 0;
+inline constexpr int kGroupRight = 1;
+inline constexpr int kGroupRope = 2;
+inline constexpr int kMaxGroups = 3;
+inline constexpr int kDvSlabs = kDv / kSw128ColsBf16;                      // 8
+inline constexpr int kSlabsPerHalf = kDvPerConsumer / kSw128ColsBf16;      // 4
+
+// Named barriers among the 256 consumer threads (id 0 is __syncthreads, used only before the role split).
+enum class Bar : uint32_t {
+    Handoff = 1,        // per tile i: P(i) and alpha(i) are published and QK(i + 1) is queued; the value
+                        // warpgroup has finished PV(i - 1)
+    EpilogueScale = 2,  // per chunk: the score warpgroup published 1 / row sum (row_inv[chunk % 2])
+};
+
+template <int kDqk>
+struct Config {
+    static_assert(kDqk == 512 || kDqk == 576, "d_qk must be 512 or 576");
+    static constexpr int kDqkSlabs = kDqk / kSw128ColsBf16;           // 8 or 9 slabs of 64 columns
+    static constexpr int kRopeSlabs = kDqkSlabs - kDvSlabs;           // 1 or 0
+    static constexpr int kGroups = kRopeSlabs > 0 ? 3 : 2;
+    static constexpr int kSlabBytes = kKeysPerTile * kSw128RowBytes;  // 8192: one 64-row slab
+    // Q columns 0..511 live in shared memory; the rope columns (512..575) are register A fragments of the score
+    // warpgroup.
+    static constexpr int kQSmemBytes = kDvSlabs * kSlabBytes;         // 64 KB
+    static constexpr int kStageBytes = kDqkSlabs * kSlabBytes;        // one key tile: 72 KB (576) / 64 KB (512)
+    static constexpr int kPBytes = kSlabBytes;                        // P: 64 rows x 64 keys, 16-bit
+    static constexpr int kKStepsPerSlab = kSw128ColsBf16 / 16;        // 4 wgmma k-steps per 64-column slab
+    static constexpr int kRopeSteps = kRopeSlabs * kKStepsPerSlab;    // 4 or 0
+    static constexpr int kRopeFragSteps = kRopeSteps > 0 ? kRopeSteps : 1;
+};
+
+__host__ __device__ constexpr int group_first_slab(int group) {
+    return group == kGroupLeft ? 0 : group == kGroupRight ? kSlabsPerHalf : kDvSlabs;
+}
+template <int kDqk>
+__host__ __device__ constexpr int group_slabs(int group) {
+    return group == kGroupRope ? Config<kDqk>::kRopeSlabs : kSlabsPerHalf;
+}
+
+// The shared-memory plan, one per d_qk. Every operand tile is 1024-byte aligned (the SW128 period).
+//   q          [slab][64 rows][128 B]          Q columns 0..511 of the current chunk's rows
+//   kv         [stage][slab][64 keys][128 B]   gathered key rows (K for QK; slabs 0..7 are V for PV)
+//   p          [stage][64 rows][128 B]         16-bit P of tile i in p[i % 2] (read by the value warpgroup)
+//   row_scale  [stage][64]                     alpha of tile i (rescale of O before adding tile i)
+//   row_inv    [2][64]                         per chunk c, in slot c % 2: 1 / softmax denominator (0: no key)
+//   barriers:  q_full / q_empty (per chunk with keys), kv_full[stage][group], kv_empty[stage][group]
+template <int kDqk>
+struct SmemPlan {
+    using C = Config<kDqk>;
+    alignas(kSw128AtomBytes) uint8_t q[C::kQSmemBytes];
+    alignas(kSw128AtomBytes) uint8_t kv[kStages][C::kStageBytes];
+    alignas(kSw128AtomBytes) uint8_t p[kStages][C::kPBytes];
+    float row_scale[kStages][kRowsPerCta];
+    float row_inv[2][kRowsPerCta];
+    uint64_t q_full;                        // producer -> consumers: Q landed (128 cp.async-tracked arrivals)
+    uint64_t q_empty;                       // score warpgroup -> producer: the chunk's last QK read Q (one per warp)
+    uint64_t kv_full[kStages][kMaxGroups];  // producer -> consumers: a column group landed (128 arrivals)
+    uint64_t kv_empty[kStages][kMaxGroups]; // consumers -> producer: a column group released (one per warp)
+};
+
+inline constexpr uint32_t kSmemAlignSlack = kSw128AtomBytes;
+template <int kDqk>
+inline constexpr uint32_t kSmemBytes = static_cast<uint32_t>(sizeof(SmemPlan<kDqk>)) + kSmemAlignSlack;
+
+inline constexpr uint32_t kMaxSmemPerBlock = 227 * 1024;  // sm_90 opt-in limit per block
+static_assert(kSmemBytes<576> <= kMaxSmemPerBlock, "d_qk 576 plan exceeds 227 KB");
+static_assert(kSmemBytes<512> <= kMaxSmemPerBlock, "d_qk 512 plan exceeds 227 KB");
+// launch.rs requests these exact sizes (SMEM_BYTES_D576 / SMEM_BYTES_D512); keep both in step.
+static_assert(kSmemBytes<576> == 232448, "update launch.rs SMEM_BYTES_D576");
+static_assert(kSmemBytes<512> == 216064, "update launch.rs SMEM_BYTES_D512");
+
+// Combine kernel: one warp per output row, 16 columns per lane.
+inline constexpr int kCombineThreads = 256;
+inline constexpr int kCombineColsPerLane = kDv / 32;  // 16
+
+}  // namespace flashmla::decode

@@ -1,0 +1,626 @@
+// Dense MLA decode over a paged cache for sm_90a (docs/spec.md section 4). docs/decode.md has the design:
+// schedule, shared-memory plan, warp roles, barrier protocol, partials and combine.
+//
+// Three kernels per decode step, all on the caller's stream and with no host synchronisation:
+//   decode_schedule  one CTA: the split-KV schedule from cache_seqlens (schedule.cuh);
+//   decode_split     grid (head_tiles, grid_parts): CTA (x, y) serves query-row tile x for the chunks of the parts
+//                    y, y + grid_parts, ...; writes unsplit requests in final form, split ones as f32 partials;
+//   decode_combine   grid (batch, head_tiles): merges the partials of split requests (f32), applies the sink.
+//
+// decode_split's CTA has the sparse forward's split pipeline (3 warpgroups):
+//   Producer: per chunk, loads the Q tile (columns 0..511; rows past `rows` zero-filled), then gathers the chunk's
+//             key tiles through the block table into a 2-stage ring with cp.async (missing keys zero-filled, never
+//             read), per column group (rope, left, right).
+//   Score:    per tile, S = Q K^T (rope columns of Q from registers), masks missing keys and (causal) keys past
+//             each row's limit, online softmax, publishes P and the row scales, O[:, 0:256] += P V.
+//   Value:    O[:, 256:512] += P V with the published P.
+// Per chunk, both consumers then write their O half (final: scaled by 1 / denominator, in the output dtype;
+// partial: by 1 / row sum, f32).
+#pragma once
+
+#include <cstdint>
+
+#include "common/cp_async.cuh"
+#include "common/mbarrier.cuh"
+#include "common/pipeline.cuh"
+#include "common/smem_layout.cuh"
+#include "common/softmax_tile.cuh"
+#include "common/wgmma.cuh"
+#include "sm90/decode/config.cuh"
+#include "sm90/decode/params.h"
+#include "sm90/decode/schedule.cuh"
+
+namespace flashmla::decode {
+
+using Ring = RingPos<kStages>;
+
+// The CTA's query-row tile: key head and first row (row r = (token r / hpk, head r % hpk of the key head's group)).
+struct RowTile {
+    int kv_head;
+    int row0;   // first row of the tile
+    int rows;   // rows of the tile that exist (1..64)
+    static __device__ __forceinline__ RowTile of(const DenseDecodeParams& p) {
+        const int x = static_cast<int>(blockIdx.x);
+        RowTile t;
+        t.kv_head = x / p.row_tiles;
+        t.row0 = (x % p.row_tiles) * kRowsPerCta;
+        t.rows = min(kRowsPerCta, p.rows - t.row0);
+        return t;
+    }
+    // Query token and head of tile row r (r < rows).
+    __device__ __forceinline__ int token(const DenseDecodeParams& p, int r) const { return (row0 + r) / p.heads_per_kv; }
+    __device__ __forceinline__ int head(const DenseDecodeParams& p, int r) const {
+        return kv_head * p.heads_per_kv + (row0 + r) % p.heads_per_kv;
+    }
+};
+
+// Whether key `key` (< len) of request b exists: its block id is in 0..num_blocks. Returns the key's row, or
+// nullptr for a missing key (never dereferenced).
+__device__ __forceinline__ const uint16_t* key_row(const DenseDecodeParams& p, int b, int key, int kv_head) {
+    const int page = key / p.page_size;
+    const int block = __ldg(p.block_table + static_cast<int64_t>(b) * p.block_table_stride_b + page);
+    if (block < 0 || block >= p.num_blocks) return nullptr;
+    return p.k_cache + static_cast<int64_t>(block) * p.k_stride_block +
+           static_cast<int64_t>(key - page * p.page_size) * p.k_stride_tok +
+           static_cast<int64_t>(kv_head) * p.k_stride_head;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Producer warpgroup (threads 0..127): thread t copies 16-byte chunk t % 8 of one 128-byte slab row, 16 rows per
+// pass, 4 passes per 64-row tile (as in the sparse forward).
+
+template <int kDqk, int kGroup>
+__device__ __forceinline__ void gather_group(SmemPlan<kDqk>& sm, const Ring& pos, uint32_t stage_base,
+                                             const uint16_t* const (&src)[kPassesPerTile],
+                                             const bool (&ok)[kPassesPerTile]) {
+    using C = Config<kDqk>;
+    MBarrier::wait(&sm.kv_empty[pos.stage][kGroup], pos.empty_parity);
+    constexpr int kFirst = group_first_slab(kGroup);
+#pragma unroll
+    for (int k = 0; k < kPassesPerTile; ++k) {
+#pragma unroll
+        for (int slab = kFirst; slab < kFirst + group_slabs<kDqk>(kGroup); ++slab) {
+            cp_async_16_zfill(stage_base + slab * C::kSlabBytes + k * kRowsPerPass * kSw128RowBytes,
+                              src[k] + slab * kSw128ColsBf16, ok[k]);
+        }
+    }
+    MBarrier::arrive_on_cp_async_noinc(&sm.kv_full[pos.stage][kGroup]);
+}
+
+// Q [64 rows x columns 0..511] of request b -> sm.q (rows past the tile's rows zero-filled).
+template <int kDqk>
+__device__ __forceinline__ void load_q_tile(const DenseDecodeParams& p, SmemPlan<kDqk>& sm, const RowTile& rt, int b,
+                                            const Sw128CopyThread& ct) {
+    using C = Config<kDqk>;
+    const uint32_t q_base = smem_addr(sm.q) + ct.smem_off;
+    const uint16_t* q_req = p.q + static_cast<int64_t>(b) * p.q_stride_b;
+#pragma unroll
+    for (int k = 0; k < kPassesPerTile; ++k) {
+        const int r = k * kRowsPerPass + ct.row_in_pass;
+        const bool ok = r < rt.rows;
+        const uint16_t* row = ok ? q_req + static_cast<int64_t>(rt.token(p, r)) * p.q_stride_s +
+                                       static_cast<int64_t>(rt.head(p, r)) * p.q_stride_h
+                                 : p.q;  // never read
+        const uint16_t* src = row + ct.chunk_elems;
+#pragma unroll
+        for (int slab = 0; slab < kDvSlabs; ++slab) {
+            cp_async_16_zfill(q_base + slab * C::kSlabBytes + k * kRowsPerPass * kSw128RowBytes,
+                              src + slab * kSw128ColsBf16, ok);
+        }
+    }
+    MBarrier::arrive_on_cp_async_noinc(&sm.q_full);
+}
+
+template <int kDqk>
+__device__ __forceinline__ void producer(const DenseDecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched) {
+    using C = Config<kDqk>;
+    const Sw128CopyThread ct = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
+    const RowTile rt = RowTile::of(p);
+    const uint32_t kv_base = smem_addr(sm.kv[0]) + ct.smem_off;
+    int tile = 0;      // ring position, continued across chunks
+    int q_uses = 0;    // chunks with keys so far (phases of q_full / q_empty)
+    for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
+        for_each_chunk(p, sched, part, [&](const Chunk& c) {
+            if (c.tile0 == c.tile1) return;
+            if (q_uses > 0) MBarrier::wait(&sm.q_empty, static_cast<uint32_t>((q_uses - 1) & 1));
+            load_q_tile<kDqk>(p, sm, rt, c.b, ct);
+            ++q_uses;
+            for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
+                const uint16_t* src[kPassesPerTile];
+                bool ok[kPassesPerTile];
+#pragma unroll
+                for (int pass = 0; pass < kPassesPerTile; ++pass) {
+                    const int key = k * kKeysPerTile + pass * kRowsPerPass + ct.row_in_pass;
+                    const uint16_t* row = key < c.len ? key_row(p, c.b, key, rt.kv_head) : nullptr;
+                    ok[pass] = row != nullptr;
+                    src[pass] = (ok[pass] ? row : p.q) + ct.chunk_elems;
+                }
+                const Ring pos = Ring::of(tile);
+                const uint32_t stage_base = kv_base + pos.stage * C::kStageBytes;
+                if constexpr (C::kRopeSlabs > 0) gather_group<kDqk, kGroupRope>(sm, pos, stage_base, src, ok);
+                gather_group<kDqk, kGroupLeft>(sm, pos, stage_base, src, ok);
+                gather_group<kDqk, kGroupRight>(sm, pos, stage_base, src, ok);
+            }
+        });
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Consumer warpgroups.
+
+// Validity of the keys of tile k of chunk c: key < len and its block id in range (the producer's test). Lane l
+// covers keys l and l + 32.
+__device__ __forceinline__ TileMask key_mask(const DenseDecodeParams& p, const Chunk& c, int k, int kv_head,
+                                             int lane) {
+    const int key_lo = k * kKeysPerTile + lane;
+    const int key_hi = key_lo + 32;
+    const bool lo = key_lo < c.len && key_row(p, c.b, key_lo, kv_head) != nullptr;
+    const bool hi = key_hi < c.len && key_row(p, c.b, key_hi, kv_head) != nullptr;
+    return TileMask::of_lanes(lo, hi);
+}
+
+// Bottom-right causal mask of tile k: row r (token s) sees keys < limit[r] = len - s_q + s + 1. Applied only when a
+// key of the tile reaches the smallest limit of the thread's rows (warp-uniform test).
+__device__ __forceinline__ void mask_causal(float (&s)[kSRegs], int k, const int (&limit)[2], const AccFrag& f) {
+    const int key0 = k * kKeysPerTile;
+    if (!__any_sync(kFullMask, key0 + kKeysPerTile > min(limit[0], limit[1]))) return;
+#pragma unroll
+    for (int j = 0; j < kSBlocks; ++j) {
+        const int key = key0 + f.col(j);
+        s[4 * j + 0] = key < limit[0] ? s[4 * j + 0] : -kInf;
+        s[4 * j + 1] = key + 1 < limit[0] ? s[4 * j + 1] : -kInf;
+        s[4 * j + 2] = key < limit[1] ? s[4 * j + 2] : -kInf;
+        s[4 * j + 3] = key + 1 < limit[1] ? s[4 * j + 3] : -kInf;
+    }
+}
+
+// Q's rope columns (512..575) of the thread's two rows as register A fragments (layout: smem_layout.cuh). Rows past
+// the tile's rows stay zero.
+template <int kDqk>
+__device__ __forceinline__ void load_q_rope(const DenseDecodeParams& p, const RowTile& rt, int b, const AccFrag& f,
+                                            const int (&rows)[2], uint32_t (&q_rope)[Config<kDqk>::kRopeFragSteps][4]) {
+    using C = Config<kDqk>;
+#pragma unroll
+    for (int ks = 0; ks < C::kRopeFragSteps; ++ks) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) q_rope[ks][e] = 0u;
+    }
+    if constexpr (C::kRopeSteps > 0) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            if (rows[rr] < rt.rows) {
+                const uint16_t* q_row = p.q + static_cast<int64_t>(b) * p.q_stride_b +
+                                        static_cast<int64_t>(rt.token(p, rows[rr])) * p.q_stride_s +
+                                        static_cast<int64_t>(rt.head(p, rows[rr])) * p.q_stride_h;
+#pragma unroll
+                for (int ks = 0; ks < C::kRopeSteps; ++ks) {
+                    // 4-byte loads: q rows are 16-byte aligned (host-checked) and the column is even.
+                    const uint32_t* src = reinterpret_cast<const uint32_t*>(q_row + kDv + 16 * ks + 2 * f.quad);
+                    q_rope[ks][rr] = __ldg(src);
+                    q_rope[ks][2 + rr] = __ldg(src + 4);
+                }
+            }
+        }
+    }
+}
+
+// V operand of PV (MN-major): rows 16 kb.. of the 4 slabs starting at `first_slab` of a stage.
+template <int kDqk>
+__device__ __forceinline__ uint64_t v_desc(uint32_t stage_addr, int first_slab, int kb) {
+    using C = Config<kDqk>;
+    return make_wgmma_desc_sw128(stage_addr + first_slab * C::kSlabBytes + kb * 16 * kSw128RowBytes, C::kSlabBytes,
+                                 kSw128AtomBytes);
+}
+
+// The k-steps of S = Q K^T that read column group kGroup of a stage, after waiting for it to land.
+template <class E, int kDqk, int kGroup, bool kFirstGroup>
+__device__ __forceinline__ void qk_group(SmemPlan<kDqk>& sm, const Ring& pos, uint64_t desc_q, uint64_t desc_k,
+                                         const uint32_t (&q_rope)[Config<kDqk>::kRopeFragSteps][4],
+                                         float (&s)[kSRegs]) {
+    using C = Config<kDqk>;
+    MBarrier::wait(&sm.kv_full[pos.stage][kGroup], pos.full_parity);
+    fence_proxy_async_shared();  // cp.async (generic proxy) wrote the group; wgmma reads it (async proxy)
+    constexpr int kFirstSlab = group_first_slab(kGroup);
+    constexpr int kSteps = group_slabs<kDqk>(kGroup) * C::kKStepsPerSlab;
+#pragma unroll
+    for (int ks = 0; ks < kSteps; ++ks) {
+        const uint32_t off = (kFirstSlab + ks / C::kKStepsPerSlab) * C::kSlabBytes + (ks % C::kKStepsPerSlab) * 32;
+        const bool acc = !(kFirstGroup && ks == 0);
+        if constexpr (kGroup == kGroupRope) {
+            wgmma_m64n64k16_rs_kk<E>(s, q_rope[ks], wgmma_desc_advance(desc_k, off), acc);
+        } else {
+            wgmma_m64n64k16_ss_kk<E>(s, wgmma_desc_advance(desc_q, off), wgmma_desc_advance(desc_k, off), acc);
+        }
+    }
+}
+
+// S = Q K^T of one tile (rope group first, then the halves in the producer's fill order), one commit group.
+template <class E, int kDqk>
+__device__ __forceinline__ void issue_qk(SmemPlan<kDqk>& sm, const Ring& pos, uint64_t desc_q,
+                                         const uint32_t (&q_rope)[Config<kDqk>::kRopeFragSteps][4],
+                                         float (&s)[kSRegs]) {
+    using C = Config<kDqk>;
+    const uint64_t desc_k = make_wgmma_desc_sw128(smem_addr(sm.kv[pos.stage]), kUnusedLbo, kSw128AtomBytes);
+    wgmma_fence();
+    if constexpr (C::kRopeSlabs > 0) {
+        qk_group<E, kDqk, kGroupRope, true>(sm, pos, desc_q, desc_k, q_rope, s);
+        qk_group<E, kDqk, kGroupLeft, false>(sm, pos, desc_q, desc_k, q_rope, s);
+    } else {
+        qk_group<E, kDqk, kGroupLeft, true>(sm, pos, desc_q, desc_k, q_rope, s);
+    }
+    qk_group<E, kDqk, kGroupRight, false>(sm, pos, desc_q, desc_k, q_rope, s);
+    wgmma_commit();
+}
+
+// Writes one consumer's O half of chunk c: final (scaled by inv, output dtype) or partial (f32, scaled by inv).
+template <class E>
+__device__ __forceinline__ void store_o_half(const DenseDecodeParams& p, const RowTile& rt, const Chunk& c,
+                                             const AccFrag& f, int consumer, const float (&o)[kORegs],
+                                             const float (&inv)[2]) {
+    const int rows[2] = {f.row0, f.row1()};
+    const bool vec4 = (p.flags & kFlagOutVec4) != 0;
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const int r = rows[rr];
+        if (r >= rt.rows) continue;
+        if (c.split) {
+            float* dst = p.part_o + ((static_cast<int64_t>(c.slot) * p.head_tiles + blockIdx.x) * kRowsPerCta + r) * kDv +
+                         consumer * kDvPerConsumer;
+#pragma unroll
+            for (int j = 0; j < kORegs / 4; ++j) {
+                *reinterpret_cast<float2*>(dst + f.col(j)) =
+                    make_float2(o[4 * j + 2 * rr] * inv[rr], o[4 * j + 2 * rr + 1] * inv[rr]);
+            }
+        } else {
+            uint16_t* dst = p.out + static_cast<int64_t>(c.b) * p.out_stride_b +
+                            static_cast<int64_t>(rt.token(p, r)) * p.out_stride_s +
+                            static_cast<int64_t>(rt.head(p, r)) * p.out_stride_h + consumer * kDvPerConsumer;
+#pragma unroll
+            for (int j = 0; j < kORegs / 4; ++j) {
+                const uint32_t v = pack_x2<E>(o[4 * j + 2 * rr] * inv[rr], o[4 * j + 2 * rr + 1] * inv[rr]);
+                if (vec4) {
+                    *reinterpret_cast<uint32_t*>(dst + f.col(j)) = v;
+                } else {
+                    dst[f.col(j)] = static_cast<uint16_t>(v & 0xFFFFu);
+                    dst[f.col(j) + 1] = static_cast<uint16_t>(v >> 16);
+                }
+            }
+        }
+    }
+}
+
+// Per-chunk state of the score warpgroup's softmax.
+struct SoftmaxState {
+    float m_run[2];   // running max of the base-2 logits
+    float m_ref[2];   // reference P, O and l are relative to (lazy: m_run - 8 < m_ref <= m_run)
+    float row_sum[2]; // this thread's partial row sums, relative to m_ref
+};
+
+// The chunk's epilogue on the score side: row sums, lse (final or partial), 1 / denominator for both consumers.
+__device__ __forceinline__ void score_epilogue(const DenseDecodeParams& p, float* row_inv, const RowTile& rt,
+                                               const Chunk& c, const AccFrag& f, const SoftmaxState& st,
+                                               float (&inv)[2]) {
+    const int rows[2] = {f.row0, f.row1()};
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const float l = quad_sum(st.row_sum[rr]);
+        const bool exists = rows[rr] < rt.rows;
+        const bool empty = st.m_run[rr] == -kInf;  // no key: out 0, lse +inf (final) / -inf (partial)
+        float denom = l;
+        if (!c.split && p.attn_sink != nullptr && exists && !empty) {
+            // The sink is one more logit with a zero value vector: it only enlarges the denominator.
+            const float sink = __ldg(p.attn_sink + static_cast<int64_t>(rt.head(p, rows[rr])) * p.attn_sink_stride);
+            denom += exp2f(sink * kLog2e - st.m_ref[rr]);
+        }
+        inv[rr] = empty ? 0.f : 1.f / denom;
+        if (f.quad == 0) {
+            row_inv[rows[rr]] = inv[rr];
+            if (exists) {
+                const float lse = (st.m_ref[rr] + log2f(l)) * kLn2;
+                if (c.split) {
+                    p.part_lse[(static_cast<int64_t>(c.slot) * p.head_tiles + blockIdx.x) * kRowsPerCta + rows[rr]] =
+                        empty ? -kInf : lse;
+                } else {
+                    p.lse[static_cast<int64_t>(c.b) * p.lse_stride_b +
+                          static_cast<int64_t>(rt.head(p, rows[rr])) * p.lse_stride_h +
+                          static_cast<int64_t>(rt.token(p, rows[rr])) * p.lse_stride_s] = empty ? kInf : lse;
+                }
+            }
+        }
+    }
+}
+
+// Score warpgroup (WG 1). Per chunk: wait Q; per tile i (stage i % 2), with QK(i) issued one iteration earlier:
+//   wait QK(i) -> release rope group (and Q after the chunk's last QK) -> mask, online softmax, P -> PV(i) on
+//   O[:, 0:256] -> publish P(i), alpha(i) -> wait PV(i) -> release left group -> QK(i + 1) -> Handoff.
+// Then the epilogue.
+template <class E, int kDqk>
+__device__ __forceinline__ void score_consumer(const DenseDecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched) {
+    using C = Config<kDqk>;
+    const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Score);
+    const int lane = t % 32;
+    const AccFrag f = AccFrag::of_thread(t);
+    const int rows[2] = {f.row0, f.row1()};
+    const float scale = p.sm_scale_log2;  // > 0 (validated), so max and scaling commute
+    const RowTile rt = RowTile::of(p);
+    const bool causal = (p.flags & kFlagCausal) != 0;
+    const uint64_t desc_q = make_wgmma_desc_sw128(smem_addr(sm.q), kUnusedLbo, kSw128AtomBytes);
+
+    int tile = 0;
+    int q_uses = 0;
+    int chunks = 0;
+    for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
+        for_each_chunk(p, sched, part, [&](const Chunk& c) {
+            const int n_tiles = c.tile1 - c.tile0;
+            float o[kORegs];
+            zero_regs(o);
+            float s[kSRegs];
+            zero_regs(s);
+            SoftmaxState st{{-kInf, -kInf}, {-kInf, -kInf}, {0.f, 0.f}};
+            uint32_t q_rope[C::kRopeFragSteps][4];
+            int limit[2] = {c.len, c.len};
+            if (causal) {
+#pragma unroll
+                for (int rr = 0; rr < 2; ++rr) {
+                    limit[rr] = rows[rr] < rt.rows ? c.len - p.s_q + rt.token(p, rows[rr]) + 1 : c.len;
+                }
+            }
+            TileMask mask{0u, 0u};
+            if (n_tiles > 0) {
+                load_q_rope<kDqk>(p, rt, c.b, f, rows, q_rope);
+                mask = key_mask(p, c, c.tile0, rt.kv_head, lane);
+                MBarrier::wait(&sm.q_full, static_cast<uint32_t>(q_uses & 1));
+                issue_qk<E, kDqk>(sm, Ring::of(tile), desc_q, q_rope, s);
+            }
+            for (int i = 0; i < n_tiles; ++i, ++tile) {
+                const Ring pos = Ring::of(tile);
+                const bool has_next = i + 1 < n_tiles;
+                const uint32_t stage_addr = smem_addr(sm.kv[pos.stage]);
+
+                wgmma_wait<0>();
+                wgmma_fence_regs(s);
+                wgmma_fence_regs(o);
+                if constexpr (C::kRopeSlabs > 0) release_by_warp(&sm.kv_empty[pos.stage][kGroupRope], lane);
+                if (!has_next) release_by_warp(&sm.q_empty, lane);  // the chunk's last QK has read Q
+
+                mask_invalid_rows(s, mask, f);
+                if (causal) mask_causal(s, c.tile0 + i, limit, f);
+                float alpha[2];
+                float m_exp[2];
+                update_row_max(s, scale, st.m_run, st.m_ref, alpha, m_exp);
+                if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) scale_o_rows(o, alpha[0], alpha[1]);
+
+                uint32_t pa[kPvSteps][4];
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+#pragma unroll
+                    for (int j = half * kSBlocks / 2; j < (half + 1) * kSBlocks / 2; ++j) {
+                        s[4 * j + 0] = exp2f(fmaf(s[4 * j + 0], scale, -m_exp[0]));
+                        s[4 * j + 1] = exp2f(fmaf(s[4 * j + 1], scale, -m_exp[0]));
+                        s[4 * j + 2] = exp2f(fmaf(s[4 * j + 2], scale, -m_exp[1]));
+                        s[4 * j + 3] = exp2f(fmaf(s[4 * j + 3], scale, -m_exp[1]));
+                    }
+#pragma unroll
+                    for (int kb = half * kPvSteps / 2; kb < (half + 1) * kPvSteps / 2; ++kb) {
+                        pa[kb][0] = pack_x2<E>(s[8 * kb + 0], s[8 * kb + 1]);
+                        pa[kb][1] = pack_x2<E>(s[8 * kb + 2], s[8 * kb + 3]);
+                        pa[kb][2] = pack_x2<E>(s[8 * kb + 4], s[8 * kb + 5]);
+                        pa[kb][3] = pack_x2<E>(s[8 * kb + 6], s[8 * kb + 7]);
+                    }
+                    wgmma_fence();
+#pragma unroll
+                    for (int kb = half * kPvSteps / 2; kb < (half + 1) * kPvSteps / 2; ++kb) {
+                        wgmma_m64n256k16_rs_mn<E>(o, pa[kb], v_desc<kDqk>(stage_addr, 0, kb), true);
+                    }
+                }
+                wgmma_commit();
+
+                float psum[2] = {0.f, 0.f};
+#pragma unroll
+                for (int j = 0; j < kSBlocks; ++j) {
+                    psum[0] += s[4 * j + 0] + s[4 * j + 1];
+                    psum[1] += s[4 * j + 2] + s[4 * j + 3];
+                }
+                st.row_sum[0] = st.row_sum[0] * alpha[0] + psum[0];
+                st.row_sum[1] = st.row_sum[1] * alpha[1] + psum[1];
+                if (f.quad == 0) {
+                    sm.row_scale[pos.stage][rows[0]] = alpha[0];
+                    sm.row_scale[pos.stage][rows[1]] = alpha[1];
+                }
+                const uint32_t p_addr = smem_addr(sm.p[pos.stage]);
+#pragma unroll
+                for (int j = 0; j < kSBlocks; ++j) {
+                    st_shared_u32(p_addr + sw128_chunk_offset(rows[0], j) + 4 * f.quad, pa[j / 2][(j % 2) * 2 + 0]);
+                    st_shared_u32(p_addr + sw128_chunk_offset(rows[1], j) + 4 * f.quad, pa[j / 2][(j % 2) * 2 + 1]);
+                }
+                fence_proxy_async_shared();
+
+                if (has_next) mask = key_mask(p, c, c.tile0 + i + 1, rt.kv_head, lane);
+                wgmma_wait<0>();
+                wgmma_fence_regs(pa[0]);
+                wgmma_fence_regs(pa[1]);
+                wgmma_fence_regs(pa[2]);
+                wgmma_fence_regs(pa[3]);
+                release_by_warp(&sm.kv_empty[pos.stage][kGroupLeft], lane);
+                if (has_next) issue_qk<E, kDqk>(sm, Ring::of(tile + 1), desc_q, q_rope, s);
+                named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
+            }
+            if (n_tiles > 0) ++q_uses;
+
+            float inv[2];
+            score_epilogue(p, sm.row_inv[chunks % 2], rt, c, f, st, inv);
+            named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
+            store_o_half<E>(p, rt, c, f, 0, o, inv);
+            ++chunks;
+        });
+    }
+}
+
+// Value warpgroup (WG 2). Per tile i: wait for the right group -> Handoff -> rescale O[:, 256:512] by alpha(i) ->
+// O += P(i) V -> wait -> release the right group. Per chunk, the epilogue.
+template <class E, int kDqk>
+__device__ __forceinline__ void value_consumer(const DenseDecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched) {
+    const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Value);
+    const int lane = t % 32;
+    const AccFrag f = AccFrag::of_thread(t);
+    const int rows[2] = {f.row0, f.row1()};
+    const RowTile rt = RowTile::of(p);
+
+    int tile = 0;
+    int chunks = 0;
+    for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
+        for_each_chunk(p, sched, part, [&](const Chunk& c) {
+            float o[kORegs];
+            zero_regs(o);
+            for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
+                const Ring pos = Ring::of(tile);
+                const uint32_t stage_addr = smem_addr(sm.kv[pos.stage]);
+                MBarrier::wait(&sm.kv_full[pos.stage][kGroupRight], pos.full_parity);
+                fence_proxy_async_shared();
+                named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
+
+                const float alpha[2] = {sm.row_scale[pos.stage][rows[0]], sm.row_scale[pos.stage][rows[1]]};
+                if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) scale_o_rows(o, alpha[0], alpha[1]);
+
+                const uint32_t p_addr = smem_addr(sm.p[pos.stage]);
+                wgmma_fence();
+#pragma unroll
+                for (int kb = 0; kb < kPvSteps; ++kb) {
+                    const uint64_t desc_p = make_wgmma_desc_sw128(p_addr + kb * 32, kUnusedLbo, kSw128AtomBytes);
+                    wgmma_m64n256k16_ss_kmn<E>(o, desc_p, v_desc<kDqk>(stage_addr, kSlabsPerHalf, kb), true);
+                }
+                wgmma_commit();
+                wgmma_wait<0>();
+                wgmma_fence_regs(o);
+                release_by_warp(&sm.kv_empty[pos.stage][kGroupRight], lane);
+            }
+            named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
+            const float inv[2] = {sm.row_inv[chunks % 2][rows[0]], sm.row_inv[chunks % 2][rows[1]]};
+            store_o_half<E>(p, rt, c, f, 1, o, inv);
+            ++chunks;
+        });
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Kernel bodies (instantiated by decode.cu).
+
+template <class E, int kDqk>
+__device__ __forceinline__ void decode_split(const DenseDecodeParams& p, uint8_t* smem) {
+    using Plan = SmemPlan<kDqk>;
+    using C = Config<kDqk>;
+    const uint32_t raw = smem_addr(smem);
+    const uint32_t pad = ((raw + kSw128AtomBytes - 1) & ~static_cast<uint32_t>(kSw128AtomBytes - 1)) - raw;
+    if (pad + sizeof(Plan) > dynamic_smem_bytes()) __trap();  // launch asked for less than kSmemBytes<kDqk>
+    Plan& sm = *reinterpret_cast<Plan*>(smem + pad);
+
+    if (threadIdx.x == 0) {
+        MBarrier::init(&sm.q_full, kWarpgroupThreads);
+        MBarrier::init(&sm.q_empty, kWarpsPerWarpgroup);
+#pragma unroll
+        for (int st = 0; st < kStages; ++st) {
+#pragma unroll
+            for (int g = 0; g < C::kGroups; ++g) {
+                MBarrier::init(&sm.kv_full[st][g], kWarpgroupThreads);
+                MBarrier::init(&sm.kv_empty[st][g], kWarpsPerWarpgroup);
+            }
+        }
+    }
+    __syncthreads();
+
+    const Schedule sched = Schedule::load(p);
+    const Role role = static_cast<Role>(threadIdx.x / kWarpgroupThreads);
+    if (role == Role::Producer) {
+        setmaxnreg_dec<kProducerRegs>();
+        producer<kDqk>(p, sm, sched);
+    } else if (role == Role::Score) {
+        setmaxnreg_inc<kScoreRegs>();
+        score_consumer<E, kDqk>(p, sm, sched);
+    } else {
+        setmaxnreg_inc<kValueRegs>();
+        value_consumer<E, kDqk>(p, sm, sched);
+    }
+}
+
+// Combine: CTA (b, x) merges the partials of request b's row tile x when the request is split (else returns).
+// One warp per row, 16 columns per lane: lse = M + log(sum w), out = sum(w * O_p) / (sum w + exp(sink - M)),
+// w = exp(lse_p - M), M = max lse_p; a row without any key (every lse_p = -inf) gets out 0, lse +inf.
+template <class E>
+__device__ __forceinline__ void decode_combine(const DenseDecodeParams& p) {
+    const int b = static_cast<int>(blockIdx.x);
+    const int x = static_cast<int>(blockIdx.y);
+    const Schedule sched = Schedule::load(p);
+    const int len = request_len(p, b);
+    const int tiles = tiles_of(len);
+    if (tiles == 0) return;
+    const int first = sched.line[b] + p.chunk_overhead;
+    const int fp = sched.part_of(first);
+    const int lp = sched.part_of(first + tiles - 1);
+    if (fp == lp) return;
+
+    const int kv_head = x / p.row_tiles;
+    const int row0 = (x % p.row_tiles) * kRowsPerCta;
+    const int rows = min(kRowsPerCta, p.rows - row0);
+    const int warp = static_cast<int>(threadIdx.x) / 32;
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const bool vec4 = (p.flags & kFlagOutVec4) != 0;
+    for (int r = warp; r < rows; r += kCombineThreads / 32) {
+        const int token = (row0 + r) / p.heads_per_kv;
+        const int head = kv_head * p.heads_per_kv + (row0 + r) % p.heads_per_kv;
+        auto slot_of = [&](int part) { return 2 * part + (part == fp ? 1 : 0); };
+        auto lse_at = [&](int part) {
+            return p.part_lse[(static_cast<int64_t>(slot_of(part)) * p.head_tiles + x) * kRowsPerCta + r];
+        };
+        float m = -kInf;
+        for (int part = fp; part <= lp; ++part) m = fmaxf(m, lse_at(part));
+        float acc[kCombineColsPerLane];
+#pragma unroll
+        for (int e = 0; e < kCombineColsPerLane; ++e) acc[e] = 0.f;
+        float wsum = 0.f;
+        if (m != -kInf) {
+            for (int part = fp; part <= lp; ++part) {
+                const float w = __expf(lse_at(part) - m);
+                wsum += w;
+                const float4* src = reinterpret_cast<const float4*>(
+                    p.part_o + ((static_cast<int64_t>(slot_of(part)) * p.head_tiles + x) * kRowsPerCta + r) * kDv);
+#pragma unroll
+                for (int v = 0; v < kCombineColsPerLane / 4; ++v) {
+                    // float4 v of the lane: columns 4 (32 v + lane) .. + 4 (coalesced over the warp).
+                    const float4 o = src[32 * v + lane];
+                    acc[4 * v + 0] += w * o.x;
+                    acc[4 * v + 1] += w * o.y;
+                    acc[4 * v + 2] += w * o.z;
+                    acc[4 * v + 3] += w * o.w;
+                }
+            }
+        }
+        float denom = wsum;
+        if (p.attn_sink != nullptr && m != -kInf) {
+            denom += __expf(__ldg(p.attn_sink + static_cast<int64_t>(head) * p.attn_sink_stride) - m);
+        }
+        const float inv = m == -kInf ? 0.f : 1.f / denom;
+        uint16_t* dst = p.out + static_cast<int64_t>(b) * p.out_stride_b + static_cast<int64_t>(token) * p.out_stride_s +
+                        static_cast<int64_t>(head) * p.out_stride_h;
+#pragma unroll
+        for (int v = 0; v < kCombineColsPerLane / 4; ++v) {
+            const int col = 4 * (32 * v + lane);
+            const uint32_t w0 = pack_x2<E>(acc[4 * v + 0] * inv, acc[4 * v + 1] * inv);
+            const uint32_t w1 = pack_x2<E>(acc[4 * v + 2] * inv, acc[4 * v + 3] * inv);
+            if (vec4) {
+                *reinterpret_cast<uint32_t*>(dst + col) = w0;
+                *reinterpret_cast<uint32_t*>(dst + col + 2) = w1;
+            } else {
+                dst[col + 0] = static_cast<uint16_t>(w0 & 0xFFFFu);
+                dst[col + 1] = static_cast<uint16_t>(w0 >> 16);
+                dst[col + 2] = static_cast<uint16_t>(w1 & 0xFFFFu);
+                dst[col + 3] = static_cast<uint16_t>(w1 >> 16);
+            }
+        }
+        if (lane == 0) {
+            p.lse[static_cast<int64_t>(b) * p.lse_stride_b + static_cast<int64_t>(head) * p.lse_stride_h +
+                  static_cast<int64_t>(token) * p.lse_stride_s] = m == -kInf ? kInf : m + __logf(wsum);
+        }
+    }
+}
+
+}  // namespace flashmla::decode

@@ -1,0 +1,150 @@
+// The split-KV schedule of the dense decode, computed on the device from `cache_seqlens` (docs/decode.md,
+// "Schedule"), and the chunk enumeration every role of the split kernel and the combine kernel derive from it.
+//
+// The line: request b costs `chunk_overhead + tiles_b` units (tiles_b = ceil(len_b / 64), len_b = cache_seqlens[b]
+// clamped to 0..max_blocks * page_size); requests lie on a line in order, request b on [S_b, S_{b + 1}), its key
+// tile k at S_b + overhead + k. The line is cut into parts of `budget` units; part p processes every key tile on
+// [p * budget, (p + 1) * budget), one chunk per request it meets. A request without keys is handled (out = 0,
+// lse = +inf) by the part holding its unit S_b + overhead - 1.
+//   balanced (fixed_budget == 0): budget = ceil(L / grid_parts), so the grid's parts share the work evenly;
+//   batch-invariant (fixed_budget > 0): every request's segment is rounded up to a multiple of the fixed budget,
+//     so its chunk boundaries depend only on its own length, never on the rest of the batch.
+// A request whose tiles span parts f_b < l_b is "split": each of its chunks writes a normalised f32 partial to slot
+// 2 p + (p == f_b) (part p's last chunk if it is the request's first, else part p's first chunk), and the combine
+// kernel merges them. Unsplit requests are written in final form by the split kernel.
+#pragma once
+
+#include <cstdint>
+
+#include "sm90/decode/params.h"
+
+namespace flashmla::decode {
+
+// Keys of request b that exist: cache_seqlens[b] clamped to 0..max_blocks * page_size.
+__device__ __forceinline__ int request_len(const DenseDecodeParams& p, int b) {
+    const int len = __ldg(p.cache_seqlens + static_cast<int64_t>(b) * p.cache_seqlens_stride);
+    const int64_t cap = static_cast<int64_t>(p.max_blocks) * p.page_size;
+    return static_cast<int>(min(static_cast<int64_t>(max(len, 0)), cap));
+}
+
+__device__ __forceinline__ int tiles_of(int len) { return (len + kTileN - 1) / kTileN; }
+
+// Line units request b occupies.
+__device__ __forceinline__ int64_t segment_of(const DenseDecodeParams& p, int len) {
+    const int64_t seg = p.chunk_overhead + tiles_of(len);
+    if (p.fixed_budget > 0) return (seg + p.fixed_budget - 1) / p.fixed_budget * p.fixed_budget;
+    return seg;
+}
+
+// The schedule kernel's body: one CTA of kScheduleThreads threads writes S_0..S_batch, the budget and the number of
+// parts (a block-wide prefix sum in rounds of kScheduleThreads requests).
+inline constexpr int kScheduleThreads = 1024;
+__device__ __forceinline__ void write_schedule(const DenseDecodeParams& p) {
+    __shared__ int64_t warp_sums[kScheduleThreads / 32];
+    __shared__ int64_t carry_s;
+    const int t = static_cast<int>(threadIdx.x);
+    const int lane = t % 32, warp = t / 32;
+    if (t == 0) carry_s = 0;
+    __syncthreads();
+    for (int base = 0; base < p.batch; base += kScheduleThreads) {
+        const int b = base + t;
+        const int64_t seg = b < p.batch ? segment_of(p, request_len(p, b)) : 0;
+        int64_t incl = seg;
+#pragma unroll
+        for (int d = 1; d < 32; d *= 2) {
+            const int64_t v = __shfl_up_sync(0xffffffffu, incl, d);
+            if (lane >= d) incl += v;
+        }
+        if (lane == 31) warp_sums[warp] = incl;
+        __syncthreads();
+        if (warp == 0) {
+            int64_t w = warp_sums[lane];
+#pragma unroll
+            for (int d = 1; d < 32; d *= 2) {
+                const int64_t v = __shfl_up_sync(0xffffffffu, w, d);
+                if (lane >= d) w += v;
+            }
+            warp_sums[lane] = w;  // inclusive over warps
+        }
+        __syncthreads();
+        const int64_t carry = carry_s;
+        const int64_t excl = carry + (warp > 0 ? warp_sums[warp - 1] : 0) + incl - seg;
+        if (b < p.batch) p.schedule[b] = static_cast<int32_t>(excl);
+        __syncthreads();
+        if (t == kScheduleThreads - 1) carry_s = excl + seg;
+        __syncthreads();
+    }
+    if (t == 0) {
+        const int64_t line = carry_s;
+        int64_t budget, parts;
+        if (p.fixed_budget > 0) {
+            budget = p.fixed_budget;
+            parts = line / budget;
+        } else {
+            budget = max(static_cast<int64_t>(1), (line + p.grid_parts - 1) / p.grid_parts);
+            parts = p.grid_parts;
+        }
+        p.schedule[p.batch] = static_cast<int32_t>(line);
+        p.schedule[p.batch + 1] = static_cast<int32_t>(budget);
+        p.schedule[p.batch + 2] = static_cast<int32_t>(min(parts, static_cast<int64_t>(p.max_parts)));
+    }
+}
+
+// One chunk of work: key tiles [tile0, tile1) of request b.
+struct Chunk {
+    int b;
+    int len;     // keys of the request
+    int tile0;
+    int tile1;   // tile0 == tile1: a request without keys
+    bool split;  // the request spans several parts: write a partial to `slot`
+    int slot;
+};
+
+// The schedule as read by a CTA.
+struct Schedule {
+    const int32_t* line;  // S_0..S_batch
+    int budget;
+    int parts;
+    static __device__ __forceinline__ Schedule load(const DenseDecodeParams& p) {
+        return {p.schedule, p.schedule[p.batch + 1], p.schedule[p.batch + 2]};
+    }
+    // Largest b with S_b <= pos (pos < S_batch).
+    __device__ __forceinline__ int request_at(int pos, int batch) const {
+        int lo = 0, hi = batch - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (line[mid] <= pos) lo = mid; else hi = mid - 1;
+        }
+        return lo;
+    }
+    // Part holding line position `pos`.
+    __device__ __forceinline__ int part_of(int pos) const { return pos / budget; }
+};
+
+// Calls f(chunk) for every chunk of part `part`, in line order. Every role of a CTA runs the same enumeration.
+template <class F>
+__device__ __forceinline__ void for_each_chunk(const DenseDecodeParams& p, const Schedule& s, int part, F&& f) {
+    const int lo = part * s.budget;
+    const int hi = lo + s.budget;
+    const int end = s.line[p.batch];
+    if (lo >= end) return;
+    for (int b = s.request_at(lo, p.batch); b < p.batch; ++b) {
+        const int start = s.line[b];
+        if (start >= hi) break;
+        const int first = start + p.chunk_overhead;  // line position of tile 0
+        const int len = request_len(p, b);
+        const int tiles = tiles_of(len);
+        if (tiles == 0) {
+            if (first - 1 >= lo && first - 1 < hi) f(Chunk{b, 0, 0, 0, false, 0});
+            continue;
+        }
+        const int k0 = max(lo - first, 0);
+        const int k1 = min(hi - first, tiles);
+        if (k0 >= k1) continue;
+        const int fp = s.part_of(first);
+        const int lp = s.part_of(first + tiles - 1);
+        f(Chunk{b, len, k0, k1, fp != lp, 2 * part + (part == fp ? 1 : 0)});
+    }
+}
+
+}  // namespace flashmla::decode

@@ -1,0 +1,547 @@
+//! GPU path of the dense decode: checks the limits of the sm_90a kernels (`csrc/sm90/decode/`, design in
+//! `docs/decode.md`), lowers validated arguments to their [`DenseDecodeParams`] and queues three kernels on the
+//! stream, with no host synchronisation (a decode step can be captured in a CUDA graph and replayed after
+//! `cache_seqlens` and `block_table` changed in place):
+//! 1. `decode_schedule` (one CTA) computes the split-KV schedule from `cache_seqlens` into the workspace;
+//! 2. `decode_split_*` (grid `head_tiles x grid_parts`, 384 threads) attends each query-row tile to the key
+//!    chunks of its parts, writing unsplit requests in final form and split ones as f32 partials;
+//! 3. `decode_combine_*` (grid `batch x head_tiles`) merges the partials of split requests.
+//!
+//! Kernel limits checked here (beyond [`super::validate_dense`]): `q` and `k_cache` rows 16-byte aligned (the
+//! gather copies 16-byte chunks); `block_table`, `cache_seqlens`, `attn_sink`, `out` and `lse` aligned to their
+//! element size; every reachable offset fits `i64`; sizes and the schedule's line fit the kernels' 32-bit
+//! counters; `head_tiles <= 65535` (a grid dimension). Values are not checked (that would need a
+//! synchronisation): `cache_seqlens` are clamped to `0..=max_blocks * page_size` and a block id outside
+//! `0..num_blocks` is a missing key, as in the reference.
+//!
+//! Memory: the workspace ([`dense_workspace_words`] f32 words) holds the schedule (`batch + 3` i32) and the
+//! partials of split requests (`2 * max_parts * head_tiles * 64` rows of 512 f32 plus their lse; `max_parts` is
+//! `sm_count / head_tiles` for the balanced schedule, about 34 MB on an H100, and grows with `batch * max_blocks *
+//! page_size` in batch-invariant mode). Nothing else is allocated.
+
+use super::{DecodeOptions, DenseDecodeArgs, DenseDecodeDims, DecodeOutput};
+use crate::cuda::{Gpu, LaunchConfig};
+use crate::error::{Error, Result};
+use crate::ops::layout::{rows_aligned, stride_param};
+use crate::reference::decode::CHUNK_OVERHEAD_TILES;
+use crate::tensor::{DType, DeviceView, Location, TensorMeta};
+use crate::validate::{expect_location, expect_offsets_fit, to_i32};
+use std::mem::{offset_of, size_of};
+
+/// Kernel family (`csrc/sm90/decode/`).
+pub const FAMILY: &str = "decode";
+/// Query rows per CTA (`kRowsPerCta`, the wgmma M).
+pub const ROWS_PER_CTA: usize = 64;
+/// Keys per pipeline tile (`kKeysPerTile`), the unit of the schedule.
+pub const KEYS_PER_TILE: usize = 64;
+/// Threads of a split-kernel CTA (`kThreads`): a producer and two consumer warpgroups.
+pub const THREADS_PER_CTA: u32 = 384;
+/// Threads of the schedule kernel's single CTA (`kScheduleThreads`).
+pub const SCHEDULE_THREADS: u32 = 1024;
+/// Threads of a combine CTA (`kCombineThreads`).
+pub const COMBINE_THREADS: u32 = 256;
+/// Dynamic shared memory of the d_qk = 576 split kernels (`kSmemBytes<576>`, static_asserted in config.cuh).
+pub const SMEM_BYTES_D576: u32 = 232_448;
+/// Dynamic shared memory of the d_qk = 512 split kernels (`kSmemBytes<512>`).
+pub const SMEM_BYTES_D512: u32 = 216_064;
+/// Value width.
+pub const D_V: usize = 512;
+/// `flags` bit: bottom-right causal mask (`kFlagCausal`).
+pub const FLAG_CAUSAL: u32 = 1;
+/// `flags` bit: `out` rows allow 4-byte stores (`kFlagOutVec4`).
+pub const FLAG_OUT_VEC4: u32 = 2;
+/// Words of the schedule after the `batch + 1` line starts (`kScheduleTail`).
+pub const SCHEDULE_TAIL: usize = 2;
+/// The gather moves 16-byte chunks.
+const CHUNK_ALIGN_BYTES: u64 = 16;
+/// Largest grid y / z dimension.
+const MAX_GRID_YZ: usize = 65_535;
+/// The schedule's line positions (and `parts * budget`) must stay below this (i32 arithmetic in the kernels).
+const MAX_LINE: usize = (i32::MAX / 4) as usize;
+/// log2(e): the kernel keeps logits in base 2.
+const LOG2_E: f32 = std::f32::consts::LOG2_E;
+
+/// Mirror of `flashmla::decode::DenseDecodeParams` (params.h): same field order, types and size, asserted below
+/// and by `static_assert`s on the C++ side. Pointers are device addresses; strides are in elements.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DenseDecodeParams {
+    /// `[b, s_q, h_q, d_qk]`.
+    pub q: u64,
+    /// `[num_blocks, page_size, h_kv, d_qk]`.
+    pub k_cache: u64,
+    /// `[b, max_blocks]` i32.
+    pub block_table: u64,
+    /// `[b]` i32.
+    pub cache_seqlens: u64,
+    /// `[h_q]` f32; 0 when absent.
+    pub attn_sink: u64,
+    /// `[b, s_q, h_q, 512]`, q's dtype.
+    pub out: u64,
+    /// `[b, h_q, s_q]` f32.
+    pub lse: u64,
+    /// Workspace: `batch + 1 + SCHEDULE_TAIL` i32.
+    pub schedule: u64,
+    /// Workspace: `[2 * max_parts][head_tiles][64][512]` f32.
+    pub part_o: u64,
+    /// Workspace: `[2 * max_parts][head_tiles][64]` f32.
+    pub part_lse: u64,
+    /// Elements between `q` requests.
+    pub q_stride_b: i64,
+    /// Elements between `q` tokens.
+    pub q_stride_s: i64,
+    /// Elements between `q` heads.
+    pub q_stride_h: i64,
+    /// Elements between cache blocks.
+    pub k_stride_block: i64,
+    /// Elements between tokens of a block.
+    pub k_stride_tok: i64,
+    /// Elements between key heads.
+    pub k_stride_head: i64,
+    /// Elements between block-table rows.
+    pub block_table_stride_b: i64,
+    /// Elements between `cache_seqlens` entries.
+    pub cache_seqlens_stride: i64,
+    /// Elements between `attn_sink` entries.
+    pub attn_sink_stride: i64,
+    /// Elements between `out` requests.
+    pub out_stride_b: i64,
+    /// Elements between `out` tokens.
+    pub out_stride_s: i64,
+    /// Elements between `out` heads.
+    pub out_stride_h: i64,
+    /// Elements between `lse` requests.
+    pub lse_stride_b: i64,
+    /// Elements between `lse` heads.
+    pub lse_stride_h: i64,
+    /// Elements between `lse` tokens.
+    pub lse_stride_s: i64,
+    /// Requests.
+    pub batch: i32,
+    /// Query tokens per request.
+    pub s_q: i32,
+    /// Query heads.
+    pub h_q: i32,
+    /// Key heads.
+    pub h_kv: i32,
+    /// `h_q / h_kv`.
+    pub heads_per_kv: i32,
+    /// `s_q * heads_per_kv`: query rows per (request, key head).
+    pub rows: i32,
+    /// `ceil(rows / 64)`.
+    pub row_tiles: i32,
+    /// `h_kv * row_tiles`.
+    pub head_tiles: i32,
+    /// Blocks in the cache.
+    pub num_blocks: i32,
+    /// Tokens per block.
+    pub page_size: i32,
+    /// Columns of the block table.
+    pub max_blocks: i32,
+    /// Parts of the balanced schedule (grid y of the split kernel).
+    pub grid_parts: i32,
+    /// Bound on the schedule's parts (sizes the partials).
+    pub max_parts: i32,
+    /// Line units a request costs beyond its tiles.
+    pub chunk_overhead: i32,
+    /// 0: balanced schedule; > 0: batch-invariant with this budget.
+    pub fixed_budget: i32,
+    /// `FLAG_*` bits.
+    pub flags: u32,
+    /// `softmax_scale * log2(e)`.
+    pub sm_scale_log2: f32,
+    /// Always 0.
+    pub reserved: i32,
+}
+
+const _: () = {
+    assert!(size_of::<DenseDecodeParams>() == 272);
+    assert!(offset_of!(DenseDecodeParams, q) == 0);
+    assert!(offset_of!(DenseDecodeParams, part_lse) == 72);
+    assert!(offset_of!(DenseDecodeParams, q_stride_b) == 80);
+    assert!(offset_of!(DenseDecodeParams, lse_stride_s) == 192);
+    assert!(offset_of!(DenseDecodeParams, batch) == 200);
+    assert!(offset_of!(DenseDecodeParams, fixed_budget) == 256);
+    assert!(offset_of!(DenseDecodeParams, flags) == 260);
+    assert!(offset_of!(DenseDecodeParams, sm_scale_log2) == 264);
+    assert!(offset_of!(DenseDecodeParams, reserved) == 268);
+};
+
+/// Split-kernel symbol and dynamic shared memory for a dtype and `d_qk`.
+pub fn split_kernel_for(dtype: DType, d_qk: usize) -> Result<(&'static str, u32)> {
+    match (dtype, d_qk) {
+        (DType::Bf16, 576) => Ok(("decode_split_bf16_d576", SMEM_BYTES_D576)),
+        (DType::Bf16, 512) => Ok(("decode_split_bf16_d512", SMEM_BYTES_D512)),
+        (DType::F16, 576) => Ok(("decode_split_f16_d576", SMEM_BYTES_D576)),
+        (DType::F16, 512) => Ok(("decode_split_f16_d512", SMEM_BYTES_D512)),
+        _ => Err(Error::unsupported(
+            format!("decode kernel for {dtype} with d_qk = {d_qk}"),
+            "the sm_90a kernels are built for bf16 and f16 with d_qk 512 and 576",
+        )),
+    }
+}
+
+/// Combine-kernel symbol for a dtype.
+pub fn combine_kernel_for(dtype: DType) -> &'static str {
+    if dtype == DType::F16 {
+        "decode_combine_f16"
+    } else {
+        "decode_combine_bf16"
+    }
+}
+
+/// Every kernel symbol the launcher can ask for.
+pub const KERNELS: [&str; 7] = [
+    "decode_schedule",
+    "decode_split_bf16_d576",
+    "decode_split_bf16_d512",
+    "decode_split_f16_d576",
+    "decode_split_f16_d512",
+    "decode_combine_bf16",
+    "decode_combine_f16",
+];
+
+/// The schedule's shape-only parameters for a call: how the line is cut and how many partial slots it may need.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScheduleGeometry {
+    /// `h_kv * ceil(s_q * h_q / h_kv / 64)`: CTAs per chunk (grid x).
+    pub head_tiles: usize,
+    /// Parts the grid has per head tile (grid y).
+    pub grid_parts: usize,
+    /// Bound on the parts of any schedule of this shape (partials are sized by it).
+    pub max_parts: usize,
+    /// 0 for the balanced schedule, else the batch-invariant budget in line units.
+    pub fixed_budget: usize,
+}
+
+impl ScheduleGeometry {
+    /// The geometry of a decode of `dims` on a device with `sm_count` SMs.
+    ///
+    /// Balanced: `grid_parts = num_parts` or `max(1, sm_count / head_tiles)`, `max_parts = grid_parts`.
+    /// Batch-invariant: budget `B = chunk_tiles` or `max(overhead + 64, ceil((overhead + t_cap) / 4))` line units
+    /// (`t_cap = ceil(max_blocks * page_size / 64)`: a request spans at most five parts), every request's segment
+    /// rounded up to a multiple of `B`; `max_parts = batch * ceil((overhead + t_cap) / B)`.
+    ///
+    /// Worked example: `s_q = 1, h_q = 128, h_kv = 1` on 132 SMs: `head_tiles = 2`, `grid_parts = 66`.
+    pub fn of(dims: &DenseDecodeDims, options: &DecodeOptions, sm_count: usize) -> Result<Self> {
+        let hpk = dims.h_q / dims.h_kv;
+        let rows = dims.s_q * hpk;
+        let head_tiles = dims.h_kv * rows.div_ceil(ROWS_PER_CTA);
+        if head_tiles > MAX_GRID_YZ {
+            return Err(Error::unsupported(
+                format!("decode with {head_tiles} query-row tiles (h_kv * ceil(s_q * h_q / h_kv / 64))"),
+                format!("at most {MAX_GRID_YZ} (a grid dimension of the combine kernel)"),
+            ));
+        }
+        let grid_parts = match options.num_parts {
+            Some(0) => return Err(Error::invalid("options.num_parts", ">= 1", 0)),
+            Some(n) => n,
+            None => (sm_count / head_tiles).max(1),
+        }
+        .min(MAX_GRID_YZ);
+        let overhead = CHUNK_OVERHEAD_TILES;
+        let t_cap = (dims.max_blocks * dims.page_size).div_ceil(KEYS_PER_TILE);
+        let seg_cap = overhead + t_cap;
+        let (max_parts, fixed_budget, line) = if options.batch_invariant {
+            let budget = match options.chunk_tiles {
+                Some(n) if n > overhead => n,
+                Some(n) => {
+                    return Err(Error::invalid(
+                        "options.chunk_tiles",
+                        format!("more than the chunk overhead ({overhead} tiles)"),
+                        n,
+                    ))
+                }
+                None => (overhead + KEYS_PER_TILE).max(seg_cap.div_ceil(4)),
+            };
+            let per_request = seg_cap.div_ceil(budget);
+            let parts = dims.batch.saturating_mul(per_request);
+            (parts, budget, parts.saturating_mul(budget))
+        } else {
+            (grid_parts, 0, dims.batch.saturating_mul(seg_cap))
+        };
+        if line > MAX_LINE || max_parts > MAX_LINE {
+            return Err(Error::unsupported(
+                format!(
+                    "decode with batch {} and a block table of {} keys per request",
+                    dims.batch,
+                    dims.max_blocks * dims.page_size
+                ),
+                format!("the schedule's line (batch * (tiles + overhead)) must stay below {MAX_LINE}"),
+            ));
+        }
+        Ok(ScheduleGeometry {
+            head_tiles,
+            grid_parts,
+            max_parts,
+            fixed_budget,
+        })
+    }
+
+    /// f32 words of the workspace: the schedule (`batch + 3` i32, padded to 16 bytes), the partial lse and the
+    /// partial outputs.
+    pub fn workspace_words(&self, batch: usize) -> usize {
+        let (sched, lse, o) = self.workspace_split(batch);
+        sched + lse + o
+    }
+
+    /// Words of the three workspace regions, each a multiple of 4 (16-byte aligned starts).
+    fn workspace_split(&self, batch: usize) -> (usize, usize, usize) {
+        let sched = (batch + 1 + SCHEDULE_TAIL).next_multiple_of(4);
+        let slots = 2 * self.max_parts * self.head_tiles;
+        (sched, slots * ROWS_PER_CTA, slots * ROWS_PER_CTA * D_V)
+    }
+}
+
+/// f32 words of workspace a dense decode of `dims` needs on a device with `sm_count` SMs (see
+/// [`ScheduleGeometry::workspace_words`]).
+pub fn dense_workspace_words(
+    dims: &DenseDecodeDims,
+    options: &DecodeOptions,
+    sm_count: usize,
+) -> Result<usize> {
+    Ok(ScheduleGeometry::of(dims, options, sm_count)?.workspace_words(dims.batch))
+}
+
+/// The three launches of one decode, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodePlan {
+    /// Parameters shared by the three kernels (workspace pointers filled by [`DecodePlan::set_workspace`]).
+    pub params: DenseDecodeParams,
+    /// Schedule geometry.
+    pub geometry: ScheduleGeometry,
+    /// `(kernel, config)` of the schedule, split and combine launches.
+    pub launches: [(&'static str, LaunchConfig); 3],
+}
+
+impl DecodePlan {
+    /// Points the plan at a workspace of [`ScheduleGeometry::workspace_words`] f32 words (contiguous, 16-byte
+    /// aligned).
+    pub fn set_workspace(&mut self, ws: &DeviceView) -> Result<()> {
+        let words = self.geometry.workspace_words(self.params.batch as usize);
+        if ws.dtype() != DType::F32 {
+            return Err(Error::invalid("workspace.dtype", DType::F32, ws.dtype()));
+        }
+        if ws.shape().len() != 1 || ws.shape()[0] < words || !ws.layout().is_contiguous() {
+            return Err(Error::invalid(
+                "workspace",
+                format!("a contiguous f32 vector of at least {words} elements"),
+                format!("shape {:?}, strides {:?}", ws.shape(), ws.strides()),
+            ));
+        }
+        if ws.ptr() % CHUNK_ALIGN_BYTES != 0 {
+            return Err(Error::invalid(
+                "workspace.data_ptr",
+                "a 16-byte aligned address",
+                format!("{:#x}", ws.ptr()),
+            ));
+        }
+        let (sched, lse, _) = self.geometry.workspace_split(self.params.batch as usize);
+        self.params.schedule = ws.ptr();
+        self.params.part_lse = ws.ptr() + 4 * sched as u64;
+        self.params.part_o = ws.ptr() + 4 * (sched + lse) as u64;
+        Ok(())
+    }
+}
+
+/// Lowers a validated dense decode to its three launches (workspace pointers left 0).
+pub fn lower(
+    dims: &DenseDecodeDims,
+    args: &DenseDecodeArgs<'_, DeviceView>,
+    out: &DecodeOutput<DeviceView>,
+    options: &DecodeOptions,
+    sm_count: usize,
+) -> Result<DecodePlan> {
+    let (split_kernel, smem) = split_kernel_for(dims.dtype, dims.d_qk)?;
+    for (arg, t) in [("q", args.q), ("k_cache", args.k_cache)] {
+        if !rows_aligned(t, CHUNK_ALIGN_BYTES) {
+            let (ptr, strides) = (t.ptr(), t.strides());
+            return Err(Error::unsupported(
+                format!("decode on the GPU with `{arg}` at {ptr:#x}, strides {strides:?}"),
+                "the kernel gathers rows in 16-byte chunks: the base address and strides must be \
+                 multiples of 8 elements (pass a contiguous copy otherwise)",
+            ));
+        }
+    }
+    let element_aligned = [
+        ("block_table", Some(args.block_table)),
+        ("cache_seqlens", Some(args.cache_seqlens)),
+        ("attn_sink", args.attn_sink),
+        ("out", Some(&out.out)),
+        ("lse", Some(&out.lse)),
+    ];
+    for (arg, t) in element_aligned {
+        if let Some(t) = t {
+            let elem = t.dtype().size_bytes() as u64;
+            if t.ptr() % elem != 0 {
+                return Err(Error::invalid(
+                    format!("{arg}.data_ptr"),
+                    format!("an address aligned to the element size ({elem} bytes)"),
+                    format!("{:#x}", t.ptr()),
+                ));
+            }
+        }
+    }
+    let all = [
+        ("q", Some(args.q)),
+        ("k_cache", Some(args.k_cache)),
+        ("block_table", Some(args.block_table)),
+        ("cache_seqlens", Some(args.cache_seqlens)),
+        ("attn_sink", args.attn_sink),
+        ("out", Some(&out.out)),
+        ("lse", Some(&out.lse)),
+    ];
+    for (arg, t) in all.into_iter().filter_map(|(a, t)| t.map(|t| (a, t))) {
+        expect_offsets_fit(arg, t, i64::MAX as usize, "i64")?;
+    }
+    let sm_scale_log2 = dims.softmax_scale * LOG2_E;
+    if !sm_scale_log2.is_finite() {
+        return Err(Error::invalid(
+            "softmax_scale",
+            "a value whose product with log2(e) is finite",
+            dims.softmax_scale,
+        ));
+    }
+    let cap = dims.max_blocks.checked_mul(dims.page_size);
+    if cap.is_none_or(|c| c > i32::MAX as usize) {
+        return Err(Error::invalid(
+            "block_table.shape[1]",
+            format!(
+                "max_blocks * page_size <= {} (keys are counted in i32)",
+                i32::MAX
+            ),
+            dims.max_blocks,
+        ));
+    }
+    let geometry = ScheduleGeometry::of(dims, options, sm_count)?;
+    let hpk = dims.h_q / dims.h_kv;
+    let rows = dims.s_q * hpk;
+
+    let opt_ptr = |t: Option<&DeviceView>| t.map_or(0, DeviceView::ptr);
+    let opt_stride =
+        |arg: &str, t: Option<&DeviceView>| t.map_or(Ok(0), |t| stride_param(arg, t, 0));
+    let params = DenseDecodeParams {
+        q: args.q.ptr(),
+        k_cache: args.k_cache.ptr(),
+        block_table: args.block_table.ptr(),
+        cache_seqlens: args.cache_seqlens.ptr(),
+        attn_sink: opt_ptr(args.attn_sink),
+        out: out.out.ptr(),
+        lse: out.lse.ptr(),
+        schedule: 0,
+        part_o: 0,
+        part_lse: 0,
+        q_stride_b: stride_param("q", args.q, 0)?,
+        q_stride_s: stride_param("q", args.q, 1)?,
+        q_stride_h: stride_param("q", args.q, 2)?,
+        k_stride_block: stride_param("k_cache", args.k_cache, 0)?,
+        k_stride_tok: stride_param("k_cache", args.k_cache, 1)?,
+        k_stride_head: stride_param("k_cache", args.k_cache, 2)?,
+        block_table_stride_b: stride_param("block_table", args.block_table, 0)?,
+        cache_seqlens_stride: stride_param("cache_seqlens", args.cache_seqlens, 0)?,
+        attn_sink_stride: opt_stride("attn_sink", args.attn_sink)?,
+        out_stride_b: stride_param("out", &out.out, 0)?,
+        out_stride_s: stride_param("out", &out.out, 1)?,
+        out_stride_h: stride_param("out", &out.out, 2)?,
+        lse_stride_b: stride_param("lse", &out.lse, 0)?,
+        lse_stride_h: stride_param("lse", &out.lse, 1)?,
+        lse_stride_s: stride_param("lse", &out.lse, 2)?,
+        batch: to_i32("q.shape[0]", dims.batch)?,
+        s_q: to_i32("q.shape[1]", dims.s_q)?,
+        h_q: to_i32("q.shape[2]", dims.h_q)?,
+        h_kv: to_i32("k_cache.shape[2]", dims.h_kv)?,
+        heads_per_kv: to_i32("h_q / h_kv", hpk)?,
+        rows: to_i32("s_q * h_q / h_kv", rows)?,
+        row_tiles: to_i32("ceil(s_q * h_q / h_kv / 64)", rows.div_ceil(ROWS_PER_CTA))?,
+        head_tiles: to_i32("head tiles", geometry.head_tiles)?,
+        num_blocks: i32::try_from(dims.num_blocks).unwrap_or(i32::MAX),
+        page_size: to_i32("k_cache.shape[1]", dims.page_size)?,
+        max_blocks: to_i32("block_table.shape[1]", dims.max_blocks)?,
+        grid_parts: to_i32("options.num_parts", geometry.grid_parts)?,
+        max_parts: to_i32("schedule parts", geometry.max_parts)?,
+        chunk_overhead: CHUNK_OVERHEAD_TILES as i32,
+        fixed_budget: to_i32("options.chunk_tiles", geometry.fixed_budget)?,
+        flags: (if dims.causal && dims.s_q > 1 {
+            FLAG_CAUSAL
+        } else {
+            0
+        }) | if rows_aligned(&out.out, 4) {
+            FLAG_OUT_VEC4
+        } else {
+            0
+        },
+        sm_scale_log2,
+        reserved: 0,
+    };
+    let schedule = LaunchConfig::linear(1, SCHEDULE_THREADS);
+    let split = LaunchConfig {
+        grid: (geometry.head_tiles as u32, geometry.grid_parts as u32, 1),
+        block: (THREADS_PER_CTA, 1, 1),
+        shared_mem_bytes: smem,
+        // The two row tiles of a 128-row problem read the same keys: co-scheduled as a cluster, the second
+        // gather of a key finds it in L2.
+        cluster: (geometry.head_tiles == 2).then_some((2, 1, 1)),
+        programmatic: false,
+    };
+    let combine = LaunchConfig {
+        grid: (dims.batch as u32, geometry.head_tiles as u32, 1),
+        block: (COMBINE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+        cluster: None,
+        programmatic: false,
+    };
+    if dims.batch > i32::MAX as usize {
+        return Err(Error::invalid("q.shape[0]", format!("b <= {}", i32::MAX), dims.batch));
+    }
+    Ok(DecodePlan {
+        params,
+        geometry,
+        launches: [
+            ("decode_schedule", schedule),
+            (split_kernel, split),
+            (combine_kernel_for(dims.dtype), combine),
+        ],
+    })
+}
+
+/// Queues a validated dense decode on `gpu`'s stream. `workspace`: `None` allocates one for the call
+/// ([`Gpu::alloc`], released in stream order on return); a caller that captures CUDA graphs passes its own.
+pub(crate) fn launch(
+    gpu: &Gpu,
+    dims: &DenseDecodeDims,
+    args: &DenseDecodeArgs<'_, DeviceView>,
+    out: &DecodeOutput<DeviceView>,
+    options: &DecodeOptions,
+    workspace: Option<&DeviceView>,
+) -> Result<()> {
+    let device = Location::Cuda(gpu.ordinal());
+    expect_location("q", args.q, device)?;
+    let mut plan = lower(dims, args, out, options, gpu.info().sm_count as usize)?;
+    let mut _owned = None;
+    let view = match workspace {
+        Some(ws) => {
+            expect_location("workspace", ws, device)?;
+            ws.clone()
+        }
+        None => {
+            let t = gpu.alloc(DType::F32, &[plan.geometry.workspace_words(dims.batch)])?;
+            let v = t.view();
+            _owned = Some(t);
+            v
+        }
+    };
+    plan.set_workspace(&view)?;
+    for (name, cfg) in &plan.launches {
+        let kernel = gpu.kernel(FAMILY, name)?;
+        // SAFETY: `DenseDecodeParams` mirrors the kernels' parameter struct (asserted on both sides).
+        // `validate_dense`/`validate_dense_output` established the shapes and dtypes the params describe and that
+        // every tensor lives on this device; `lower` checked alignment and that every offset fits i64;
+        // `set_workspace` checked the workspace's size and alignment, and it lives until this function returns,
+        // after the launches were queued (an owned one is released in stream order). The kernels read q rows of
+        // their requests, block-table entries below each request's clamped length, cache rows only at block ids in
+        // 0..num_blocks, and write out/lse rows of their requests and the workspace regions sized by the geometry;
+        // by the DeviceView contract outputs do not alias inputs.
+        unsafe { gpu.launch(&kernel, cfg, &plan.params)? };
+    }
+    Ok(())
+}
