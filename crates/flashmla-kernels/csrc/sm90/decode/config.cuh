@@ -32,9 +32,9 @@ enum class Role : int { Producer = 0, Score = 1, Value = 2 };
 
 // Register split after setmaxnreg (see sparse_fwd/config.cuh: the three budgets share 3 x 168 per thread slot).
 inline constexpr uint32_t kRegsAtLaunch = (65536u / kThreads) & ~7u;  // 168
-inline constexpr uint32_t kProducerRegs = 48;
-inline constexpr uint32_t kScoreRegs = 256;
-inline constexpr uint32_t kValueRegs = 200;
+inline constexpr uint32_t kProducerRegs = 40;
+inline constexpr uint32_t kScoreRegs = 248;
+inline constexpr uint32_t kValueRegs = 216;
 static_assert(kProducerRegs + kScoreRegs + kValueRegs <= 3 * kRegsAtLaunch, "setmaxnreg pool of the CTA");
 
 // Producer gather geometry: 8 threads per 128-byte slab row, 16 rows per pass, 4 passes per 64-row tile.
@@ -118,8 +118,10 @@ static_assert(kSmemBytes<512> <= kMaxSmemPerBlock, "d_qk 512 plan exceeds 227 KB
 static_assert(kSmemBytes<576> == 232448, "update launch.rs SMEM_BYTES_D576");
 static_assert(kSmemBytes<512> == 216064, "update launch.rs SMEM_BYTES_D512");
 
-// Combine kernel: one warp per output row, 16 columns per lane.
+// Combine kernel: one warp per output row, 16 columns per lane, 8 rows per CTA (grid z = 64 / 8 row groups).
 inline constexpr int kCombineThreads = 256;
+inline constexpr int kCombineRowsPerCta = kCombineThreads / 32;
+inline constexpr int kCombineRowGroups = kRowsPerCta / kCombineRowsPerCta;  // 8
 inline constexpr int kCombineColsPerLane = kDv / 32;  // 16
 
 }  // namespace flashmla::decode

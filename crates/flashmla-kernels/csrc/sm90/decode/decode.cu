@@ -3,7 +3,7 @@
 //   decode_schedule                          grid (1), block (kScheduleThreads): the split-KV schedule
 //   decode_split_{bf16,f16}_d{576,512}       grid (head_tiles, grid_parts), block (kThreads = 384), dynamic shared
 //                                            memory kSmemBytes<d_qk> (config.cuh; mirrored in launch.rs)
-//   decode_combine_{bf16,f16}                grid (batch, head_tiles), block (kCombineThreads)
+//   decode_combine_{bf16,f16}                grid (batch, head_tiles, kCombineRowGroups), block (kCombineThreads)
 #include "sm90/decode/kernel.cuh"
 
 using flashmla::Bf16;

@@ -54,15 +54,19 @@ struct RowTile {
     }
 };
 
-// Whether key `key` (< len) of request b exists: its block id is in 0..num_blocks. Returns the key's row, or
-// nullptr for a missing key (never dereferenced).
-__device__ __forceinline__ const uint16_t* key_row(const DenseDecodeParams& p, int b, int key, int kv_head) {
-    const int page = key / p.page_size;
-    const int block = __ldg(p.block_table + static_cast<int64_t>(b) * p.block_table_stride_b + page);
-    if (block < 0 || block >= p.num_blocks) return nullptr;
+// Block id of key `key` of request b (the caller checked key < len, so the block-table column is in range), or -1
+// past the request's keys. A block id outside 0..num_blocks is a missing key: never dereferenced.
+__device__ __forceinline__ int key_block(const DenseDecodeParams& p, int b, int len, int key) {
+    if (key >= len) return -1;
+    return __ldg(p.block_table + static_cast<int64_t>(b) * p.block_table_stride_b + key / p.page_size);
+}
+__device__ __forceinline__ bool block_valid(const DenseDecodeParams& p, int block) {
+    return block >= 0 && block < p.num_blocks;
+}
+// Row of key `key` in block `block` (valid) for key head `kv_head`.
+__device__ __forceinline__ const uint16_t* key_row(const DenseDecodeParams& p, int block, int key, int kv_head) {
     return p.k_cache + static_cast<int64_t>(block) * p.k_stride_block +
-           static_cast<int64_t>(key - page * p.page_size) * p.k_stride_tok +
-           static_cast<int64_t>(kv_head) * p.k_stride_head;
+           static_cast<int64_t>(key % p.page_size) * p.k_stride_tok + static_cast<int64_t>(kv_head) * p.k_stride_head;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -125,21 +129,48 @@ __device__ __forceinline__ void producer(const DenseDecodeParams& p, SmemPlan<kD
             if (q_uses > 0) MBarrier::wait(&sm.q_empty, static_cast<uint32_t>((q_uses - 1) & 1));
             load_q_tile<kDqk>(p, sm, rt, c.b, ct);
             ++q_uses;
+            // Block ids of the thread's 4 rows, loaded a tile ahead (their latency would otherwise sit in front of
+            // every gather).
+            auto load_blocks = [&](int kt, int (&blk)[kPassesPerTile]) {
+#pragma unroll
+                for (int pass = 0; pass < kPassesPerTile; ++pass) {
+                    blk[pass] = key_block(p, c.b, c.len, kt * kKeysPerTile + pass * kRowsPerPass + ct.row_in_pass);
+                }
+            };
+            int blk[kPassesPerTile];
+            int blk_next[kPassesPerTile];
+            load_blocks(c.tile0, blk);
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
+                const bool has_next = k + 1 < c.tile1;
+                if (has_next) load_blocks(k + 1, blk_next);
                 const uint16_t* src[kPassesPerTile];
                 bool ok[kPassesPerTile];
 #pragma unroll
                 for (int pass = 0; pass < kPassesPerTile; ++pass) {
                     const int key = k * kKeysPerTile + pass * kRowsPerPass + ct.row_in_pass;
-                    const uint16_t* row = key < c.len ? key_row(p, c.b, key, rt.kv_head) : nullptr;
-                    ok[pass] = row != nullptr;
-                    src[pass] = (ok[pass] ? row : p.q) + ct.chunk_elems;
+                    ok[pass] = block_valid(p, blk[pass]);
+                    src[pass] = (ok[pass] ? key_row(p, blk[pass], key, rt.kv_head) : p.q) + ct.chunk_elems;
                 }
                 const Ring pos = Ring::of(tile);
                 const uint32_t stage_base = kv_base + pos.stage * C::kStageBytes;
                 if constexpr (C::kRopeSlabs > 0) gather_group<kDqk, kGroupRope>(sm, pos, stage_base, src, ok);
                 gather_group<kDqk, kGroupLeft>(sm, pos, stage_base, src, ok);
+                // L2 prefetch of the next tile's right group (V columns 256..511): that group is gathered last, once
+                // the value warpgroup released it, with the least cover before QK reads it (as in the sparse
+                // forward). Thread chunk c < 4 takes slab 4 + c of each of its rows.
+                if (has_next && ct.chunk < kSlabsPerHalf) {
+#pragma unroll
+                    for (int pass = 0; pass < kPassesPerTile; ++pass) {
+                        if (block_valid(p, blk_next[pass])) {
+                            const int key = (k + 1) * kKeysPerTile + pass * kRowsPerPass + ct.row_in_pass;
+                            prefetch_l2(key_row(p, blk_next[pass], key, rt.kv_head) +
+                                        (kSlabsPerHalf + ct.chunk) * kSw128ColsBf16);
+                        }
+                    }
+                }
                 gather_group<kDqk, kGroupRight>(sm, pos, stage_base, src, ok);
+#pragma unroll
+                for (int pass = 0; pass < kPassesPerTile; ++pass) blk[pass] = blk_next[pass];
             }
         });
     }
@@ -148,16 +179,19 @@ __device__ __forceinline__ void producer(const DenseDecodeParams& p, SmemPlan<kD
 // ---------------------------------------------------------------------------------------------------------------
 // Consumer warpgroups.
 
-// Validity of the keys of tile k of chunk c: key < len and its block id in range (the producer's test). Lane l
-// covers keys l and l + 32.
-__device__ __forceinline__ TileMask key_mask(const DenseDecodeParams& p, const Chunk& c, int k, int kv_head,
-                                             int lane) {
-    const int key_lo = k * kKeysPerTile + lane;
-    const int key_hi = key_lo + 32;
-    const bool lo = key_lo < c.len && key_row(p, c.b, key_lo, kv_head) != nullptr;
-    const bool hi = key_hi < c.len && key_row(p, c.b, key_hi, kv_head) != nullptr;
-    return TileMask::of_lanes(lo, hi);
-}
+// Block ids of keys `lane` and `lane + 32` of tile k of chunk c (the score warpgroup's view of the producer's test),
+// loaded a tile before the mask is formed from them.
+struct TileBlocks {
+    int lo;
+    int hi;
+    static __device__ __forceinline__ TileBlocks load(const DenseDecodeParams& p, const Chunk& c, int k, int lane) {
+        const int key = k * kKeysPerTile + lane;
+        return {key_block(p, c.b, c.len, key), key_block(p, c.b, c.len, key + 32)};
+    }
+    __device__ __forceinline__ TileMask mask(const DenseDecodeParams& p) const {
+        return TileMask::of_lanes(block_valid(p, lo), block_valid(p, hi));
+    }
+};
 
 // Bottom-right causal mask of tile k: row r (token s) sees keys < limit[r] = len - s_q + s + 1. Applied only when a
 // key of the tile reaches the smallest limit of the thread's rows (warp-uniform test).
@@ -366,9 +400,11 @@ __device__ __forceinline__ void score_consumer(const DenseDecodeParams& p, SmemP
                 }
             }
             TileMask mask{0u, 0u};
+            TileBlocks blk_next{-1, -1};
             if (n_tiles > 0) {
                 load_q_rope<kDqk>(p, rt, c.b, f, rows, q_rope);
-                mask = key_mask(p, c, c.tile0, rt.kv_head, lane);
+                mask = TileBlocks::load(p, c, c.tile0, lane).mask(p);
+                if (n_tiles > 1) blk_next = TileBlocks::load(p, c, c.tile0 + 1, lane);
                 MBarrier::wait(&sm.q_full, static_cast<uint32_t>(q_uses & 1));
                 issue_qk<E, kDqk>(sm, Ring::of(tile), desc_q, q_rope, s);
             }
@@ -435,7 +471,10 @@ __device__ __forceinline__ void score_consumer(const DenseDecodeParams& p, SmemP
                 }
                 fence_proxy_async_shared();
 
-                if (has_next) mask = key_mask(p, c, c.tile0 + i + 1, rt.kv_head, lane);
+                if (has_next) {
+                    mask = blk_next.mask(p);
+                    if (i + 2 < n_tiles) blk_next = TileBlocks::load(p, c, c.tile0 + i + 2, lane);
+                }
                 wgmma_wait<0>();
                 wgmma_fence_regs(pa[0]);
                 wgmma_fence_regs(pa[1]);
@@ -542,9 +581,10 @@ __device__ __forceinline__ void decode_split(const DenseDecodeParams& p, uint8_t
     }
 }
 
-// Combine: CTA (b, x) merges the partials of request b's row tile x when the request is split (else returns).
-// One warp per row, 16 columns per lane: lse = M + log(sum w), out = sum(w * O_p) / (sum w + exp(sink - M)),
-// w = exp(lse_p - M), M = max lse_p; a row without any key (every lse_p = -inf) gets out 0, lse +inf.
+// Combine: CTA (b, x, g) merges the partials of rows 8 g .. 8 g + 7 of request b's row tile x when the request is
+// split (else it returns at once). One warp per row, 16 columns per lane: lse = M + log(sum w),
+// out = sum(w * O_p) / (sum w + exp(sink - M)), w = exp(lse_p - M), M = max lse_p; a row without any key (every
+// lse_p = -inf) gets out 0, lse +inf.
 template <class E>
 __device__ __forceinline__ void decode_combine(const DenseDecodeParams& p) {
     const int b = static_cast<int>(blockIdx.x);
@@ -560,66 +600,70 @@ __device__ __forceinline__ void decode_combine(const DenseDecodeParams& p) {
 
     const int kv_head = x / p.row_tiles;
     const int row0 = (x % p.row_tiles) * kRowsPerCta;
-    const int rows = min(kRowsPerCta, p.rows - row0);
     const int warp = static_cast<int>(threadIdx.x) / 32;
     const int lane = static_cast<int>(threadIdx.x) % 32;
+    const int r = static_cast<int>(blockIdx.z) * kCombineRowsPerCta + warp;
+    if (r >= min(kRowsPerCta, p.rows - row0)) return;
+    const int token = (row0 + r) / p.heads_per_kv;
+    const int head = kv_head * p.heads_per_kv + (row0 + r) % p.heads_per_kv;
+    auto slot_of = [&](int part) { return 2 * part + (part == fp ? 1 : 0); };
+    auto lse_at = [&](int part) {
+        return p.part_lse[(static_cast<int64_t>(slot_of(part)) * p.head_tiles + x) * kRowsPerCta + r];
+    };
+    // The largest partial lse: each lane reads every 32nd part, then a warp reduction.
+    float m = -kInf;
+    for (int part = fp + lane; part <= lp; part += 32) m = fmaxf(m, lse_at(part));
+#pragma unroll
+    for (int d = 16; d >= 1; d /= 2) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, d));
+
+    float acc[kCombineColsPerLane];
+#pragma unroll
+    for (int e = 0; e < kCombineColsPerLane; ++e) acc[e] = 0.f;
+    float wsum = 0.f;
+    if (m != -kInf) {
+#pragma unroll 4
+        for (int part = fp; part <= lp; ++part) {
+            const float w = __expf(lse_at(part) - m);
+            wsum += w;
+            const float4* src = reinterpret_cast<const float4*>(
+                p.part_o + ((static_cast<int64_t>(slot_of(part)) * p.head_tiles + x) * kRowsPerCta + r) * kDv);
+#pragma unroll
+            for (int v = 0; v < kCombineColsPerLane / 4; ++v) {
+                // float4 v of the lane: columns 4 (32 v + lane) .. + 4 (coalesced over the warp).
+                const float4 o = src[32 * v + lane];
+                acc[4 * v + 0] += w * o.x;
+                acc[4 * v + 1] += w * o.y;
+                acc[4 * v + 2] += w * o.z;
+                acc[4 * v + 3] += w * o.w;
+            }
+        }
+    }
+    float denom = wsum;
+    if (p.attn_sink != nullptr && m != -kInf) {
+        denom += __expf(__ldg(p.attn_sink + static_cast<int64_t>(head) * p.attn_sink_stride) - m);
+    }
+    const float inv = m == -kInf ? 0.f : 1.f / denom;
     const bool vec4 = (p.flags & kFlagOutVec4) != 0;
-    for (int r = warp; r < rows; r += kCombineThreads / 32) {
-        const int token = (row0 + r) / p.heads_per_kv;
-        const int head = kv_head * p.heads_per_kv + (row0 + r) % p.heads_per_kv;
-        auto slot_of = [&](int part) { return 2 * part + (part == fp ? 1 : 0); };
-        auto lse_at = [&](int part) {
-            return p.part_lse[(static_cast<int64_t>(slot_of(part)) * p.head_tiles + x) * kRowsPerCta + r];
-        };
-        float m = -kInf;
-        for (int part = fp; part <= lp; ++part) m = fmaxf(m, lse_at(part));
-        float acc[kCombineColsPerLane];
+    uint16_t* dst = p.out + static_cast<int64_t>(b) * p.out_stride_b + static_cast<int64_t>(token) * p.out_stride_s +
+                    static_cast<int64_t>(head) * p.out_stride_h;
 #pragma unroll
-        for (int e = 0; e < kCombineColsPerLane; ++e) acc[e] = 0.f;
-        float wsum = 0.f;
-        if (m != -kInf) {
-            for (int part = fp; part <= lp; ++part) {
-                const float w = __expf(lse_at(part) - m);
-                wsum += w;
-                const float4* src = reinterpret_cast<const float4*>(
-                    p.part_o + ((static_cast<int64_t>(slot_of(part)) * p.head_tiles + x) * kRowsPerCta + r) * kDv);
-#pragma unroll
-                for (int v = 0; v < kCombineColsPerLane / 4; ++v) {
-                    // float4 v of the lane: columns 4 (32 v + lane) .. + 4 (coalesced over the warp).
-                    const float4 o = src[32 * v + lane];
-                    acc[4 * v + 0] += w * o.x;
-                    acc[4 * v + 1] += w * o.y;
-                    acc[4 * v + 2] += w * o.z;
-                    acc[4 * v + 3] += w * o.w;
-                }
-            }
+    for (int v = 0; v < kCombineColsPerLane / 4; ++v) {
+        const int col = 4 * (32 * v + lane);
+        const uint32_t w0 = pack_x2<E>(acc[4 * v + 0] * inv, acc[4 * v + 1] * inv);
+        const uint32_t w1 = pack_x2<E>(acc[4 * v + 2] * inv, acc[4 * v + 3] * inv);
+        if (vec4) {
+            *reinterpret_cast<uint32_t*>(dst + col) = w0;
+            *reinterpret_cast<uint32_t*>(dst + col + 2) = w1;
+        } else {
+            dst[col + 0] = static_cast<uint16_t>(w0 & 0xFFFFu);
+            dst[col + 1] = static_cast<uint16_t>(w0 >> 16);
+            dst[col + 2] = static_cast<uint16_t>(w1 & 0xFFFFu);
+            dst[col + 3] = static_cast<uint16_t>(w1 >> 16);
         }
-        float denom = wsum;
-        if (p.attn_sink != nullptr && m != -kInf) {
-            denom += __expf(__ldg(p.attn_sink + static_cast<int64_t>(head) * p.attn_sink_stride) - m);
-        }
-        const float inv = m == -kInf ? 0.f : 1.f / denom;
-        uint16_t* dst = p.out + static_cast<int64_t>(b) * p.out_stride_b + static_cast<int64_t>(token) * p.out_stride_s +
-                        static_cast<int64_t>(head) * p.out_stride_h;
-#pragma unroll
-        for (int v = 0; v < kCombineColsPerLane / 4; ++v) {
-            const int col = 4 * (32 * v + lane);
-            const uint32_t w0 = pack_x2<E>(acc[4 * v + 0] * inv, acc[4 * v + 1] * inv);
-            const uint32_t w1 = pack_x2<E>(acc[4 * v + 2] * inv, acc[4 * v + 3] * inv);
-            if (vec4) {
-                *reinterpret_cast<uint32_t*>(dst + col) = w0;
-                *reinterpret_cast<uint32_t*>(dst + col + 2) = w1;
-            } else {
-                dst[col + 0] = static_cast<uint16_t>(w0 & 0xFFFFu);
-                dst[col + 1] = static_cast<uint16_t>(w0 >> 16);
-                dst[col + 2] = static_cast<uint16_t>(w1 & 0xFFFFu);
-                dst[col + 3] = static_cast<uint16_t>(w1 >> 16);
-            }
-        }
-        if (lane == 0) {
-            p.lse[static_cast<int64_t>(b) * p.lse_stride_b + static_cast<int64_t>(head) * p.lse_stride_h +
-                  static_cast<int64_t>(token) * p.lse_stride_s] = m == -kInf ? kInf : m + __logf(wsum);
-        }
+    }
+    if (lane == 0) {
+        p.lse[static_cast<int64_t>(b) * p.lse_stride_b + static_cast<int64_t>(head) * p.lse_stride_h +
+              static_cast<int64_t>(token) * p.lse_stride_s] = m == -kInf ? kInf : m + __logf(wsum);
     }
 }
 

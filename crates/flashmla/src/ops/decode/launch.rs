@@ -5,7 +5,7 @@
 //! 1. `decode_schedule` (one CTA) computes the split-KV schedule from `cache_seqlens` into the workspace;
 //! 2. `decode_split_*` (grid `head_tiles x grid_parts`, 384 threads) attends each query-row tile to the key
 //!    chunks of its parts, writing unsplit requests in final form and split ones as f32 partials;
-//! 3. `decode_combine_*` (grid `batch x head_tiles`) merges the partials of split requests.
+//! 3. `decode_combine_*` (grid `batch x head_tiles x 8`) merges the partials of split requests.
 //!
 //! Kernel limits checked here (beyond [`super::validate_dense`]): `q` and `k_cache` rows 16-byte aligned (the
 //! gather copies 16-byte chunks); `block_table`, `cache_seqlens`, `attn_sink`, `out` and `lse` aligned to their
@@ -38,8 +38,10 @@ pub const KEYS_PER_TILE: usize = 64;
 pub const THREADS_PER_CTA: u32 = 384;
 /// Threads of the schedule kernel's single CTA (`kScheduleThreads`).
 pub const SCHEDULE_THREADS: u32 = 1024;
-/// Threads of a combine CTA (`kCombineThreads`).
+/// Threads of a combine CTA (`kCombineThreads`): one warp per row.
 pub const COMBINE_THREADS: u32 = 256;
+/// Row groups of a query-row tile in the combine's grid z (`kCombineRowGroups`: 64 rows / 8 warps).
+pub const COMBINE_ROW_GROUPS: u32 = 8;
 /// Dynamic shared memory of the d_qk = 576 split kernels (`kSmemBytes<576>`, static_asserted in config.cuh).
 pub const SMEM_BYTES_D576: u32 = 232_448;
 /// Dynamic shared memory of the d_qk = 512 split kernels (`kSmemBytes<512>`).
@@ -484,7 +486,11 @@ pub fn lower(
         programmatic: false,
     };
     let combine = LaunchConfig {
-        grid: (dims.batch as u32, geometry.head_tiles as u32, 1),
+        grid: (
+            dims.batch as u32,
+            geometry.head_tiles as u32,
+            COMBINE_ROW_GROUPS,
+        ),
         block: (COMBINE_THREADS, 1, 1),
         shared_mem_bytes: 0,
         cluster: None,
