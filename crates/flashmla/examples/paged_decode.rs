@@ -89,7 +89,12 @@ fn main() -> Res<()> {
         &normal(&mut rng, BATCH * S_Q * H_Q * d_qk),
         &[BATCH, S_Q, H_Q, d_qk],
     )?;
-    let topk = SEQ_LENS.iter().max().copied().unwrap_or(0).next_multiple_of(64);
+    let topk = SEQ_LENS
+        .iter()
+        .max()
+        .copied()
+        .unwrap_or(0)
+        .next_multiple_of(64);
     let mut indices = vec![-1i32; BATCH * S_Q * topk];
     for (r, &len) in SEQ_LENS.iter().enumerate() {
         for s in 0..S_Q {
@@ -147,7 +152,9 @@ fn main() -> Res<()> {
 fn open_gpu() -> Option<Gpu> {
     let built = flashmla::cuda::kernels_built();
     if !built.iter().any(|&(f, ok)| f == "kv_quant" && ok) {
-        println!("GPU: skipped (this build has no kernels: nvcc was not found when it was compiled)");
+        println!(
+            "GPU: skipped (this build has no kernels: nvcc was not found when it was compiled)"
+        );
         return None;
     }
     match Gpu::new(0) {

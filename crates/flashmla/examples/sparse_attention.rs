@@ -105,7 +105,9 @@ fn main() -> Res<()> {
 fn open_gpu() -> Option<Gpu> {
     let built = flashmla::cuda::kernels_built();
     if !built.iter().any(|&(f, ok)| f == "sparse_fwd" && ok) {
-        println!("GPU: skipped (this build has no kernels: nvcc was not found when it was compiled)");
+        println!(
+            "GPU: skipped (this build has no kernels: nvcc was not found when it was compiled)"
+        );
         return None;
     }
     match Gpu::new(0) {
@@ -124,8 +126,12 @@ fn open_gpu() -> Option<Gpu> {
 /// Compares a GPU result with the CPU's under the specification's tolerance; an error when it is out of it.
 fn check(name: &str, gpu: &HostTensor, cpu: &HostTensor, tol: &Tolerance) -> Res<()> {
     let c = compare(&gpu.to_f32_vec()?, &cpu.to_f32_vec()?);
-    c.check(tol).map_err(|e| format!("{name}: GPU and CPU differ: {e}"))?;
-    println!("  {name}: max abs difference to the CPU {:.2e}", c.max_abs_err);
+    c.check(tol)
+        .map_err(|e| format!("{name}: GPU and CPU differ: {e}"))?;
+    println!(
+        "  {name}: max abs difference to the CPU {:.2e}",
+        c.max_abs_err
+    );
     Ok(())
 }
 
