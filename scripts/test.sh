@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command: builds everything (kernels included) and runs every CPU test: the Rust workspace,
-# then the Python package (wheel built and installed in .toolchain/pyvenv, pytest on CPU tensors).
+# then the Rust examples, then the Python package (wheel built and installed in .toolchain/pyvenv, pytest on CPU
+# tensors, the Python examples included).
 # GPU tests are #[ignore]d / skipped here; run them on a GPU machine with scripts/gpu-suite.sh.
 # Usage: scripts/test.sh [--rust-only]
 set -euo pipefail
@@ -8,6 +9,10 @@ cd "$(dirname "$0")/.."
 source scripts/toolchain.sh
 cargo build --workspace --locked --release --bins
 cargo test --workspace --locked
+# The Rust examples (the Python ones run in python/tests/test_examples.py): on a GPU machine they also run on the GPU.
+for example in crates/flashmla/examples/*.rs; do
+  cargo run --release --locked -p flashmla --example "$(basename "$example" .rs)"
+done
 if [ "${1:-}" != "--rust-only" ]; then
   scripts/python-test.sh
 fi
