@@ -226,6 +226,7 @@ def _decode_dense_op(
     softmax_scale: Optional[float] = None,
     causal: bool = False,
     attn_sink: Optional[Tensor] = None,
+    batch_invariant: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """Dense decode over a paged bf16/fp16 cache (docs/spec.md section 4): ``(out [b, s_q, h_q, 512], lse [b, h_q, s_q])``."""
     ins = (
@@ -237,15 +238,28 @@ def _decode_dense_op(
         causal,
         _glue.desc_opt(attn_sink, "attn_sink"),
     )
-    b, s_q, h_q, d_v = _native.decode_dense_check(*ins)
+    b, s_q, h_q, d_v, words = _native.decode_dense_plan(*ins, batch_invariant)
     out = torch.empty((b, s_q, h_q, d_v), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h_q, s_q), dtype=_F32, device=q.device)
-    _run(_native.decode_dense, q, *ins, _glue.desc(out, "out"), _glue.desc(lse, "lse"))
+    # The schedule and the split partials live in a torch-allocated workspace: stream-ordered reuse through the
+    # caching allocator, and inside a CUDA graph capture the graph's private pool.
+    ws = _glue.desc(torch.empty((words,), dtype=_F32, device=q.device), "workspace") if words else None
+    _run(
+        _native.decode_dense,
+        q,
+        *ins,
+        _glue.desc(out, "out"),
+        _glue.desc(lse, "lse"),
+        workspace=ws,
+        batch_invariant=batch_invariant,
+    )
     return out, lse
 
 
 @_decode_dense_op.register_fake
-def _decode_dense_fake(q, k_cache, block_table, cache_seqlens, softmax_scale=None, causal=False, attn_sink=None):
+def _decode_dense_fake(
+    q, k_cache, block_table, cache_seqlens, softmax_scale=None, causal=False, attn_sink=None, batch_invariant=False
+):
     if _glue.is_concrete(q, k_cache, block_table, cache_seqlens, attn_sink):
         _native.decode_dense_check(
             _glue.meta_desc(q, "q"),
@@ -438,17 +452,24 @@ def decode_dense(
     softmax_scale: Optional[float] = None,
     causal: bool = False,
     attn_sink: Optional[Tensor] = None,
+    batch_invariant: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """Dense decode over a paged cache (docs/spec.md section 4): ``(out [b, s_q, h_q, 512], lse [b, h_q, s_q] f32)``.
 
     ``q [b, s_q, h_q, d_qk]`` bf16/fp16, ``k_cache [num_blocks, page_size, h_kv, d_qk]`` of q's dtype,
     ``block_table [b, max_blocks]`` and ``cache_seqlens [b]`` int32; ``causal`` is bottom-right aligned.
+    On CUDA the whole step (schedule, split, combine) is queued on torch's current stream with no host
+    synchronisation: it can be captured in a CUDA graph and replayed after ``cache_seqlens`` and ``block_table``
+    changed in place. ``batch_invariant=True`` makes each request's result bitwise independent of the rest of the
+    batch (fixed chunking; somewhat slower on skewed batches, more workspace).
     """
     _glue.check_tensor_args(
         dict(q=q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens), dict(attn_sink=attn_sink)
     )
     scale = None if softmax_scale is None else float(softmax_scale)
-    return _decode_dense_op(q, k_cache, block_table, cache_seqlens, scale, bool(causal), attn_sink)
+    if q.is_cuda and (q.data_ptr() % 16 or any(s % 8 for s in q.stride()[:-1])):
+        q = q.contiguous()  # the kernel gathers q rows in 16-byte chunks
+    return _decode_dense_op(q, k_cache, block_table, cache_seqlens, scale, bool(causal), attn_sink, bool(batch_invariant))
 
 
 def decode_sparse(

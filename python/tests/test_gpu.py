@@ -429,3 +429,76 @@ def test_decode_sparse_gpu_matches_cpu():
     )
     assert_spec_close("out", gpu[0], cpu[0], (1e-3, 2.01 / 128, 5e-6))
     assert_spec_close("lse", gpu[1], cpu[1], (1e-6, 8.01 / 65536, None))
+
+
+def _dense_decode_inputs(seed, b=5, s_q=2, h_q=64, h_kv=1, page=64, max_len=900, dtype=torch.bfloat16):
+    """A paged cache with shuffled blocks, NaN in every slot no request reads, and its block table."""
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = (max_len + page - 1) // page
+    num_blocks = b * max_blocks + 3
+    cache = torch.full((num_blocks, page, h_kv, 576), float("nan"), dtype=dtype)
+    perm = torch.randperm(num_blocks, generator=g)[: b * max_blocks].to(torch.int32)
+    block_table = perm.view(b, max_blocks).contiguous()
+    seqlens = torch.randint(0, max_len + 1, (b,), generator=g, dtype=torch.int32)
+    seqlens[0] = 0
+    for i in range(b):
+        n = int(seqlens[i])
+        for p in range(n):
+            blk = int(block_table[i, p // page])
+            cache[blk, p % page] = (torch.randn(h_kv, 576, generator=g) / 10).to(dtype)
+    q = (torch.randn(b, s_q, h_q, 576, generator=g) / 10).to(dtype)
+    return q, cache, block_table, seqlens
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h_q,h_kv,s_q,causal", [(128, 1, 1, False), (64, 1, 2, True), (16, 2, 3, True)])
+def test_decode_dense_gpu_matches_cpu(dtype, h_q, h_kv, s_q, causal):
+    import flashmla.compat as flash_mla
+
+    q, cache, bt, sl = _dense_decode_inputs(3, s_q=s_q, h_q=h_q, h_kv=h_kv, dtype=dtype)
+    sink = torch.randn(h_q, generator=torch.Generator().manual_seed(1))
+    cpu = flash_mla.flash_mla_with_kvcache(q, cache, bt, sl, 512, None, causal=causal, attn_sink=sink)
+    gpu = flash_mla.flash_mla_with_kvcache(
+        q.cuda(), cache.cuda(), bt.cuda(), sl.cuda(), 512, None, causal=causal, attn_sink=sink.cuda()
+    )
+    assert gpu[0].dtype == dtype
+    assert_spec_close("out", gpu[0], cpu[0], (1e-3, 2.01 / 128, 5e-6))
+    assert_spec_close("lse", gpu[1], cpu[1], (1e-6, 8.01 / 65536, None))
+
+
+def test_decode_dense_cuda_graph_replay_with_changed_seqlens():
+    """A captured decode step replayed after cache_seqlens and block_table changed in place (same shapes) computes
+    the new problem: the schedule is made on the device from the values, not at capture time."""
+    q, cache, bt, sl = _dense_decode_inputs(4, b=6, s_q=1, h_q=128, max_len=3000)
+    q, cache, bt, sl = q.cuda(), cache.cuda(), bt.cuda(), sl.cuda()
+    flashmla.decode_dense(q, cache, bt, sl)  # warm-up outside the capture (module load, allocator)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = flashmla.decode_dense(q, cache, bt, sl)
+    for seed in (11, 12):
+        q2, cache2, bt2, sl2 = _dense_decode_inputs(seed, b=6, s_q=1, h_q=128, max_len=3000)
+        q.copy_(q2.cuda())
+        cache.copy_(cache2.cuda())
+        bt.copy_(bt2.cuda())
+        sl.copy_(sl2.cuda())
+        graph.replay()
+        want = flashmla.decode_dense(q2, cache2, bt2, sl2)
+        assert_spec_close("out", out, want[0], (1e-3, 2.01 / 128, 5e-6))
+        assert_spec_close("lse", lse, want[1], (1e-6, 8.01 / 65536, None))
+
+
+def test_decode_dense_batch_invariant_gpu():
+    q, cache, bt, sl = _dense_decode_inputs(6, b=4, s_q=1, h_q=128, max_len=4000)
+    q, cache, bt, sl = q.cuda(), cache.cuda(), bt.cuda(), sl.cuda()
+    full = flashmla.decode_dense(q, cache, bt, sl, batch_invariant=True)
+    alone = flashmla.decode_dense(q[1:2], cache, bt[1:2], sl[1:2], batch_invariant=True)
+    assert torch.equal(full[0][1:2], alone[0]) and torch.equal(full[1][1:2], alone[1])
+
+
+def test_decode_dense_compile_fullgraph():
+    q, cache, bt, sl = (t.cuda() for t in _dense_decode_inputs(7, b=3, s_q=2, h_q=64))
+    step = torch.compile(lambda q: flashmla.decode_dense(q, cache, bt, sl, causal=True), fullgraph=True)
+    got = step(q)
+    want = flashmla.decode_dense(q, cache, bt, sl, causal=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -26,6 +26,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::sparse_bwd_check, m)?)?;
     m.add_function(wrap_pyfunction!(ops::sparse_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(ops::decode_dense_check, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::decode_dense_plan, m)?)?;
     m.add_function(wrap_pyfunction!(ops::decode_dense, m)?)?;
     m.add_function(wrap_pyfunction!(ops::decode_sparse_check, m)?)?;
     m.add_function(wrap_pyfunction!(ops::decode_sparse, m)?)?;

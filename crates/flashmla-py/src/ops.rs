@@ -445,9 +445,50 @@ pub fn decode_dense_check(
     })
 }
 
-/// Runs a dense decode into `out [b, s_q, h_q, d_v]` (q's dtype) and `lse [b, h_q, s_q]` f32.
+/// Validates a dense decode and returns `(b, s_q, h_q, d_v, workspace_words)`: the f32 words of workspace a GPU
+/// run needs (the caller allocates it, so that torch's caching allocator and CUDA-graph pools serve it), 0 on the
+/// host.
 #[pyfunction]
-#[pyo3(signature = (q, k_cache, block_table, cache_seqlens, softmax_scale, causal, attn_sink, out, lse, stream=0))]
+#[pyo3(signature = (q, k_cache, block_table, cache_seqlens, softmax_scale=None, causal=false, attn_sink=None,
+    batch_invariant=false))]
+#[allow(clippy::too_many_arguments)]
+pub fn decode_dense_plan(
+    q: RawDesc,
+    k_cache: RawDesc,
+    block_table: RawDesc,
+    cache_seqlens: RawDesc,
+    softmax_scale: Option<f32>,
+    causal: bool,
+    attn_sink: Option<RawDesc>,
+    batch_invariant: bool,
+) -> PyResult<(usize, usize, usize, usize, usize)> {
+    guard("decode_dense", || {
+        let d = DenseDescs::new(&q, &k_cache, &block_table, &cache_seqlens, &attn_sink)?;
+        let dims = decode::validate_dense(&d.args(softmax_scale, causal))?;
+        let words = match placement(&d.q) {
+            Location::Cuda(device) => {
+                let sms = gpu_for(device, 0)?.info().sm_count as usize;
+                decode::launch::dense_workspace_words(&dims, &decode_options(batch_invariant), sms)?
+            }
+            _ => 0,
+        };
+        Ok((dims.batch, dims.s_q, dims.h_q, dims.d_v, words))
+    })
+}
+
+/// The GPU decode's options from the Python flags.
+fn decode_options(batch_invariant: bool) -> decode::DecodeOptions {
+    decode::DecodeOptions {
+        batch_invariant,
+        ..decode::DecodeOptions::default()
+    }
+}
+
+/// Runs a dense decode into `out [b, s_q, h_q, d_v]` (q's dtype) and `lse [b, h_q, s_q]` f32. On CUDA,
+/// `workspace` is an f32 vector of the words [`decode_dense_plan`] returned.
+#[pyfunction]
+#[pyo3(signature = (q, k_cache, block_table, cache_seqlens, softmax_scale, causal, attn_sink, out, lse, stream=0,
+    workspace=None, batch_invariant=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn decode_dense(
     py: Python<'_>,
@@ -461,6 +502,8 @@ pub fn decode_dense(
     out: RawDesc,
     lse: RawDesc,
     stream: u64,
+    workspace: Option<RawDesc>,
+    batch_invariant: bool,
 ) -> PyResult<()> {
     py.detach(|| {
         guard("decode_dense", || {
@@ -512,7 +555,14 @@ pub fn decode_dense(
                         out: outs.out.to_device()?,
                         lse: outs.lse.to_device()?,
                     };
-                    decode_dense_gpu(&gpu_for(device, stream)?, &args, &views)
+                    let ws = device_opt(&Desc::opt("workspace", &workspace)?)?;
+                    decode::decode_dense_cuda(
+                        &gpu_for(device, stream)?,
+                        &args,
+                        &views,
+                        &decode_options(batch_invariant),
+                        ws.as_ref(),
+                    )
                 }
             }
         })
@@ -718,15 +768,6 @@ pub fn decode_sparse(
             }
         })
     })
-}
-
-/// GPU path of the dense decode: no kernel yet.
-fn decode_dense_gpu(
-    _gpu: &Gpu,
-    _args: &DenseDecodeArgs<'_, DeviceView>,
-    _out: &DecodeOutput<DeviceView>,
-) -> Result<()> {
-    Err(no_kernel("decode (dense)"))
 }
 
 /// GPU path of the sparse FP8 decode: no kernel yet.
