@@ -1,9 +1,9 @@
 """The card's bf16 matrix-product ceiling at full clock and at the power cap.
 
-PERF.md's ceiling (798 TFLOPS, 8192^3 bf16 through PyTorch) is the rate of a short run on an idle card. Under long
-full load an H100 reaches its board power cap and lowers its SM clock, so the same product runs slower. This script
-times the product both ways on the card it finds, so that kernel figures taken in either regime can be set against
-the ceiling of the same regime:
+The ceiling docs/benchmarking.md quotes (~800 TFLOPS, 8192^3 bf16 through PyTorch) is the rate of a short run on an
+idle card. Under long full load an H100 reaches its board power cap and lowers its SM clock, so the same product runs
+slower. This script times the product both ways on the card it finds, so that kernel figures taken in either regime
+can be set against the ceiling of the same regime:
 
 * full clock: idle ``--cooldown`` seconds, then ``--warmup`` + ``--reps`` products (about 15 ms of load), for
   ``--rounds`` rounds; the median of every round's timed products;

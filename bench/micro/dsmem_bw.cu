@@ -10,7 +10,7 @@
 // One CTA per SM (the dynamic shared memory forces it), 132 CTAs = 66 clusters on an H100. Prints, per mode, chunk
 // size and warps per CTA, the cycles per chunk of one warp and the bytes per cycle each SM sends (and receives).
 // Build (from bench/micro): nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o dsmem_bw dsmem_bw.cu
-// The figures of 2026-11-24 (bench/results/2026-11-24-h100-dsmem-bw.txt) were taken with private copies of the same
+// The figures of 2026-11-24 (docs/perf-log.md; the output is in git history) were taken with private copies of the same
 // PTX (commit ff0735a); this version calls the kernels' own primitives from common/.
 #include <cstdint>
 #include <cstdio>

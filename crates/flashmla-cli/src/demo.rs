@@ -1,7 +1,7 @@
 //! `flashmla demo`: sparse MLA forward + backward on a built-in problem (DeepSeek V3.2 widths), verified against
-//! the f64 reference. On an sm_90 GPU both kernels run at the PERF.md benchmark shape (sampled tokens verified)
-//! and the backward also on a small problem (every element verified); on a machine without one, the CPU
-//! reference runs a problem small enough to finish in seconds.
+//! the f64 reference. On an sm_90 GPU both kernels run at the V3.2 standard benchmark shape of
+//! docs/benchmarking.md (sampled tokens verified) and the backward also on a small problem (every element
+//! verified); on a machine without one, the CPU reference runs a problem small enough to finish in seconds.
 
 use crate::device_ops::{SparseBwdOnGpu, SparseFwdOnGpu};
 use crate::report::spinner;
@@ -29,7 +29,7 @@ pub struct DemoArgs {
     seed: u64,
 }
 
-/// The GPU problem: the PERF.md V3.2 benchmark shape.
+/// The GPU problem: the V3.2 standard benchmark shape at s_kv 32K (docs/benchmarking.md).
 const GPU_SHAPE: (usize, usize, usize, usize, usize) = (4096, 32768, 128, 576, 2048);
 /// The CPU problem: same widths, few tokens.
 const CPU_SHAPE: (usize, usize, usize, usize, usize) = (32, 4096, 128, 576, 512);

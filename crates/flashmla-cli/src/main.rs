@@ -3,7 +3,7 @@
 //! * `demo`  — sparse MLA forward + backward on a built-in problem (GPU when there is one, else CPU), verified.
 //! * `info`  — the GPU, the driver, and which kernels this binary carries.
 //! * `check` — the GPU correctness suite against the CPU reference; exits non-zero on any failure.
-//! * `bench` — times ops on the PERF.md shapes and writes JSON records.
+//! * `bench` — times ops on the standard shapes (docs/benchmarking.md) and writes JSON records.
 
 mod bench;
 mod check;

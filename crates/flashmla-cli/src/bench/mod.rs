@@ -1,5 +1,5 @@
-//! `flashmla bench`: times ops with CUDA events (warm-up, many repetitions, median) on the PERF.md shapes and
-//! writes JSON records carrying the GPU, driver, commit and date.
+//! `flashmla bench`: times ops with CUDA events (warm-up, many repetitions, median) on the standard shapes of
+//! docs/benchmarking.md and writes JSON records carrying the GPU, driver, commit and date.
 
 mod decode_dense;
 mod kv_quant;
@@ -17,7 +17,7 @@ use std::sync::Arc;
 /// Which shapes to time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum BenchSuite {
-    /// The PERF.md standard shapes.
+    /// The standard shapes (docs/benchmarking.md, section 5).
     Standard,
     /// One small shape per op (smoke test).
     Small,
@@ -160,7 +160,7 @@ fn ab_variants(spec: Option<&str>) -> Result<(Option<String>, Vec<String>), Stri
     Ok((Some(var.to_string()), values))
 }
 
-/// One benchmark record (PERF.md "Benchmark records").
+/// One benchmark record (docs/benchmarking.md, section 7).
 #[derive(Serialize, Clone, Debug, Default)]
 pub struct Record {
     /// Op name (`sparse_fwd`, `kv_quantize`, ...).

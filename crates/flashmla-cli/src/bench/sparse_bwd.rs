@@ -1,6 +1,6 @@
-//! Sparse prefill backward on the PERF.md shapes: FLOP = 2 * s_q * topk * h_q * (3 * d_qk + 2 * d_v) (recompute S,
-//! then dP, dV, dQ, dK). The timed call is the whole op (workspace zeroing, delta, main kernel, cast, sink
-//! gradient); the record carries the op's extra device memory.
+//! Sparse prefill backward on the standard shapes (docs/benchmarking.md): FLOP = 2 * s_q * topk * h_q *
+//! (3 * d_qk + 2 * d_v) (recompute S, then dP, dV, dQ, dK). The timed call is the whole op (workspace zeroing,
+//! delta, main kernel, cast, sink gradient); the record carries the op's extra device memory.
 
 use super::sparse_fwd::{pattern_name, patterns, shapes};
 use super::{Bench, BenchSuite, IndexChoice, Record};

@@ -1,4 +1,4 @@
-//! Sparse prefill forward on the PERF.md shapes. FLOP = 2 * s_q * topk * h_q * (d_qk + d_v).
+//! Sparse prefill forward on the standard shapes (docs/benchmarking.md). FLOP = 2 * s_q * topk * h_q * (d_qk + d_v).
 
 use super::{Bench, BenchSuite, IndexChoice, Record};
 use crate::device_ops::SparseFwdOnGpu;
