@@ -16,7 +16,7 @@ different cards or runs do not compare (docs/perf-log.md): give the files of one
 
 Usage::
 
-    python3 bench/plot.py --out-dir docs/charts --name h100-standard bench/results/FILE.json [FILE.json ...]
+    python3 bench/plot.py --out-dir docs/charts --name h100-standard bench/results/<run>.json [<run>.json ...]
     python3 bench/plot.py --ops kv_quantize,kv_dequantize --name h100-kv-cache FILE.json   # some ops only
 
 Needs only the standard library (no matplotlib).
