@@ -155,19 +155,6 @@ __device__ __forceinline__ void producer(const DenseDecodeParams& p, SmemPlan<kD
                 const uint32_t stage_base = kv_base + pos.stage * C::kStageBytes;
                 if constexpr (C::kRopeSlabs > 0) gather_group<kDqk, kGroupRope>(sm, pos, stage_base, src, ok);
                 gather_group<kDqk, kGroupLeft>(sm, pos, stage_base, src, ok);
-                // L2 prefetch of the next tile's right group (V columns 256..511): that group is gathered last, once
-                // the value warpgroup released it, with the least cover before QK reads it (as in the sparse
-                // forward). Thread chunk c < 4 takes slab 4 + c of each of its rows.
-                if (has_next && ct.chunk < kSlabsPerHalf) {
-#pragma unroll
-                    for (int pass = 0; pass < kPassesPerTile; ++pass) {
-                        if (block_valid(p, blk_next[pass])) {
-                            const int key = (k + 1) * kKeysPerTile + pass * kRowsPerPass + ct.row_in_pass;
-                            prefetch_l2(key_row(p, blk_next[pass], key, rt.kv_head) +
-                                        (kSlabsPerHalf + ct.chunk) * kSw128ColsBf16);
-                        }
-                    }
-                }
                 gather_group<kDqk, kGroupRight>(sm, pos, stage_base, src, ok);
 #pragma unroll
                 for (int pass = 0; pass < kPassesPerTile; ++pass) blk[pass] = blk_next[pass];
