@@ -32,6 +32,7 @@ inline constexpr int kConsumerWarps = kConsumerThreads / 32;
 // index in the peer, adds what it receives to the half it kept, and reduces it into global memory. Every warp does
 // the same work, and the exchange of chunk k overlaps the MMAs of chunk k + 1. One slot per consumer warp.
 inline constexpr int kPairCtas = 2;
+static_assert(kMaxHeads == kPairCtas * kHeadsPerCta, "h_q > 64 runs as a pair of head groups");
 inline constexpr int kXSlotRows = 16;                                        // one warp's accumulator rows
 inline constexpr int kXSlotCols = 32;                                        // half of a dKV chunk
 inline constexpr int kXSlotRowBytes = kXSlotCols * 4;                        // 128: f32 half row

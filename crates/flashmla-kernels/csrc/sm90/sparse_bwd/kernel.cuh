@@ -12,26 +12,28 @@
 //                    gathered as soon as both consumers' dQ(i) retired, i.e. during dKV(i). When the host asks for
 //                    it (p.kv_buckets > 1: accumulator + KV larger than L2, grid launched in waves) the entries go in
 //                    ascending KV-row bucket order ("Bucketed order" below).
-//   WG 1, 2 (consumers c = 0, 1), per tile:
-//     c = 0: S = Q K^T, c = 1: dP = dO V^T, each over all 64 tile rows           (wgmma 64x64, K = d_qk / 512)
-//     P = exp2(S * sm_scale * log2e - lse2') (0 for invalid rows) and dS' = sm_scale * P * (dP - delta) -> bf16
-//     P and dS tiles, each consumer one half of the elements from its own accumulator and the other's values
-//     (the hand-off: c = 1 publishes dP - delta of its half, c = 0 the exp2 arguments of the other half)
-//     dQ[:, own slabs] += dS' K          (A from the dS tile)
-//     -> release the KV tile
-//     dKV[:, slab s] = dS'^T Q[:, s] + P^T dO[:, s] for the slabs s this consumer owns (wgmma 64x64, K = heads),
-//     then the 64 x 64 f32 chunk is reduced into the accumulator rows (valid rows only) through a 2 KB slot per
-//     warp, four rows x 128 contiguous bytes per red.global.add.v4.f32 warp instruction:
-//       solo mode (h_q <= 64): the warp stages its own rows, one 32-column half at a time;
-//       pair mode (h_q > 64, 2-CTA cluster, one CTA per head group): CTA rank r keeps columns [32 r, 32 r + 32);
-//                          each warp st.async's the other half of its rows to the same warp of the peer, adds
-//                          the peer's half of its kept columns, and reduces: one add per (token, row) instead of
-//                          two. The exchange of chunk k overlaps the MMAs of chunk k + 1. With a bf16 d_kv (not
-//                          deterministic, not accumulated: the `_xb` kernels, kXBf16) the pair splits each chunk
-//                          by rows instead (rank 1 gathers its tile rows with the 8-row halves swapped), the
-//                          peer's half travels as bf16 through two 1 KB buffers per warp and is added in registers
-//                          (pair_send_xb).
-//   Epilogue: dQ (already scaled by sm_scale) -> bf16, staged through the Q region, coalesced 16-byte stores.
+//   WG 1, 2 (consumers c = 0, 1), per tile, one function per phase ("The consumer's phases" below):
+//     mma_s_or_dp   c = 0: S = Q K^T, c = 1: dP = dO V^T, each over all 64 tile rows, slab by slab as the gather
+//                   lands                                                      (wgmma 64x64, K = d_qk / 512)
+//     handoff       P = exp2(S * sm_scale * log2e - lse2') (0 for invalid rows) and dS' = sm_scale * P * (dP - delta)
+//                   -> bf16 P and dS tiles, each consumer one half of the elements from its own accumulator and the
+//                   other's values (c = 1 publishes dP - delta of its half, c = 0 P of the other half)
+//     mma_dq        dQ[:, own slabs] += dS' K                                  (A from the dS tile)
+//     release_tile  the KV tile goes back to the producer
+//     dkv_*         dKV[:, slab s] = dS'^T Q[:, s] + P^T dO[:, s] for the slabs s this consumer owns (wgmma 64x64,
+//                   K = heads), each 64 x 64 f32 chunk reduced into the accumulator rows (valid rows only) through
+//                   a 2 KB slot per warp, four rows x 128 contiguous bytes per red.global.add.v4.f32 warp instruction:
+//       dkv_solo      (h_q <= 64): the warp stages its own rows, one 32-column half at a time;
+//       dkv_pair_f32  (h_q > 64, 2-CTA cluster, one CTA per head group): CTA rank r keeps columns [32 r, 32 r + 32);
+//                     each warp st.async's the other half of its rows to the same warp of the peer, adds the peer's
+//                     half of its kept columns, and reduces: one add per (token, row) instead of two. The exchange
+//                     of chunk k overlaps the MMAs of chunk k + 1.
+//       dkv_pair_xb   the same with a bf16 d_kv (not deterministic, not accumulated: the `_xb` kernels, kXBf16):
+//                     the pair splits each chunk by rows instead (rank 1 gathers its tile rows with the 8-row halves
+//                     swapped), the peer's half travels as bf16 through two 1 KB buffers per warp and is added in
+//                     registers (pair_send_xb).
+//   Epilogue (store_dq): dQ (already scaled by sm_scale) -> bf16, staged through the Q region, coalesced 16-byte
+//   stores.
 #pragma once
 
 #include <cstdint>
@@ -492,11 +494,21 @@ struct DqAcc;
 template <>
 struct DqAcc<4> {
     float a[128];  // columns [64 slab0, 64 slab0 + 256)
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int k = 0; k < 128; ++k) a[k] = 0.f;
+    }
 };
 template <>
 struct DqAcc<5> {
     float a[128];  // columns [64 slab0, 64 slab0 + 256)
     float b[32];   // columns [64 (slab0 + 4), 64 (slab0 + 5))
+    __device__ __forceinline__ void zero() {
+#pragma unroll
+        for (int k = 0; k < 128; ++k) a[k] = 0.f;
+#pragma unroll
+        for (int k = 0; k < 32; ++k) b[k] = 0.f;
+    }
 };
 
 // Shapes of the consumer's register tiles.
@@ -841,428 +853,547 @@ __device__ __forceinline__ void solo_reduce(const SparseBwdParams& p, uint32_t s
     if (last) report_drained(drained);  // every lane, after its own slot reads
 }
 
-template <int kDqk, int kCw, bool kDet, bool kPair, bool kXBf16>
-__device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
+// ---------------------------------------------------------------------------------------------------------------
+// The consumer's phases. Per tile, each consumer warpgroup runs
+//   mma_s_or_dp    S = Q K^T (c = 0) or dP = dO V^T (c = 1), waiting for each KV slab of the tile as it lands
+//   handoff        P and dS' of the tile into the bf16 P and dS tiles, half of the elements from each consumer
+//   mma_dq         dQ[:, own slabs] += dS' K (the bf16 exchange issues its first dKV chunk right behind it)
+//   release_tile   the KV tile back to the producer (kv_empty); pair mode: the peer may send this tile's chunks
+//   dkv_solo, dkv_pair_f32, dkv_pair_xb   the dKV chunks it owns, reduced into dkv_acc (one per reduction strategy)
+// and after the last tile store_dq (the epilogue). Everything is inlined into one instruction stream per consumer.
+
+// Compile-time role of consumer kCw in one kernel variant: the dQ slabs and dKV chunks it owns.
+template <int kDqk_, int kCw_, bool kDet_, bool kPair_, bool kXBf16_>
+struct ConsumerRole {
+    static constexpr int kDqk = kDqk_;
+    static constexpr int kCw = kCw_;
+    static constexpr bool kDet = kDet_;
+    static constexpr bool kPair = kPair_;
+    static constexpr bool kXBf16 = kXBf16_;
     using C = Config<kDqk>;
-    constexpr int kDqSlab0 = kCw == 0 ? 0 : C::kDqSlabs0;
-    constexpr int kDqSlabs = kCw == 0 ? C::kDqSlabs0 : C::kDqSlabs1;
+    static constexpr int kDqSlab0 = kCw == 0 ? 0 : C::kDqSlabs0;
+    static constexpr int kDqSlabs = kCw == 0 ? C::kDqSlabs0 : C::kDqSlabs1;
     static_assert(kDqSlabs == 4 || kDqSlabs == 5, "dQ slices are 4 or 5 slabs");
     // dKV chunks (slabs) of this consumer: odd slabs for c = 0, even for c = 1 (dkv_chunk_owner).
-    constexpr int kFirstChunk = kCw == 0 ? 1 : 0;
-    constexpr int kChunks = (C::kDqkSlabs - kFirstChunk + 1) / 2;
-    constexpr int kVChunks = (C::kDvSlabs - kFirstChunk + 1) / 2;  // chunks with a dO term (the rest: RoPE)
+    static constexpr int kFirstChunk = kCw == 0 ? 1 : 0;
+    static constexpr int kChunks = (C::kDqkSlabs - kFirstChunk + 1) / 2;
+    static constexpr int kVChunks = (C::kDvSlabs - kFirstChunk + 1) / 2;  // chunks with a dO term (the rest: RoPE)
     static_assert(kChunks - kVChunks <= 1, "at most the RoPE slab lacks the dO term");
     static_assert(dkv_chunk_owner(kFirstChunk) == kCw, "chunk ownership");
+    // Bf16 exchange: the first dKV chunk's MMAs queue right behind dQ (mma_dq).
+    static constexpr bool kChunk0WithDq = kPair && kXBf16;
+    // kFlagDeferLastReduce (bf16 exchange) may hold the last chunk's reductions over to the next tile (kDeferSlab).
+    // Consumer 0 at d_qk 576 holds 160 dQ registers: its held values would spill (measured: 322 bytes), so it reduces
+    // its last chunk right away.
+    static constexpr bool kMayDefer = kPair && kXBf16 && (kCw == 1 || kDqk == 512);
+};
 
-    const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * (1 + kCw);  // 0..127 in this warpgroup
-    const int lane = t % 32;
-    const int warp = t / 32;  // 0..3 in this warpgroup: accumulator rows [16 warp, 16 warp + 16)
-    const AccFrag f = AccFrag::of_thread(t);
-    // The two accumulator rows this thread owns: heads (S, dP, dQ) and tile rows (dKV) alike.
-    const int rows[2] = {f.row0, f.row1()};
+// A consumer thread's place for the whole token: its accumulator fragment and the operand tiles' addresses. The
+// phases take it, RowStats and ConsumerTile by value: copies are values the compiler reasons about as it did about
+// the locals of one function (through references, the same phase bodies compiled to other instructions).
+struct ConsumerThread {
+    int t;        // 0..127 in this warpgroup
+    int lane;
+    int warp;     // 0..3 in this warpgroup: accumulator rows [16 warp, 16 warp + 16)
+    AccFrag f;
+    int rows[2];  // the two accumulator rows this thread owns: heads (S, dP, dQ) and tile rows (dKV) alike
+    uint32_t q_addr;
+    uint32_t do_addr;
+    uint32_t kv_addr;
+    uint32_t p_addr;
+    uint32_t ds_addr;
+};
 
-    const uint32_t q_addr = smem_addr(sm.q);
-    const uint32_t do_addr = smem_addr(sm.d_out);
-    const uint32_t kv_addr = smem_addr(sm.kv);
-    const uint32_t p_addr = smem_addr(sm.p);
-    const uint32_t ds_addr = smem_addr(sm.ds);
+template <int kDqk, int kCw>
+__device__ __forceinline__ ConsumerThread consumer_thread(SmemPlan<kDqk>& sm) {
+    ConsumerThread th;
+    th.t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * (1 + kCw);
+    th.lane = th.t % 32;
+    th.warp = th.t / 32;
+    th.f = AccFrag::of_thread(th.t);
+    th.rows[0] = th.f.row0;
+    th.rows[1] = th.f.row1();
+    th.q_addr = smem_addr(sm.q);
+    th.do_addr = smem_addr(sm.d_out);
+    th.kv_addr = smem_addr(sm.kv);
+    th.p_addr = smem_addr(sm.p);
+    th.ds_addr = smem_addr(sm.ds);
+    return th;
+}
 
-    // ---- Per-row statistics. Padding heads (>= h_q) get lse2' = +inf, so P = dS = 0 on their rows; consumer 1
-    // computes delta of its rows (and writes the `delta` output), consumer 0 does not need it.
+// Per-row statistics of this thread's two rows. Padding heads (>= h_q) get lse2' = +inf, so P = dS = 0 on their
+// rows; consumer 1 computes delta of its rows (and writes the `delta` output), consumer 0 does not need it.
+struct RowStats {
     float lse2[2];
-    float delta[2] = {0.f, 0.f};
+    float delta[2];
+};
+
+template <int kDqk, int kCw>
+__device__ __forceinline__ RowStats row_stats(const SparseBwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w,
+                                              const ConsumerThread th) {
+    RowStats st;
+    st.delta[0] = 0.f;
+    st.delta[1] = 0.f;
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
-        const int64_t head = w.head0 + rows[rr];
+        const int64_t head = w.head0 + th.rows[rr];
         const int64_t tok = w.token;
-        if (rows[rr] < w.heads) {
+        if (th.rows[rr] < w.heads) {
             const float lse = __ldg(p.lse + tok * p.lse_stride_t + head * p.lse_stride_h);
             const float* sink = p.attn_sink != nullptr ? p.attn_sink + head * p.attn_sink_stride : nullptr;
-            lse2[rr] = lse2_with_sink(lse, sink);
+            st.lse2[rr] = lse2_with_sink(lse, sink);
         } else {
-            lse2[rr] = kInf;
+            st.lse2[rr] = kInf;
         }
     }
-    if constexpr (kCw == 1) fused_delta<kDqk>(p, sm, w, warp, lane, delta);
+    if constexpr (kCw == 1) fused_delta<kDqk>(p, sm, w, th.warp, th.lane, st.delta);
+    return st;
+}
 
-    DqAcc<kDqSlabs> dq;
+// One tile of the consumer's loop.
+struct ConsumerTile {
+    int i;                // tile index
+    int n_tiles;          // tiles of the token
+    Ring pos;             // phase of the tile's barriers
+    const int32_t* ridx;  // row_idx[i & 1]: KV row of each tile row, -1 when invalid
+};
+
+template <int kDqk>
+__device__ __forceinline__ ConsumerTile consumer_tile(SmemPlan<kDqk>& sm, const CtaWork& w, int i) {
+    ConsumerTile tile;
+    tile.i = i;
+    tile.n_tiles = w.n_tiles;
+    tile.pos = Ring::of(i);
+    tile.ridx = sm.row_idx[i & 1];
+    return tile;
+}
+
+// kFlagDeferLastReduce (bf16 exchange): the reductions of a tile's last chunk wait in registers and are issued during
+// the next tile's S / dP, right before the wait for slab kDeferSlab (at d_qk 576 the first late slab, whose gather
+// follows the drain), instead of stalling this consumer between the chunk phase and the next S / dP.
+inline constexpr int kDeferSlab = 7;
+
+// ---- S / dP. Consumer 0: S = Q K^T, consumer 1: dP = dO V^T, each over all 64 tile rows (m64n64: every operand
+// byte read from shared memory feeds twice the MMA work of the m64n32 halves), slab by slab as the gather lands: the
+// wait for the tile is one kv_full[slab] wait per slab (the producer fenced each slab before its barrier completed),
+// so S / dP of the first slabs overlaps the gather of the last ones. Fragment (row h, column n) of either accumulator
+// is head h, tile row n, so both consumers' threads hold the same elements.
+template <class R>
+__device__ __forceinline__ void mma_s_or_dp(SmemPlan<R::kDqk>& sm, const ConsumerThread th, const ConsumerTile tile,
+                                            DeferredRed& dr, bool& dr_live, float (&sd)[kSdRegs]) {
+    using C = typename R::C;
+    constexpr int kSlabs = R::kCw == 0 ? C::kDqkSlabs : C::kDvSlabs;
+    const uint64_t desc_a = make_wgmma_desc_sw128(R::kCw == 0 ? th.q_addr : th.do_addr, kUnusedLbo, kSw128AtomBytes);
+    const uint64_t desc_k = make_wgmma_desc_sw128(th.kv_addr, kUnusedLbo, kSw128AtomBytes);  // all 64 tile rows
 #pragma unroll
-    for (int k = 0; k < 128; ++k) dq.a[k] = 0.f;
-    if constexpr (kDqSlabs == 5) {
-#pragma unroll
-        for (int k = 0; k < 32; ++k) dq.b[k] = 0.f;
-    }
-
-    // Q and dO landed and were fenced for the async proxy by the producer.
-    if (w.n_tiles > 0) MBarrier::wait(&sm.qdo_full, 0);
-    const uint64_t desc_q = make_wgmma_desc_sw128(q_addr, kUnusedLbo, kSw128AtomBytes);
-    const uint64_t desc_do = make_wgmma_desc_sw128(do_addr, kUnusedLbo, kSw128AtomBytes);
-    const uint64_t desc_k = make_wgmma_desc_sw128(kv_addr, kUnusedLbo, kSw128AtomBytes);  // all 64 tile rows
-
-    // kFlagDeferLastReduce (bf16 exchange): the reductions of a tile's last chunk wait in registers and are issued
-    // during the next tile's S / dP, right before the wait for slab kDeferSlab (at d_qk 576 the first late slab, whose
-    // gather follows the drain), instead of stalling this consumer between the chunk phase and the next S / dP.
-    constexpr int kDeferSlab = 7;
-    // Consumer 0 at d_qk 576 holds 160 dQ registers: its held values would spill (measured: 322 bytes), so it
-    // reduces its last chunk right away.
-    constexpr bool kMayDefer = kPair && kXBf16 && (kCw == 1 || kDqk == 512);
-    const bool defer_last = kMayDefer && (p.flags & kFlagDeferLastReduce) != 0;
-    DeferredRed dr;
-    dr.e[0] = dr.e[1] = dr.o[0] = dr.o[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-    dr.dst_e = dr.dst_o = p.dkv_acc;
-    dr.pe = dr.po = false;
-    bool dr_live = false;
-
-    for (int i = 0; i < w.n_tiles; ++i) {
-        const Ring pos = Ring::of(i);
-        const int32_t* ridx = sm.row_idx[i & 1];
-
-        // ---- Consumer 0: S = Q K^T, consumer 1: dP = dO V^T, each over all 64 tile rows (m64n64: every operand
-        // byte read from shared memory feeds twice the MMA work of the m64n32 halves), slab by slab as the gather
-        // lands (the producer fenced each slab before its barrier completed). Fragment (row h, column n) of either
-        // accumulator is head h, tile row n, so both consumers' threads hold the same elements.
-        float sd[kSdRegs];
-        {
-            constexpr int kSlabs = kCw == 0 ? C::kDqkSlabs : C::kDvSlabs;
-            const uint64_t desc_a = kCw == 0 ? desc_q : desc_do;
-#pragma unroll
-            for (int slab = 0; slab < kSlabs; ++slab) {
-                if constexpr (kMayDefer) {
-                    if (slab == kDeferSlab) {
-                        issue_deferred(dr, dr_live);
-                        dr_live = false;
-                    }
-                }
-                MBarrier::wait(&sm.kv_full[slab], pos.full_parity);
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < C::kStepsPerSlab; ++kk) {
-                    // d columns [64 slab + 16 kk, +16): 32-byte step kk inside the slab's 128-byte rows.
-                    const uint32_t off = slab * C::kSlabBytes + kk * 32;
-                    wgmma_m64n64k16_ss_kk(sd, wgmma_desc_advance(desc_a, off), wgmma_desc_advance(desc_k, off),
-                                           slab > 0 || kk > 0);
-                }
+    for (int slab = 0; slab < kSlabs; ++slab) {
+        if constexpr (R::kMayDefer) {
+            if (slab == kDeferSlab) {
+                issue_deferred(dr, dr_live);
+                dr_live = false;
             }
-            wgmma_commit();
-            wgmma_wait<0>();
-            wgmma_fence_regs(sd);
         }
-
-        // ---- The hand-off: P = exp2(S sm_scale log2e - lse2') and dS' = sm_scale P (dP - delta) into the P and dS
-        // tiles (bf16: the dKV and dQ operands), split by n8 blocks between the consumers so that both finish at
-        // once. Consumer 0 turns its S into P in registers first (all 8 blocks: its exp2s run while it would wait
-        // for consumer 1, whose chunk phase is the longer one); consumer 1 publishes dP - delta of blocks [0, 4) as
-        // soon as its dP retired, consumer 0 then publishes P of blocks [4, 8); each finishes its half from its own
-        // registers and the other's values, with no exp2 left after the rendezvous. A pair (element 0, element 1)
-        // of a block travels as two f32, element 0 at the pair's P-tile position and element 1 at its dS-tile
-        // position: each thread reads and writes only its own fragment positions, which are the same in both
-        // consumers, and nothing is rounded before P and dS'. Column n of S is tile row n; invalid rows (bad
-        // index, tail) get P = 0, so nothing from a zero-filled row (or an inf/NaN logit) leaks.
-        // Byte offset of this thread's bf16x2 of n8 block j, row half rr in the P / dS tiles (SW128, 128-byte rows):
-        // row r = rows[rr], chunk j ^ (r % 8) = j ^ g, byte 4 q, i.e. frag_base(rr) ^ (j << 4) with frag_base(rr) =
-        // 128 r + 16 g + 4 q (bits 4-6 hold only g). From volatile reads, so the compiler does not hoist 16 offsets
-        // out of the tile loop into registers.
-        const uint32_t lane_v = lane_id_volatile();
-        const uint32_t frag_base0 = static_cast<uint32_t>(rows[0]) * kSw128RowBytes + ((lane_v / 4) << 4) + 4 * (lane_v % 4);
-        auto tile_off = [&](int j, int rr) {
-            return (frag_base0 + rr * 8 * kSw128RowBytes) ^ (static_cast<uint32_t>(j) << 4);
-        };
-        constexpr int kHalfBlocks = kSdBlocks / 2;
-        float pv[kCw == 0 ? kSdRegs : 1];  // consumer 0: P
-        // Finishes block j from the other consumer's two f32 per pair (loaded one block ahead by the caller):
-        // consumer 1 receives P (its dP in sd), consumer 0 dP - delta (its P in pv).
-        auto finish_block = [&](int j, const float (&v)[4]) {
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr) {
-                float p0, p1, d0, d1;
-                if constexpr (kCw == 1) {
-                    p0 = v[2 * rr];
-                    p1 = v[2 * rr + 1];
-                    d0 = sd[4 * j + 2 * rr] - delta[rr];
-                    d1 = sd[4 * j + 2 * rr + 1] - delta[rr];
-                } else {
-                    p0 = pv[4 * j + 2 * rr];
-                    p1 = pv[4 * j + 2 * rr + 1];
-                    d0 = v[2 * rr];
-                    d1 = v[2 * rr + 1];
-                }
-                const uint32_t off = tile_off(j, rr);
-                st_shared_u32(p_addr + off, pack_bf16x2(p0, p1));
-                st_shared_u32(ds_addr + off, pack_bf16x2(p.sm_scale * p0 * d0, p.sm_scale * p1 * d1));
-            }
-        };
-        auto load_block = [&](int j, float (&v)[4]) {
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr) {
-                v[2 * rr] = __uint_as_float(ld_shared_u32(p_addr + tile_off(j, rr)));
-                v[2 * rr + 1] = __uint_as_float(ld_shared_u32(ds_addr + tile_off(j, rr)));
-            }
-        };
-        // Blocks [j0, j0 + 4), each block's values loaded one block ahead so that their latency hides.
-        auto finish_half = [&](int j0) {
-            float nx[4];
-            load_block(j0, nx);
-#pragma unroll
-            for (int j = j0; j < j0 + kHalfBlocks; ++j) {
-                const float cur[4] = {nx[0], nx[1], nx[2], nx[3]};
-                if (j + 1 < j0 + kHalfBlocks) load_block(j + 1, nx);
-                finish_block(j, cur);
-            }
-        };
-        // The two signals between the consumers' stores are rendezvous that both execute (bar.sync on both sides,
-        // which compute-sanitizer racecheck models; it does not model a barrier.arrive before its barrier.sync):
-        // HandoffStart (consumer 1 stored dP - delta, consumer 0 holds P) and HalvesStored. Each consumer reaches
-        // them when it would wait anyway.
-        if constexpr (kCw == 1) {
-            // Consumer 0's dKV(i - 1) products (readers of both tiles) retired: it arrived at the end of its chunk
-            // phase. Our own retired in program order.
-            if (i > 0) MBarrier::wait(&sm.pds_free, static_cast<uint32_t>((i - 1) & 1));
-#pragma unroll
-            for (int j = 0; j < kHalfBlocks; ++j) {
-#pragma unroll
-                for (int rr = 0; rr < 2; ++rr) {
-                    const uint32_t off = tile_off(j, rr);
-                    st_shared_u32(p_addr + off, __float_as_uint(sd[4 * j + 2 * rr] - delta[rr]));
-                    st_shared_u32(ds_addr + off, __float_as_uint(sd[4 * j + 2 * rr + 1] - delta[rr]));
-                }
-            }
-            named_barrier_sync_unaligned(Bar::HandoffStart, kConsumerThreads);
-            named_barrier_sync_unaligned(Bar::HalvesStored, kConsumerThreads);
-            finish_half(kHalfBlocks);
-        } else {
-            // P (0 on invalid rows) into registers of its own: S is a wgmma accumulator, and writing it under a
-            // condition makes the compiler serialise every wgmma of the kernel.
-            uint32_t p_bits = 0;
-#pragma unroll
-            for (int j = 0; j < kSdBlocks; ++j) {
-                const int2 rid = *reinterpret_cast<const int2*>(ridx + f.col(j));
-#pragma unroll
-                for (int rr = 0; rr < 2; ++rr) {
-                    const float e0 = exp2f(fmaf(sd[4 * j + 2 * rr], p.sm_scale_log2, -lse2[rr]));
-                    const float e1 = exp2f(fmaf(sd[4 * j + 2 * rr + 1], p.sm_scale_log2, -lse2[rr]));
-                    pv[4 * j + 2 * rr] = rid.x >= 0 ? e0 : 0.f;
-                    pv[4 * j + 2 * rr + 1] = rid.y >= 0 ? e1 : 0.f;
-                    p_bits |= __float_as_uint(pv[4 * j + 2 * rr]) | __float_as_uint(pv[4 * j + 2 * rr + 1]);
-                }
-            }
-            // A store of a value that depends on every P, ahead of the rendezvous (which no shared-memory store
-            // crosses): otherwise the scheduler sinks the exp2s below it, next to their uses. Never read.
-            st_shared_u32(smem_addr(&sm.p_order_sink[t]), p_bits);
-            // Consumer 1 stored its half, which also means that its dKV(i - 1) products retired.
-            named_barrier_sync_unaligned(Bar::HandoffStart, kConsumerThreads);
-#pragma unroll
-            for (int j = kHalfBlocks; j < kSdBlocks; ++j) {
-#pragma unroll
-                for (int rr = 0; rr < 2; ++rr) {
-                    const uint32_t off = tile_off(j, rr);
-                    st_shared_u32(p_addr + off, __float_as_uint(pv[4 * j + 2 * rr]));
-                    st_shared_u32(ds_addr + off, __float_as_uint(pv[4 * j + 2 * rr + 1]));
-                }
-            }
-            named_barrier_sync_unaligned(Bar::HalvesStored, kConsumerThreads);
-            finish_half(0);
-        }
-        fence_proxy_async_shared();  // P, dS': generic stores -> dQ / dKV wgmma reads (async proxy)
-        named_barrier_sync_unaligned(Bar::DsReady, kConsumerThreads);
-
-        // ---- The dKV chunk accumulator and its MMAs (used below; the bf16 exchange issues the first chunk right
-        // behind dQ).
-        float acc[kChunkRegs];
-        auto issue = [&](auto with_do, int slab) {
-            wgmma_fence();
-#pragma unroll
-            for (int ks = 0; ks < kHeadsPerCta / 16; ++ks) {
-                const uint64_t desc_a = make_wgmma_desc_sw128(ds_addr + ks * kKStepMnBytes, C::kSlabBytes,
-                                                              kSw128AtomBytes);
-                const uint64_t desc_b = make_wgmma_desc_sw128(q_addr + slab * C::kSlabBytes + ks * kKStepMnBytes,
-                                                              C::kSlabBytes, kSw128AtomBytes);
-                wgmma_m64n64k16_ss_mnmn(acc, desc_a, desc_b, ks > 0);
-            }
-            if constexpr (decltype(with_do)::value) {
-#pragma unroll
-                for (int ks = 0; ks < kHeadsPerCta / 16; ++ks) {
-                    const uint64_t desc_a = make_wgmma_desc_sw128(p_addr + ks * kKStepMnBytes, C::kSlabBytes,
-                                                                  kSw128AtomBytes);
-                    const uint64_t desc_b = make_wgmma_desc_sw128(
-                        do_addr + slab * C::kSlabBytes + ks * kKStepMnBytes, C::kSlabBytes, kSw128AtomBytes);
-                    wgmma_m64n64k16_ss_mnmn(acc, desc_a, desc_b, true);
-                }
-            }
-            wgmma_commit();
-        };
-
-        // ---- dQ[:, own slabs] += dS' K over all 64 tile rows, A from the dS tile (K-major, +32 bytes per 16-row
-        // k-step), K read MN-major (LBO = next slab).
-        const uint32_t k_slab0 = kv_addr + kDqSlab0 * C::kSlabBytes;
+        MBarrier::wait(&sm.kv_full[slab], tile.pos.full_parity);
         wgmma_fence();
 #pragma unroll
-        for (int kb = 0; kb < kSteps; ++kb) {
-            const int row0 = kb * 16;
-            const uint64_t desc_b = make_wgmma_desc_sw128(k_slab0 + row0 * kSw128RowBytes, C::kSlabBytes,
-                                                          kSw128AtomBytes);
-            const uint64_t desc_a = make_wgmma_desc_sw128(ds_addr + row0 * 2, kUnusedLbo, kSw128AtomBytes);
-            wgmma_m64n256k16_ss_kmn(dq.a, desc_a, desc_b, true);
-            if constexpr (kDqSlabs == 5) {
-                wgmma_m64n64k16_ss_kmn(dq.b, desc_a, wgmma_desc_advance(desc_b, kN256Slabs * C::kSlabBytes), true);
-            }
-        }
-        wgmma_commit();
-        // Bf16 exchange: the first dKV chunk's MMAs queue right behind dQ (they read Q, dO, P and dS', not the KV
-        // tile), so the tensor cores have them when dQ retires; wait<1> waits for dQ alone.
-        constexpr bool kChunk0WithDq = kPair && kXBf16;
-        if constexpr (kChunk0WithDq) {
-            issue(std::true_type{}, kFirstChunk);
-            wgmma_wait<1>();
-        } else {
-            wgmma_wait<0>();
-        }
-        wgmma_fence_regs(dq.a);
-        if constexpr (kDqSlabs == 5) wgmma_fence_regs(dq.b);
-
-        // ---- Release the KV tile (S, dP, dQ of this thread retired): every consumer thread arrives, so that each
-        // lane's earlier shared-memory reads (e.g. the previous tile's row_idx, which the producer rewrites for tile
-        // i + 1 after this phase) are ordered before the producer's writes in racecheck's view too (see
-        // report_drained).
-        MBarrier::arrive(&sm.kv_empty);
-
-        // ---- Pair mode: allow the peer to send this tile's first chunk into our slot. When the slots alias KV
-        // slabs (d_qk 576) that needs both consumers' KV readers of this tile retired: kv_empty's phase i.
-        // bf16 exchange: both buffers of the slot (chunks 0 and 1).
-        if constexpr (kPair) {
-            const PairLink l = pair_link<kDqk, kXBf16>(sm, kCw, warp);
-            if constexpr (C::kXbufInKv) MBarrier::wait(&sm.kv_empty, pos.full_parity);
-            __syncwarp();
-            if (lane == 0) {
-                mbarrier_arrive_remote_relaxed(l.empty + l.peer_delta);
-                if constexpr (kXBf16) mbarrier_arrive_remote_relaxed(l.empty + 8 + l.peer_delta);
-            }
-        }
-
-        // ---- dKV chunks this consumer owns: dKV[:, slab s] = dS'^T Q[:, s] + P^T dO[:, s] (K = 64 heads; A is
-        // the transpose of the stored [head][row] tiles, B the stored [head][d] slabs: both MN-major).
-        // Accumulator rows are tile rows rows[0], rows[1]; invalid rows form no address and write nothing.
-        //   f32 (default): reductions of 16 bytes (4 consecutive columns of one row).
-        //   kDet:          each value -> signed 64-bit fixed point (2^-32 units) and red.global.add.u64: integer
-        //                  adds commute, so the sum is the same bits in any order.
-        // The V chunks (with the dO term) run in a rolled loop (code size); the RoPE chunk (slab 8, d_qk 576,
-        // consumer 1) comes after it with its own straight-line code, so no branch ever sits between MMAs on one
-        // accumulator. `k` counts this consumer's chunks in the tile.
-        // Consumer 0's last dKV product of this tile retired: consumer 1 may write the next tile's dP - delta into
-        // the P / dS tiles (pds_free; consumer 1's own products retire in its program order).
-        auto release_pds = [&]() {
-            if constexpr (kCw == 0) {
-                if (i + 1 < w.n_tiles) MBarrier::arrive(&sm.pds_free);
-            }
-        };
-        auto retire = [&]() {
-            wgmma_wait<0>();
-            wgmma_fence_regs(acc);
-        };
-        if constexpr (kPair && kXBf16) {
-            // As below, with the bf16 exchange: chunk k uses buffer k & 1; buffer b serves `uses` chunks per tile.
-            // Chunk k releases its buffer for chunk k + 2 of the same tile; the last two chunks release nothing.
-            static_assert(kChunks >= 2, "both buffers are used in every tile");
-            constexpr int kUses0 = (kChunks + 1) / 2;
-            constexpr int kUses1 = kChunks / 2;
-            float kept[kXSlotVals];
-            uint64_t* const drained = C::kXbufInKv ? &sm.x_drained : nullptr;
-            const int32_t* const ridx_warp = ridx + kXSlotRows * warp;
-            auto parity = [&](int k) { return xb_parity_of((k & 1) ? kUses1 : kUses0, i, k); };
-            auto reduce = [&](int k, DeferredRed* defer) {
-                pair_reduce_xb(p, pair_link<kDqk, true>(sm, kCw, warp), kept, ridx_warp, kFirstChunk + 2 * k,
-                               static_cast<uint32_t>(k & 1), parity(k), k + 2 < kChunks, k + 1 == kChunks, drained,
-                               defer);
-            };
-            auto send = [&](int k) {
-                pair_send_xb(pair_link<kDqk, true>(sm, kCw, warp), acc, static_cast<uint32_t>(k & 1), parity(k));
-            };
-            // Chunk k: its MMAs, then (d_qk 576) its half to the peer, then the reduction of chunk k - 1, whose peer
-            // half was sent one chunk earlier and has had a whole chunk's time to arrive; then the kept half of
-            // chunk k. The tensor cores run the other consumer's chunk meanwhile. At d_qk 512 the reduction of chunk
-            // k - 1 runs under chunk k's MMAs instead (measured faster there: docs/sparse-bwd.md, v9.2).
-            constexpr bool kEarlyReduce = kDqk == 512;
-            auto step = [&](auto with_do, int k) {
-                issue(with_do, kFirstChunk + 2 * k);
-                if constexpr (kEarlyReduce) {
-                    if (k > 0) reduce(k - 1, nullptr);
-                    retire();
-                    send(k);
-                } else {
-                    retire();
-                    send(k);
-                    if (k > 0) reduce(k - 1, nullptr);
-                }
-                keep_xb(acc, kept);
-            };
-            // Chunk 0 was issued with dQ.
-            retire();
-            send(0);
-            keep_xb(acc, kept);
-#pragma unroll 1
-            for (int k = 1; k < kVChunks; ++k) step(std::true_type{}, k);
-            if constexpr (kVChunks < kChunks) step(std::false_type{}, kVChunks);
-            release_pds();
-            if (defer_last) {
-                reduce(kChunks - 1, &dr);
-                dr_live = true;
-            } else {
-                reduce(kChunks - 1, nullptr);
-            }
-        } else if constexpr (kPair) {
-            // Software pipeline over the chunks: the exchange and reduction of chunk k - 1 run while the tensor
-            // cores compute chunk k. Round n = i * kChunks + k of every slot barrier is chunk k of tile i.
-            float kept[kXSlotVals];
-            const uint32_t round0 = static_cast<uint32_t>(i * kChunks);
-            uint64_t* const drained = C::kXbufInKv ? &sm.x_drained : nullptr;
-            const int32_t* const ridx_warp = ridx + kXSlotRows * warp;
-            issue(std::true_type{}, kFirstChunk);
-            retire();
-            pair_send(pair_link(sm, kCw, warp), acc, round0 & 1u, kept);
-#pragma unroll 1
-            for (int k = 1; k < kVChunks; ++k) {
-                issue(std::true_type{}, kFirstChunk + 2 * k);
-                pair_reduce<kDet>(p, pair_link(sm, kCw, warp), kept, ridx_warp, kFirstChunk + 2 * (k - 1),
-                                  (round0 + k - 1) & 1u, false, drained);
-                retire();
-                pair_send(pair_link(sm, kCw, warp), acc, (round0 + k) & 1u, kept);
-            }
-            if constexpr (kVChunks < kChunks) {
-                issue(std::false_type{}, kFirstChunk + 2 * kVChunks);
-                pair_reduce<kDet>(p, pair_link(sm, kCw, warp), kept, ridx_warp, kFirstChunk + 2 * (kVChunks - 1),
-                                  (round0 + kVChunks - 1) & 1u, false, drained);
-                retire();
-                pair_send(pair_link(sm, kCw, warp), acc, (round0 + kVChunks) & 1u, kept);
-            }
-            release_pds();
-            pair_reduce<kDet>(p, pair_link(sm, kCw, warp), kept, ridx_warp, kFirstChunk + 2 * (kChunks - 1),
-                              (round0 + kChunks - 1) & 1u, true, drained);
-        } else {
-            // Solo: each chunk is staged through this warp's own slot (no exchange). At d_qk 576 the slots alias KV
-            // slabs 7-8, free only once both consumers' KV readers of this tile retired (kv_empty's phase i).
-            if constexpr (C::kXbufInKv) MBarrier::wait(&sm.kv_empty, pos.full_parity);
-            const uint32_t slot = smem_addr(sm.xbuf_base()) + (kConsumerWarps / kConsumers * kCw + warp) * kXSlotBytes;
-            uint64_t* const drained = C::kXbufInKv ? &sm.x_drained : nullptr;
-            const int32_t* const ridx_warp = ridx + kXSlotRows * warp;
-#pragma unroll 1
-            for (int k = 0; k < kVChunks; ++k) {
-                issue(std::true_type{}, kFirstChunk + 2 * k);
-                retire();
-                solo_reduce<kDet>(p, slot, acc, ridx_warp, kFirstChunk + 2 * k, k + 1 == kChunks, drained);
-            }
-            if constexpr (kVChunks < kChunks) {
-                issue(std::false_type{}, kFirstChunk + 2 * kVChunks);
-                retire();
-                solo_reduce<kDet>(p, slot, acc, ridx_warp, kFirstChunk + 2 * kVChunks, true, drained);
-            }
-            release_pds();
+        for (int kk = 0; kk < C::kStepsPerSlab; ++kk) {
+            // d columns [64 slab + 16 kk, +16): 32-byte step kk inside the slab's 128-byte rows.
+            const uint32_t off = slab * C::kSlabBytes + kk * 32;
+            wgmma_m64n64k16_ss_kk(sd, wgmma_desc_advance(desc_a, off), wgmma_desc_advance(desc_k, off),
+                                   slab > 0 || kk > 0);
         }
     }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_regs(sd);
+}
 
-    // The last tile's held reductions (nothing follows to hide them under).
-    if constexpr (kMayDefer) issue_deferred(dr, dr_live);
+// This thread's bf16x2 of n8 block j, row half rr in the P / dS tiles (SW128, 128-byte rows): row r = rows[rr], chunk
+// j ^ (r % 8) = j ^ g, byte 4 q, i.e. byte offset base(rr) ^ (j << 4) with base(rr) = 128 r + 16 g + 4 q (bits 4-6
+// hold only g). Built from a volatile read of the lane, so the compiler does not hoist 16 offsets out of the tile
+// loop into registers.
+struct PdsFrag {
+    uint32_t p_addr;
+    uint32_t ds_addr;
+    uint32_t base0;  // base(0)
 
-    // ---- Epilogue: dQ (sm_scale already folded into dS') -> bf16 tile in the Q region, row-major with the chunk
-    // swizzle chunk ^ (row % 8) (conflict-free fragment writes and row-chunk reads), then 16-byte stores.
+    static __device__ __forceinline__ PdsFrag of(const ConsumerThread th) {
+        const uint32_t lane_v = lane_id_volatile();
+        PdsFrag pf;
+        pf.p_addr = th.p_addr;
+        pf.ds_addr = th.ds_addr;
+        pf.base0 = static_cast<uint32_t>(th.rows[0]) * kSw128RowBytes + ((lane_v / 4) << 4) + 4 * (lane_v % 4);
+        return pf;
+    }
+    __device__ __forceinline__ uint32_t off(int j, int rr) const {
+        return (base0 + rr * 8 * kSw128RowBytes) ^ (static_cast<uint32_t>(j) << 4);
+    }
+    // The other consumer's published values of block j: v[2 rr + e] is element e of row half rr.
+    __device__ __forceinline__ void load(int j, float (&v)[4]) const {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            v[2 * rr] = __uint_as_float(ld_shared_u32(p_addr + off(j, rr)));
+            v[2 * rr + 1] = __uint_as_float(ld_shared_u32(ds_addr + off(j, rr)));
+        }
+    }
+};
+inline constexpr int kHalfBlocks = kSdBlocks / 2;
+
+// Finishes block j into the bf16 P and dS tiles from this consumer's values `own` and the other's `v`: consumer 1
+// receives P (its dP in `own`), consumer 0 dP - delta (its P in `own`).
+template <int kCw>
+__device__ __forceinline__ void finish_block(const SparseBwdParams& p, const PdsFrag pf, const float (&own)[kSdRegs],
+                                             const float (&delta)[2], int j, const float (&v)[4]) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        float p0, p1, d0, d1;
+        if constexpr (kCw == 1) {
+            p0 = v[2 * rr];
+            p1 = v[2 * rr + 1];
+            d0 = own[4 * j + 2 * rr] - delta[rr];
+            d1 = own[4 * j + 2 * rr + 1] - delta[rr];
+        } else {
+            p0 = own[4 * j + 2 * rr];
+            p1 = own[4 * j + 2 * rr + 1];
+            d0 = v[2 * rr];
+            d1 = v[2 * rr + 1];
+        }
+        const uint32_t off = pf.off(j, rr);
+        st_shared_u32(pf.p_addr + off, pack_bf16x2(p0, p1));
+        st_shared_u32(pf.ds_addr + off, pack_bf16x2(p.sm_scale * p0 * d0, p.sm_scale * p1 * d1));
+    }
+}
+
+// Finishes blocks [j0, j0 + 4), each block's values loaded one block ahead so that their latency hides.
+template <int kCw>
+__device__ __forceinline__ void finish_half(const SparseBwdParams& p, const PdsFrag pf, const float (&own)[kSdRegs],
+                                            const float (&delta)[2], int j0) {
+    float nx[4];
+    pf.load(j0, nx);
+#pragma unroll
+    for (int j = j0; j < j0 + kHalfBlocks; ++j) {
+        const float cur[4] = {nx[0], nx[1], nx[2], nx[3]};
+        if (j + 1 < j0 + kHalfBlocks) pf.load(j + 1, nx);
+        finish_block<kCw>(p, pf, own, delta, j, cur);
+    }
+}
+
+// ---- The hand-off: P = exp2(S sm_scale log2e - lse2') and dS' = sm_scale P (dP - delta) into the P and dS tiles
+// (bf16: the dKV and dQ operands), split by n8 blocks between the consumers so that both finish at once. Consumer 0
+// turns its S into P in registers first (all 8 blocks: its exp2s run while it would wait for consumer 1, whose chunk
+// phase is the longer one); consumer 1 publishes dP - delta of blocks [0, 4) as soon as its dP retired, consumer 0
+// then publishes P of blocks [4, 8); each finishes its half from its own registers and the other's values, with no
+// exp2 left after the rendezvous. A pair (element 0, element 1) of a block travels as two f32, element 0 at the
+// pair's P-tile position and element 1 at its dS-tile position (PdsFrag::off): each thread reads and writes only its own fragment positions, which are the same in both consumers, and nothing is
+// rounded before P and dS'. Column n of S is tile row n; invalid rows (bad index, tail) get P = 0, so nothing from a
+// zero-filled row (or an inf/NaN logit) leaks.
+// The two signals between the consumers' stores are rendezvous that both execute (bar.sync on both sides, which
+// compute-sanitizer racecheck models; it does not model a barrier.arrive before its barrier.sync): HandoffStart
+// (consumer 1 stored dP - delta, consumer 0 holds P) and HalvesStored. Each consumer reaches them when it would wait
+// anyway. DsReady ends the phase: both halves stored and fenced for the dQ / dKV wgmma.
+template <class R>
+__device__ __forceinline__ void handoff(const SparseBwdParams& p, SmemPlan<R::kDqk>& sm, const ConsumerThread th,
+                                        const RowStats st, const ConsumerTile tile, const float (&sd)[kSdRegs]) {
+    const PdsFrag pf = PdsFrag::of(th);
+    if constexpr (R::kCw == 1) {
+        // Consumer 0's dKV(i - 1) products (readers of both tiles) retired: it arrived at the end of its chunk
+        // phase. Our own retired in program order.
+        if (tile.i > 0) MBarrier::wait(&sm.pds_free, static_cast<uint32_t>((tile.i - 1) & 1));
+#pragma unroll
+        for (int j = 0; j < kHalfBlocks; ++j) {
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                const uint32_t off = pf.off(j, rr);
+                st_shared_u32(pf.p_addr + off, __float_as_uint(sd[4 * j + 2 * rr] - st.delta[rr]));
+                st_shared_u32(pf.ds_addr + off, __float_as_uint(sd[4 * j + 2 * rr + 1] - st.delta[rr]));
+            }
+        }
+        named_barrier_sync_unaligned(Bar::HandoffStart, kConsumerThreads);
+        named_barrier_sync_unaligned(Bar::HalvesStored, kConsumerThreads);
+        finish_half<1>(p, pf, sd, st.delta, kHalfBlocks);
+    } else {
+        // P (0 on invalid rows) into registers of its own: S is a wgmma accumulator, and writing it under a
+        // condition makes the compiler serialise every wgmma of the kernel.
+        float pv[kSdRegs];
+        uint32_t p_bits = 0;
+#pragma unroll
+        for (int j = 0; j < kSdBlocks; ++j) {
+            const int2 rid = *reinterpret_cast<const int2*>(tile.ridx + th.f.col(j));
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                const float e0 = exp2f(fmaf(sd[4 * j + 2 * rr], p.sm_scale_log2, -st.lse2[rr]));
+                const float e1 = exp2f(fmaf(sd[4 * j + 2 * rr + 1], p.sm_scale_log2, -st.lse2[rr]));
+                pv[4 * j + 2 * rr] = rid.x >= 0 ? e0 : 0.f;
+                pv[4 * j + 2 * rr + 1] = rid.y >= 0 ? e1 : 0.f;
+                p_bits |= __float_as_uint(pv[4 * j + 2 * rr]) | __float_as_uint(pv[4 * j + 2 * rr + 1]);
+            }
+        }
+        // A store of a value that depends on every P, ahead of the rendezvous (which no shared-memory store
+        // crosses): otherwise the scheduler sinks the exp2s below it, next to their uses. Never read.
+        st_shared_u32(smem_addr(&sm.p_order_sink[th.t]), p_bits);
+        // Consumer 1 stored its half, which also means that its dKV(i - 1) products retired.
+        named_barrier_sync_unaligned(Bar::HandoffStart, kConsumerThreads);
+#pragma unroll
+        for (int j = kHalfBlocks; j < kSdBlocks; ++j) {
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                const uint32_t off = pf.off(j, rr);
+                st_shared_u32(pf.p_addr + off, __float_as_uint(pv[4 * j + 2 * rr]));
+                st_shared_u32(pf.ds_addr + off, __float_as_uint(pv[4 * j + 2 * rr + 1]));
+            }
+        }
+        named_barrier_sync_unaligned(Bar::HalvesStored, kConsumerThreads);
+        finish_half<0>(p, pf, pv, st.delta, 0);
+    }
+    fence_proxy_async_shared();  // P, dS': generic stores -> dQ / dKV wgmma reads (async proxy)
+    named_barrier_sync_unaligned(Bar::DsReady, kConsumerThreads);
+}
+
+// Issues the MMAs of dKV chunk `slab` into `acc` and commits them (not waited for): dKV[:, slab] = dS'^T Q[:, slab]
+// (+ P^T dO[:, slab] when kWithDo; the RoPE slab has no dO term). K = 64 heads; A is the transpose of the stored
+// [head][row] tiles, B the stored [head][d] slabs: both MN-major.
+template <int kDqk, bool kWithDo>
+__device__ __forceinline__ void issue_dkv_chunk(const ConsumerThread th, float (&acc)[kChunkRegs], int slab) {
+    using C = Config<kDqk>;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kHeadsPerCta / 16; ++ks) {
+        const uint64_t desc_a = make_wgmma_desc_sw128(th.ds_addr + ks * kKStepMnBytes, C::kSlabBytes, kSw128AtomBytes);
+        const uint64_t desc_b = make_wgmma_desc_sw128(th.q_addr + slab * C::kSlabBytes + ks * kKStepMnBytes,
+                                                      C::kSlabBytes, kSw128AtomBytes);
+        wgmma_m64n64k16_ss_mnmn(acc, desc_a, desc_b, ks > 0);
+    }
+    if constexpr (kWithDo) {
+#pragma unroll
+        for (int ks = 0; ks < kHeadsPerCta / 16; ++ks) {
+            const uint64_t desc_a = make_wgmma_desc_sw128(th.p_addr + ks * kKStepMnBytes, C::kSlabBytes,
+                                                          kSw128AtomBytes);
+            const uint64_t desc_b = make_wgmma_desc_sw128(th.do_addr + slab * C::kSlabBytes + ks * kKStepMnBytes,
+                                                          C::kSlabBytes, kSw128AtomBytes);
+            wgmma_m64n64k16_ss_mnmn(acc, desc_a, desc_b, true);
+        }
+    }
+    wgmma_commit();
+}
+
+// Waits for the chunk's MMAs (the only ones in flight).
+__device__ __forceinline__ void retire_dkv_chunk(float (&acc)[kChunkRegs]) {
+    wgmma_wait<0>();
+    wgmma_fence_regs(acc);
+}
+
+// ---- dQ[:, own slabs] += dS' K over all 64 tile rows, A from the dS tile (K-major, +32 bytes per 16-row k-step), K
+// read MN-major (LBO = next slab). Bf16 exchange: the first dKV chunk's MMAs queue right behind dQ (they read Q, dO, P
+// and dS', not the KV tile), so the tensor cores have them when dQ retires; wait<1> waits for dQ alone.
+template <class R>
+__device__ __forceinline__ void mma_dq(const ConsumerThread th, DqAcc<R::kDqSlabs>& dq, float (&acc)[kChunkRegs]) {
+    using C = typename R::C;
+    const uint32_t k_slab0 = th.kv_addr + R::kDqSlab0 * C::kSlabBytes;
+    wgmma_fence();
+#pragma unroll
+    for (int kb = 0; kb < kSteps; ++kb) {
+        const int row0 = kb * 16;
+        const uint64_t desc_b = make_wgmma_desc_sw128(k_slab0 + row0 * kSw128RowBytes, C::kSlabBytes,
+                                                      kSw128AtomBytes);
+        const uint64_t desc_a = make_wgmma_desc_sw128(th.ds_addr + row0 * 2, kUnusedLbo, kSw128AtomBytes);
+        wgmma_m64n256k16_ss_kmn(dq.a, desc_a, desc_b, true);
+        if constexpr (R::kDqSlabs == 5) {
+            wgmma_m64n64k16_ss_kmn(dq.b, desc_a, wgmma_desc_advance(desc_b, kN256Slabs * C::kSlabBytes), true);
+        }
+    }
+    wgmma_commit();
+    if constexpr (R::kChunk0WithDq) {
+        issue_dkv_chunk<R::kDqk, true>(th, acc, R::kFirstChunk);
+        wgmma_wait<1>();
+    } else {
+        wgmma_wait<0>();
+    }
+    wgmma_fence_regs(dq.a);
+    if constexpr (R::kDqSlabs == 5) wgmma_fence_regs(dq.b);
+}
+
+// ---- Release of the KV tile (S, dP, dQ of this thread retired): every consumer thread arrives, so that each lane's
+// earlier shared-memory reads (e.g. the previous tile's row_idx, which the producer rewrites for tile i + 1 after
+// this phase) are ordered before the producer's writes in racecheck's view too (see report_drained).
+// Pair mode: then allow the peer to send this tile's first chunk into our slot. When the slots alias KV slabs (d_qk
+// 576) that needs both consumers' KV readers of this tile retired: kv_empty's phase i. Bf16 exchange: both buffers of
+// the slot (chunks 0 and 1).
+template <class R>
+__device__ __forceinline__ void release_tile(SmemPlan<R::kDqk>& sm, const ConsumerThread th,
+                                             const ConsumerTile tile) {
+    MBarrier::arrive(&sm.kv_empty);
+    if constexpr (R::kPair) {
+        const PairLink l = pair_link<R::kDqk, R::kXBf16>(sm, R::kCw, th.warp);
+        if constexpr (R::C::kXbufInKv) MBarrier::wait(&sm.kv_empty, tile.pos.full_parity);
+        __syncwarp();
+        if (th.lane == 0) {
+            mbarrier_arrive_remote_relaxed(l.empty + l.peer_delta);
+            if constexpr (R::kXBf16) mbarrier_arrive_remote_relaxed(l.empty + 8 + l.peer_delta);
+        }
+    }
+}
+
+// Consumer 0's last dKV product of this tile retired: consumer 1 may write the next tile's dP - delta into the P / dS
+// tiles (pds_free; consumer 1's own products retire in its program order).
+template <int kCw, int kDqk>
+__device__ __forceinline__ void release_pds(SmemPlan<kDqk>& sm, const ConsumerTile tile) {
+    if constexpr (kCw == 0) {
+        if (tile.i + 1 < tile.n_tiles) MBarrier::arrive(&sm.pds_free);
+    }
+}
+
+// ---- dKV, one function per reduction strategy. Each computes the chunks this consumer owns, dKV[:, slab s] =
+// dS'^T Q[:, s] + P^T dO[:, s] (issue_dkv_chunk), and reduces each 64 x 64 f32 chunk into the accumulator rows
+// tile.ridx[0..64) (valid rows only; invalid rows form no address and write nothing):
+//   f32 (default): reductions of 16 bytes (4 consecutive columns of one row).
+//   kDet:          each value -> signed 64-bit fixed point (2^-32 units) and red.global.add.u64: integer adds
+//                  commute, so the sum is the same bits in any order.
+// The V chunks (with the dO term) run in a rolled loop (code size); the RoPE chunk (slab 8, d_qk 576, consumer 1)
+// comes after it with its own straight-line code, so no branch ever sits between MMAs on one accumulator. `k` counts
+// this consumer's chunks in the tile; chunk k is slab kFirstChunk + 2 k.
+
+// Solo mode: each chunk is staged through this warp's own slot (no exchange). At d_qk 576 the slots alias KV slabs
+// 7-8, free only once both consumers' KV readers of this tile retired (kv_empty's phase i).
+template <class R>
+__device__ __forceinline__ void dkv_solo(const SparseBwdParams& p, SmemPlan<R::kDqk>& sm, const ConsumerThread th,
+                                         const ConsumerTile tile, float (&acc)[kChunkRegs]) {
+    using C = typename R::C;
+    constexpr int kFirstChunk = R::kFirstChunk;
+    constexpr int kChunks = R::kChunks;
+    constexpr int kVChunks = R::kVChunks;
+    if constexpr (C::kXbufInKv) MBarrier::wait(&sm.kv_empty, tile.pos.full_parity);
+    const uint32_t slot = smem_addr(sm.xbuf_base()) + (kConsumerWarps / kConsumers * R::kCw + th.warp) * kXSlotBytes;
+    uint64_t* const drained = C::kXbufInKv ? &sm.x_drained : nullptr;
+    const int32_t* const ridx_warp = tile.ridx + kXSlotRows * th.warp;
+#pragma unroll 1
+    for (int k = 0; k < kVChunks; ++k) {
+        issue_dkv_chunk<R::kDqk, true>(th, acc, kFirstChunk + 2 * k);
+        retire_dkv_chunk(acc);
+        solo_reduce<R::kDet>(p, slot, acc, ridx_warp, kFirstChunk + 2 * k, k + 1 == kChunks, drained);
+    }
+    if constexpr (kVChunks < kChunks) {
+        issue_dkv_chunk<R::kDqk, false>(th, acc, kFirstChunk + 2 * kVChunks);
+        retire_dkv_chunk(acc);
+        solo_reduce<R::kDet>(p, slot, acc, ridx_warp, kFirstChunk + 2 * kVChunks, true, drained);
+    }
+    release_pds<R::kCw>(sm, tile);
+}
+
+// Pair mode, f32 exchange: a software pipeline over the chunks, the exchange and reduction of chunk k - 1 run while
+// the tensor cores compute chunk k. Round n = i * kChunks + k of every slot barrier is chunk k of tile i.
+template <class R>
+__device__ __forceinline__ void dkv_pair_f32(const SparseBwdParams& p, SmemPlan<R::kDqk>& sm,
+                                             const ConsumerThread th, const ConsumerTile tile,
+                                             float (&acc)[kChunkRegs]) {
+    using C = typename R::C;
+    constexpr int kFirstChunk = R::kFirstChunk;
+    constexpr int kChunks = R::kChunks;
+    constexpr int kVChunks = R::kVChunks;
+    constexpr int kCw = R::kCw;
+    const int warp = th.warp;
+    float kept[kXSlotVals];
+    const uint32_t round0 = static_cast<uint32_t>(tile.i * kChunks);
+    uint64_t* const drained = C::kXbufInKv ? &sm.x_drained : nullptr;
+    const int32_t* const ridx_warp = tile.ridx + kXSlotRows * warp;
+    issue_dkv_chunk<R::kDqk, true>(th, acc, kFirstChunk);
+    retire_dkv_chunk(acc);
+    pair_send(pair_link(sm, kCw, warp), acc, round0 & 1u, kept);
+#pragma unroll 1
+    for (int k = 1; k < kVChunks; ++k) {
+        issue_dkv_chunk<R::kDqk, true>(th, acc, kFirstChunk + 2 * k);
+        pair_reduce<R::kDet>(p, pair_link(sm, kCw, warp), kept, ridx_warp, kFirstChunk + 2 * (k - 1),
+                             (round0 + k - 1) & 1u, false, drained);
+        retire_dkv_chunk(acc);
+        pair_send(pair_link(sm, kCw, warp), acc, (round0 + k) & 1u, kept);
+    }
+    if constexpr (kVChunks < kChunks) {
+        issue_dkv_chunk<R::kDqk, false>(th, acc, kFirstChunk + 2 * kVChunks);
+        pair_reduce<R::kDet>(p, pair_link(sm, kCw, warp), kept, ridx_warp, kFirstChunk + 2 * (kVChunks - 1),
+                             (round0 + kVChunks - 1) & 1u, false, drained);
+        retire_dkv_chunk(acc);
+        pair_send(pair_link(sm, kCw, warp), acc, (round0 + kVChunks) & 1u, kept);
+    }
+    release_pds<kCw>(sm, tile);
+    pair_reduce<R::kDet>(p, pair_link(sm, kCw, warp), kept, ridx_warp, kFirstChunk + 2 * (kChunks - 1),
+                         (round0 + kChunks - 1) & 1u, true, drained);
+}
+
+// Pair mode, bf16 exchange: as dkv_pair_f32, chunk k using buffer k & 1 of the slot; buffer b serves `uses` chunks
+// per tile. Chunk k releases its buffer for chunk k + 2 of the same tile; the last two chunks release nothing. Chunk
+// 0 was issued with dQ (mma_dq). With `defer_last` the reductions of the last chunk are left in `dr` (dr_live).
+template <class R>
+__device__ __forceinline__ void dkv_pair_xb(const SparseBwdParams& p, SmemPlan<R::kDqk>& sm, const ConsumerThread th,
+                                            const ConsumerTile tile, float (&acc)[kChunkRegs], bool defer_last,
+                                            DeferredRed& dr, bool& dr_live) {
+    using C = typename R::C;
+    constexpr int kDqk = R::kDqk;
+    constexpr int kFirstChunk = R::kFirstChunk;
+    constexpr int kChunks = R::kChunks;
+    constexpr int kVChunks = R::kVChunks;
+    constexpr int kCw = R::kCw;
+    static_assert(R::kChunk0WithDq, "chunk 0 is issued behind dQ");
+    static_assert(kChunks >= 2, "both buffers are used in every tile");
+    constexpr int kUses0 = (kChunks + 1) / 2;
+    constexpr int kUses1 = kChunks / 2;
+    const int i = tile.i;
+    const int warp = th.warp;
+    float kept[kXSlotVals];
+    uint64_t* const drained = C::kXbufInKv ? &sm.x_drained : nullptr;
+    const int32_t* const ridx_warp = tile.ridx + kXSlotRows * warp;
+    auto parity = [&](int k) { return xb_parity_of((k & 1) ? kUses1 : kUses0, i, k); };
+    auto reduce = [&](int k, DeferredRed* defer) {
+        pair_reduce_xb(p, pair_link<kDqk, true>(sm, kCw, warp), kept, ridx_warp, kFirstChunk + 2 * k,
+                       static_cast<uint32_t>(k & 1), parity(k), k + 2 < kChunks, k + 1 == kChunks, drained, defer);
+    };
+    auto send = [&](int k) {
+        pair_send_xb(pair_link<kDqk, true>(sm, kCw, warp), acc, static_cast<uint32_t>(k & 1), parity(k));
+    };
+    // Chunk k: its MMAs, then (d_qk 576) its half to the peer, then the reduction of chunk k - 1, whose peer half
+    // was sent one chunk earlier and has had a whole chunk's time to arrive; then the kept half of chunk k. The
+    // tensor cores run the other consumer's chunk meanwhile. At d_qk 512 the reduction of chunk k - 1 runs under
+    // chunk k's MMAs instead (measured faster there: docs/sparse-bwd.md, v9.2).
+    constexpr bool kEarlyReduce = kDqk == 512;
+    auto step = [&](auto with_do, int k) {
+        issue_dkv_chunk<kDqk, decltype(with_do)::value>(th, acc, kFirstChunk + 2 * k);
+        if constexpr (kEarlyReduce) {
+            if (k > 0) reduce(k - 1, nullptr);
+            retire_dkv_chunk(acc);
+            send(k);
+        } else {
+            retire_dkv_chunk(acc);
+            send(k);
+            if (k > 0) reduce(k - 1, nullptr);
+        }
+        keep_xb(acc, kept);
+    };
+    retire_dkv_chunk(acc);
+    send(0);
+    keep_xb(acc, kept);
+#pragma unroll 1
+    for (int k = 1; k < kVChunks; ++k) step(std::true_type{}, k);
+    if constexpr (kVChunks < kChunks) step(std::false_type{}, kVChunks);
+    release_pds<kCw>(sm, tile);
+    if (defer_last) {
+        reduce(kChunks - 1, &dr);
+        dr_live = true;
+    } else {
+        reduce(kChunks - 1, nullptr);
+    }
+}
+
+// ---- Epilogue: dQ (sm_scale already folded into dS') -> bf16 tile in the Q region, row-major with the chunk swizzle
+// chunk ^ (row % 8) (conflict-free fragment writes and row-chunk reads), then 16-byte stores of the group's real
+// heads.
+template <class R>
+__device__ __forceinline__ void store_dq(const SparseBwdParams& p, const ConsumerThread th, const CtaWork& w,
+                                         const DqAcc<R::kDqSlabs>& dq) {
+    using C = typename R::C;
+    constexpr int kDqSlab0 = R::kDqSlab0;
+    const uint32_t q_addr = th.q_addr;
+    // The fragment derived from t here, not read from th.f: then the compiler sees that col (below) is not negative
+    // (t % 4 > -4) and divides it by a shift.
+    const AccFrag f = AccFrag::of_thread(th.t);
+    const int rows[2] = {f.row0, f.row1()};
     named_barrier_sync_unaligned(Bar::MmaDone, kConsumerThreads);  // every wgmma read of Q (dKV) of both consumers retired
 #pragma unroll
     for (int j = 0; j < 128 / 4; ++j) {
@@ -1274,14 +1405,15 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
             st_shared_u32(addr, pack_bf16x2(dq.a[4 * j + 2 * rr], dq.a[4 * j + 2 * rr + 1]));
         }
     }
-    if constexpr (kDqSlabs == 5) {
+    if constexpr (R::kDqSlabs == 5) {
 #pragma unroll
         for (int j = 0; j < 32 / 4; ++j) {
             const int col = (kDqSlab0 + kN256Slabs) * kSw128ColsBf16 + f.col(j);
 #pragma unroll
             for (int rr = 0; rr < 2; ++rr) {
                 const uint32_t addr = q_addr + rows[rr] * C::kStagingRowBytes +
-                                      (((col / 8) ^ (rows[rr] % kSw128AtomRows)) * kSw128ChunkBytes) + 4 * f.quad;
+                                      (((col / 8) ^ (rows[rr] % kSw128AtomRows)) * kSw128ChunkBytes) +
+                                      4 * f.quad;
                 st_shared_u32(addr, pack_bf16x2(dq.b[4 * j + 2 * rr], dq.b[4 * j + 2 * rr + 1]));
             }
         }
@@ -1309,25 +1441,62 @@ __device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk
     }
 }
 
+// A consumer warpgroup (kCw = 0 or 1): the tile loop, one call per phase.
+template <int kDqk, int kCw, bool kDet, bool kPair, bool kXBf16>
+__device__ __forceinline__ void consumer(const SparseBwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
+    using R = ConsumerRole<kDqk, kCw, kDet, kPair, kXBf16>;
+    const ConsumerThread th = consumer_thread<kDqk, kCw>(sm);
+    const RowStats st = row_stats<kDqk, kCw>(p, sm, w, th);
+    DqAcc<R::kDqSlabs> dq;
+    dq.zero();
+    // Q and dO landed and were fenced for the async proxy by the producer.
+    if (w.n_tiles > 0) MBarrier::wait(&sm.qdo_full, 0);
+    const bool defer_last = R::kMayDefer && (p.flags & kFlagDeferLastReduce) != 0;
+    DeferredRed dr;  // the last chunk's reductions held over to the next tile, when dr_live
+    dr.e[0] = dr.e[1] = dr.o[0] = dr.o[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    dr.dst_e = dr.dst_o = p.dkv_acc;
+    dr.pe = dr.po = false;
+    bool dr_live = false;
+
+    for (int i = 0; i < w.n_tiles; ++i) {
+        const ConsumerTile tile = consumer_tile(sm, w, i);
+        float sd[kSdRegs];  // S (consumer 0) or dP (consumer 1)
+        mma_s_or_dp<R>(sm, th, tile, dr, dr_live, sd);  // waits for each KV slab of the tile as it lands
+        handoff<R>(p, sm, th, st, tile, sd);
+        float acc[kChunkRegs];  // one dKV chunk (64 tile rows x 64 columns)
+        mma_dq<R>(th, dq, acc);
+        release_tile<R>(sm, th, tile);
+        if constexpr (kPair && kXBf16) {
+            dkv_pair_xb<R>(p, sm, th, tile, acc, defer_last, dr, dr_live);
+        } else if constexpr (kPair) {
+            dkv_pair_f32<R>(p, sm, th, tile, acc);
+        } else {
+            dkv_solo<R>(p, sm, th, tile, acc);
+        }
+    }
+    // The last tile's held reductions (nothing follows to hide them under).
+    if constexpr (R::kMayDefer) issue_deferred(dr, dr_live);
+    store_dq<R>(p, th, w, dq);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // The kernel body (instantiated by sparse_bwd.cu per d_qk, f32 or fixed-point d_kv reduction, solo or pair mode).
 // `smem` is the dynamic shared memory. Pair mode must be launched as clusters of 2 CTAs along x with
 // num_head_groups == 2, so that cluster rank == head group.
 template <int kDqk, bool kDet, bool kPair, bool kXBf16 = false>
 __device__ __forceinline__ void sparse_bwd_main(const SparseBwdParams& p, uint8_t* smem) {
-    using Plan = SmemPlan<kDqk>;
-    using C = Config<kDqk>;
+    static_assert(!kXBf16 || (kPair && !kDet), "the bf16 exchange is a pair-mode, f32-reduction variant");
     // Uniform over a cluster: the grid is exactly s_q * num_head_groups and a cluster is one token.
     if (static_cast<int64_t>(blockIdx.x) >= static_cast<int64_t>(p.s_q) * p.num_head_groups) return;
     if (kPair && p.num_head_groups != kPairCtas) __trap();  // launched for the wrong head count
-    static_assert(!kXBf16 || (kPair && !kDet), "the bf16 exchange is a pair-mode, f32-reduction variant");
-
     // Round the plan's base up to 1024 bytes (SW128 operand tiles); the launch requested the slack.
     const uint32_t raw = smem_addr(smem);
     const uint32_t pad = ((raw + kSw128AtomBytes - 1) & ~static_cast<uint32_t>(kSw128AtomBytes - 1)) - raw;
-    if (pad + sizeof(Plan) > dynamic_smem_bytes()) __trap();  // launch asked for less than kSmemBytes<kDqk>
-    Plan& sm = *reinterpret_cast<Plan*>(smem + pad);
+    if (pad + sizeof(SmemPlan<kDqk>) > dynamic_smem_bytes()) __trap();  // launch asked for less than kSmemBytes<kDqk>
+    SmemPlan<kDqk>& sm = *reinterpret_cast<SmemPlan<kDqk>*>(smem + pad);
 
+    // Thread 0 initialises the mbarriers (their meanings: config.cuh, SmemPlan).
+    using C = Config<kDqk>;
     if (threadIdx.x == 0) {
         MBarrier::init(&sm.qdo_full, kWarpgroupThreads);
 #pragma unroll
