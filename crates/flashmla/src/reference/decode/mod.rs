@@ -23,6 +23,8 @@
 //! Memory past `s_k` (dense) or behind invalid indices (sparse) is never read, so NaN there cannot leak.
 
 use super::Real;
+use crate::alloc::{try_filled, try_from_fn};
+use crate::cancel::CancelToken;
 use crate::error::{Error, Result};
 use crate::reference::kv_quant::{dequantize_token, CacheLayout};
 use rayon::prelude::*;
@@ -287,28 +289,32 @@ fn attend_row<R: Real>(
 }
 
 /// Runs `fill(b, i, out_rows, lse_rows)` for every `(b, i)` in parallel and returns `out [b, s_q, h_q, d_v]`
-/// and `lse [b, h_q, s_q]` (transposed from the per-row layout).
+/// and `lse [b, h_q, s_q]` (transposed from the per-row layout). Polls `cancel` before every `(b, i)`.
 fn run_rows<R: Real>(
     (batch, s_q, h_q, d_v): (usize, usize, usize, usize),
+    cancel: &CancelToken,
     fill: impl Fn(usize, usize, &mut [R], &mut [R]) + Sync,
-) -> DecodeResult<R> {
-    let mut out = vec![R::zero(); batch * s_q * h_q * d_v];
-    let mut lse_rows = vec![R::zero(); batch * s_q * h_q];
+) -> Result<DecodeResult<R>> {
+    let rows = batch * s_q * h_q;
+    let mut out = try_filled("decode out", rows * d_v, R::zero())?;
+    let mut lse_rows = try_filled("decode lse", rows, R::zero())?;
     if !out.is_empty() {
         out.par_chunks_mut(h_q * d_v)
             .zip(lse_rows.par_chunks_mut(h_q))
             .enumerate()
-            .for_each(|(r, (o, l))| fill(r / s_q, r % s_q, o, l));
+            .for_each(|(r, (o, l))| {
+                if !cancel.is_cancelled() {
+                    fill(r / s_q, r % s_q, o, l)
+                }
+            });
     }
-    let mut lse = vec![R::zero(); lse_rows.len()];
-    for b in 0..batch {
-        for i in 0..s_q {
-            for h in 0..h_q {
-                lse[(b * h_q + h) * s_q + i] = lse_rows[(b * s_q + i) * h_q + h];
-            }
-        }
-    }
-    DecodeResult { out, lse }
+    cancel.check()?;
+    // lse[b, h, i] = lse_rows[b, i, h].
+    let lse = try_from_fn("decode lse", rows, |k| {
+        let (b, h, i) = (k / (h_q * s_q), k / s_q % h_q, k % s_q);
+        lse_rows[(b * s_q + i) * h_q + h]
+    })?;
+    Ok(DecodeResult { out, lse })
 }
 
 /// Dense decode over the whole key range of every request (no split). Allocates the outputs.
@@ -316,11 +322,21 @@ pub fn decode_dense<R: Real>(
     p: &DenseDecodeProblem,
     x: &DenseDecodeInputs<'_>,
 ) -> Result<DecodeResult<R>> {
+    decode_dense_with(p, x, CancelToken::never())
+}
+
+/// [`decode_dense`], stopping with [`Error::Interrupted`] soon after `cancel` is cancelled (it is polled
+/// before every query row).
+pub fn decode_dense_with<R: Real>(
+    p: &DenseDecodeProblem,
+    x: &DenseDecodeInputs<'_>,
+    cancel: &CancelToken,
+) -> Result<DecodeResult<R>> {
     p.check(x)?;
     let all = 0..usize::MAX;
-    Ok(run_rows((p.batch, p.s_q, p.h_q, p.d_v), |b, i, o, l| {
+    run_rows((p.batch, p.s_q, p.h_q, p.d_v), cancel, |b, i, o, l| {
         p.rows(x, (b, i), &all, Finish::whole(x.attn_sink), o, l)
-    }))
+    })
 }
 
 /// The partial result of request `request` over its key positions `keys` (clamped to the request's keys;
@@ -660,11 +676,21 @@ pub fn decode_sparse<R: Real>(
     p: &SparseDecodeProblem,
     x: &SparseDecodeInputs<'_>,
 ) -> Result<DecodeResult<R>> {
+    decode_sparse_with(p, x, CancelToken::never())
+}
+
+/// [`decode_sparse`], stopping with [`Error::Interrupted`] soon after `cancel` is cancelled (it is polled
+/// before every query row).
+pub fn decode_sparse_with<R: Real>(
+    p: &SparseDecodeProblem,
+    x: &SparseDecodeInputs<'_>,
+    cancel: &CancelToken,
+) -> Result<DecodeResult<R>> {
     p.check(x)?;
     let all = 0..usize::MAX;
-    Ok(run_rows((p.batch, p.s_q, p.h_q, p.d_v), |b, i, o, l| {
+    run_rows((p.batch, p.s_q, p.h_q, p.d_v), cancel, |b, i, o, l| {
         p.rows(x, (b, i), &all, Finish::whole(x.attn_sink), o, l)
-    }))
+    })
 }
 
 /// The partial result of request `request` over its key positions `keys` (main entries first, then extra;
