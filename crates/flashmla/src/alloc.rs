@@ -20,6 +20,22 @@ pub fn try_with_capacity<T>(what: &str, n: usize) -> Result<Vec<T>> {
     Ok(v)
 }
 
+/// Makes `v` hold exactly `n` copies of `value`, reusing its allocation (scratch buffers), or
+/// [`Error::OutOfHostMemory`].
+pub fn try_refill<T: Clone>(v: &mut Vec<T>, what: &str, n: usize, value: T) -> Result<()> {
+    v.clear();
+    v.try_reserve_exact(n)
+        .map_err(|_| out_of_memory::<T>(what, n))?;
+    v.resize(n, value);
+    Ok(())
+}
+
+/// Empties `v` and makes room for `n` elements, reusing its allocation, or [`Error::OutOfHostMemory`].
+pub fn try_clear_for<T>(v: &mut Vec<T>, what: &str, n: usize) -> Result<()> {
+    v.clear();
+    v.try_reserve(n).map_err(|_| out_of_memory::<T>(what, n))
+}
+
 /// `n` copies of `value`, or [`Error::OutOfHostMemory`].
 pub fn try_filled<T: Clone>(what: &str, n: usize, value: T) -> Result<Vec<T>> {
     let mut v = try_with_capacity(what, n)?;
@@ -71,5 +87,14 @@ mod tests {
         assert_eq!(try_from_fn("v", 4, |i| i * 2).unwrap(), vec![0, 2, 4, 6]);
         assert_eq!(try_collect("v", 2, [1, 2, 3]).unwrap(), vec![1, 2]);
         assert!(try_with_capacity::<u32>("v", 5).unwrap().capacity() >= 5);
+        let mut v = vec![1, 2, 3];
+        try_refill(&mut v, "v", 2, 9).unwrap();
+        assert_eq!(v, vec![9, 9]);
+        try_clear_for(&mut v, "v", 10).unwrap();
+        assert!(v.is_empty() && v.capacity() >= 10);
+        assert!(matches!(
+            try_refill(&mut v, "scratch", 1 << 61, 0u64),
+            Err(Error::OutOfHostMemory { .. })
+        ));
     }
 }

@@ -21,7 +21,7 @@
 
 use super::sparse_fwd::{dot, SparseFwdProblem};
 use super::Real;
-use crate::alloc::{try_collect, try_filled};
+use crate::alloc::{try_clear_for, try_collect, try_filled};
 use crate::cancel::CancelToken;
 use crate::error::Result;
 use rayon::prelude::*;
@@ -186,34 +186,34 @@ fn gradients<R: Real, const ABS: bool>(
 
     // Pass 2: d_q, one token per task.
     let mut d_q = try_filled("sparse_bwd d_q", s_q * h_q * d_qk, R::zero())?;
-    d_q.par_chunks_mut(h_q * d_qk).enumerate().for_each_init(
-        Vec::new,
-        |rows: &mut Vec<usize>, (t, d_q_t)| {
-            if cancel.is_cancelled() {
-                return;
-            }
-            rows.clear();
-            rows.extend(f.valid_rows(t));
-            for h in 0..h_q {
-                let st = stats[t * h_q + h];
-                if st.is_empty() {
-                    continue;
-                }
-                let acc = &mut d_q_t[h * d_qk..(h + 1) * d_qk];
-                for &r in rows.iter() {
-                    let (_, ds) = entry_grad(p, t, h, r, st);
-                    let ds = m(ds);
-                    for (a, &k) in acc.iter_mut().zip(f.kv_row(r)) {
-                        *a = *a + ds * m(R::of(k));
+    d_q.par_chunks_mut(h_q * d_qk)
+        .enumerate()
+        .try_for_each_init(
+            Vec::new,
+            |rows: &mut Vec<usize>, (t, d_q_t)| -> Result<()> {
+                cancel.check()?;
+                try_clear_for(rows, "sparse_bwd token scratch", f.row_len(t))?;
+                rows.extend(f.valid_rows(t));
+                for h in 0..h_q {
+                    let st = stats[t * h_q + h];
+                    if st.is_empty() {
+                        continue;
+                    }
+                    let acc = &mut d_q_t[h * d_qk..(h + 1) * d_qk];
+                    for &r in rows.iter() {
+                        let (_, ds) = entry_grad(p, t, h, r, st);
+                        let ds = m(ds);
+                        for (a, &k) in acc.iter_mut().zip(f.kv_row(r)) {
+                            *a = *a + ds * m(R::of(k));
+                        }
                     }
                 }
-            }
-        },
-    );
+                Ok(())
+            },
+        )?;
 
     // Row -> tokens index of the valid entries (counting sort, tokens ascending within a row; a token
     // appears once per occurrence of the row in its index list).
-    cancel.check()?;
     let mut offsets = try_filled("sparse_bwd row index", s_kv + 1, 0usize)?;
     for t in 0..s_q {
         for r in f.valid_rows(t) {

@@ -19,7 +19,7 @@
 //! the exact limits for `attn_sink = +inf` (out = 0) and `-inf` (no effect).
 
 use super::Real;
-use crate::alloc::try_filled;
+use crate::alloc::{try_clear_for, try_filled, try_refill};
 use crate::cancel::CancelToken;
 use crate::error::{Error, Result};
 use rayon::prelude::*;
@@ -249,12 +249,10 @@ pub fn sparse_fwd_rows_with<R: Real>(
         .zip(res.max_logits.par_chunks_mut(h_q))
         .zip(res.lse.par_chunks_mut(h_q))
         .zip(rows.par_iter())
-        .for_each_init(TokenScratch::default, |scratch, (((out, max), lse), &t)| {
-            if !cancel.is_cancelled() {
-                forward_token(p, t, scratch, out, max, lse)
-            }
-        });
-    cancel.check()?;
+        .try_for_each_init(TokenScratch::default, |scratch, (((out, max), lse), &t)| {
+            cancel.check()?;
+            forward_token(p, t, scratch, out, max, lse)
+        })?;
     Ok(res)
 }
 
@@ -282,7 +280,7 @@ impl<R> Default for TokenScratch<R> {
 }
 
 /// Forward for token `t`; `out [h_q, d_v]`, `max`/`lse [h_q]` arrive as 0 / -inf / +inf (the empty-row
-/// values) and stay so when the token has no valid entry.
+/// values) and stay so when the token has no valid entry. Fails only when its scratch cannot be allocated.
 fn forward_token<R: Real>(
     p: &SparseFwdProblem<'_>,
     t: usize,
@@ -290,18 +288,22 @@ fn forward_token<R: Real>(
     out: &mut [R],
     max: &mut [R],
     lse: &mut [R],
-) {
+) -> Result<()> {
     let (h_q, d_v) = (p.h_q, p.d_v);
-    scratch.rows.clear();
+    try_clear_for(&mut scratch.rows, "sparse_fwd token scratch", p.row_len(t))?;
     scratch.rows.extend(p.valid_rows(t));
     let n = scratch.rows.len();
     if n == 0 {
-        return;
+        return Ok(());
     }
     let scale = R::of(p.sm_scale);
     // Logits [h_q, n]; the loop visits each gathered KV row once for all heads.
-    scratch.weights.clear();
-    scratch.weights.resize(h_q * n, R::zero());
+    try_refill(
+        &mut scratch.weights,
+        "sparse_fwd token scratch",
+        h_q.saturating_mul(n),
+        R::zero(),
+    )?;
     for (j, &r) in scratch.rows.iter().enumerate() {
         let k = p.kv_row(r);
         for h in 0..h_q {
@@ -309,8 +311,12 @@ fn forward_token<R: Real>(
         }
     }
     // Softmax statistics per head; weights become exp(s - max), the normaliser includes the sink.
-    scratch.inv_denominator.clear();
-    scratch.inv_denominator.resize(h_q, R::zero());
+    try_refill(
+        &mut scratch.inv_denominator,
+        "sparse_fwd token scratch",
+        h_q,
+        R::zero(),
+    )?;
     for h in 0..h_q {
         let s = &mut scratch.weights[h * n..(h + 1) * n];
         let m = s.iter().copied().fold(R::neg_infinity(), nan_max);
@@ -327,8 +333,12 @@ fn forward_token<R: Real>(
         scratch.inv_denominator[h] = R::one() / (sum + sink);
     }
     // out[h, :] = sum_j w[h, j] * V[r_j, :], again one pass over the gathered rows for all heads.
-    scratch.acc.clear();
-    scratch.acc.resize(h_q * d_v, R::zero());
+    try_refill(
+        &mut scratch.acc,
+        "sparse_fwd token scratch",
+        h_q * d_v,
+        R::zero(),
+    )?;
     for (j, &r) in scratch.rows.iter().enumerate() {
         let v = &p.kv_row(r)[..d_v];
         for h in 0..h_q {
@@ -348,4 +358,5 @@ fn forward_token<R: Real>(
             *o = a * inv;
         }
     }
+    Ok(())
 }
