@@ -26,6 +26,7 @@ pub fn interrupted() -> bool {
     INTERRUPT.is_cancelled()
 }
 
+#[cfg(unix)]
 extern "C" fn on_sigint(_signal: libc::c_int) {
     INTERRUPT.cancel();
     // SAFETY: `signal` is async-signal-safe; restoring the default action needs no other state.
@@ -34,7 +35,9 @@ extern "C" fn on_sigint(_signal: libc::c_int) {
     }
 }
 
-/// Installs the two dispositions above. Called once, first thing in `main`.
+/// Installs the two dispositions above (Unix; elsewhere Ctrl-C keeps its default action). Called once, first thing
+/// in `main`.
+#[cfg(unix)]
 pub fn install() {
     let handler: extern "C" fn(libc::c_int) = on_sigint;
     // SAFETY: the handler only performs an atomic store and an async-signal-safe call; SIG_DFL for SIGPIPE
@@ -44,3 +47,7 @@ pub fn install() {
         libc::signal(libc::SIGINT, handler as libc::sighandler_t);
     }
 }
+
+/// Installs nothing: the dispositions above are Unix signals.
+#[cfg(not(unix))]
+pub fn install() {}

@@ -1,5 +1,6 @@
 //! The `flashmla` command as a user meets it on a machine without a GPU (issue 27): wrong devices and op names are
 //! errors that say what exists, a closed pipe ends the output quietly, Ctrl-C stops a CPU run cleanly.
+#![cfg(unix)]
 
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::process::ExitStatusExt;
