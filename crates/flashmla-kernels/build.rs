@@ -4,13 +4,56 @@
 //! `scripts/toolchain.sh`), then `PATH`. Without nvcc the crate still builds, with no cubins; the library then
 //! reports `Error::KernelsNotBuilt` at run time. `FLASHMLA_REQUIRE_KERNELS=1` turns a missing nvcc or a failed
 //! compile into a build error (CI sets it).
+//!
+//! ptxas's report: the full text of every family goes to `$OUT_DIR/ptxas-report.txt`; the build shows only what is
+//! news ([`ptxas::review`]: serialised wgmma, spills in a kernel that had none, a known spill that grew, unknown
+//! lines), and with `FLASHMLA_REQUIRE_KERNELS=1` serialised wgmma and unexpected spills are build errors.
+//! `FLASHMLA_PTXAS_VERBOSE=1` adds one line naming the report file.
+//!
+//! A family is recompiled only when its inputs change (every source under `csrc/`, nvcc and its flags): the
+//! cubin and report of the last compile are kept in `$OUT_DIR` with a key of those inputs, so that changing an
+//! environment variable that does not affect the code (`FLASHMLA_PTXAS_VERBOSE`, say) costs no nvcc run.
+
+#[path = "build_support/ptxas.rs"]
+mod ptxas;
 
 use std::env;
 use std::fs;
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const GENCODE: &str = "-gencode=arch=compute_90a,code=sm_90a";
+/// nvcc's flags besides the gencode, the include path and `FLASHMLA_NVCC_FLAGS`.
+const NVCC_FLAGS: &[&str] = &[
+    "-cubin",
+    "-O3",
+    "-std=c++17",
+    "--use_fast_math",
+    "-Xptxas=-warn-spills",
+    "-lineinfo",
+];
+
+/// A key of everything a compile depends on: nvcc (path and version), the flags, and every source's path and
+/// contents (any change recompiles every family, as a header may be shared).
+fn compile_key(nvcc: &Path, nvcc_version: &str, extra: &[String], sources: &[PathBuf]) -> String {
+    let mut h = DefaultHasher::new();
+    (nvcc, nvcc_version, GENCODE, NVCC_FLAGS, extra).hash(&mut h);
+    for s in sources {
+        s.hash(&mut h);
+        fs::read(s).unwrap_or_default().hash(&mut h);
+    }
+    format!("{:016x}", h.finish())
+}
+
+/// The ptxas report of the last compile of `cubin` when `key` matches that compile's, so it need not be redone.
+fn cached_report(cubin: &Path, key: &str) -> Option<String> {
+    let stored = fs::read_to_string(cubin.with_extension("key")).ok()?;
+    if stored != key || !cubin.exists() {
+        return None;
+    }
+    fs::read_to_string(cubin.with_extension("ptxas.txt")).ok()
+}
 
 fn find_nvcc(manifest: &Path) -> Option<PathBuf> {
     if let Ok(p) = env::var("NVCC") {
@@ -61,6 +104,7 @@ fn main() {
         "CUDA_HOME",
         "FLASHMLA_REQUIRE_KERNELS",
         "FLASHMLA_NVCC_FLAGS",
+        "FLASHMLA_PTXAS_VERBOSE",
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -107,46 +151,55 @@ fn main() {
             let extra: Vec<String> = env::var("FLASHMLA_NVCC_FLAGS")
                 .map(|s| s.split_whitespace().map(str::to_owned).collect())
                 .unwrap_or_default();
+            let key = compile_key(nvcc, &nvcc_version, &extra, &sources);
             // At most two nvcc processes at once: a heavy TU takes ~2 GB.
-            let results: Vec<(String, PathBuf, Result<(), String>)> = families
+            let results: Vec<(String, PathBuf, Result<String, String>)> = families
                 .chunks(2)
                 .flat_map(|pair| {
                     let handles: Vec<_> = pair
                         .iter()
                         .map(|(name, tu)| {
                             let cubin = out_dir.join(format!("{name}.cubin"));
-                            let child = Command::new(nvcc)
-                                .args(["-cubin", GENCODE, "-O3", "-std=c++17", "--use_fast_math"])
-                                .args(["-Xptxas=-warn-spills", "-lineinfo"])
-                                .arg(format!("-I{}", csrc.display()))
-                                .args(&extra)
-                                .arg("-o")
-                                .arg(&cubin)
-                                .arg(tu)
-                                .output();
-                            (name.clone(), cubin, child)
+                            let cached = cached_report(&cubin, &key);
+                            if cached.is_none() {
+                                // No key vouches for the cubin until this compile succeeds.
+                                let _ = fs::remove_file(cubin.with_extension("key"));
+                            }
+                            let run = match cached {
+                                Some(report) => Ok(Ok(report)),
+                                None => Command::new(nvcc)
+                                    .arg(GENCODE)
+                                    .args(NVCC_FLAGS)
+                                    .arg(format!("-I{}", csrc.display()))
+                                    .args(&extra)
+                                    .arg("-o")
+                                    .arg(&cubin)
+                                    .arg(tu)
+                                    .output()
+                                    .map(|o| {
+                                        let log = String::from_utf8_lossy(&o.stderr).into_owned();
+                                        if o.status.success() {
+                                            Ok(log)
+                                        } else {
+                                            Err(log)
+                                        }
+                                    }),
+                            };
+                            (name.clone(), cubin, run)
                         })
                         .collect();
                     handles
                         .into_iter()
-                        .map(|(name, cubin, out)| {
-                            let r = match out {
-                                Ok(o) if o.status.success() => {
-                                    let log = String::from_utf8_lossy(&o.stderr);
-                                    for line in log.lines() {
-                                        println!("cargo:warning={name}: {line}");
-                                    }
-                                    // ptxas serialised every wgmma of a kernel (e.g. an accumulator
-                                    // written under a condition): correct, but much slower. A build
-                                    // error where kernels are required, else the warning above.
-                                    match log.lines().find(|l| l.contains("(C7520)")) {
-                                        Some(line) if require => {
-                                            Err(format!("ptxas serialised wgmma: {line}"))
-                                        }
-                                        _ => Ok(()),
-                                    }
+                        .map(|(name, cubin, run)| {
+                            let r = match run {
+                                Ok(Ok(report)) => {
+                                    // Written only after a successful compile, so a stale key never
+                                    // vouches for a failed one.
+                                    fs::write(cubin.with_extension("ptxas.txt"), &report).unwrap();
+                                    fs::write(cubin.with_extension("key"), &key).unwrap();
+                                    Ok(report)
                                 }
-                                Ok(o) => Err(String::from_utf8_lossy(&o.stderr).into_owned()),
+                                Ok(Err(log)) => Err(log),
                                 Err(e) => Err(e.to_string()),
                             };
                             (name, cubin, r)
@@ -154,9 +207,22 @@ fn main() {
                         .collect::<Vec<_>>()
                 })
                 .collect();
+            let mut report = String::new();
             for (name, cubin, r) in results {
                 match r {
-                    Ok(()) => entries.push((name, cubin)),
+                    Ok(log) => {
+                        report.push_str(&format!("== {name}\n{log}\n"));
+                        let findings = ptxas::review(&log, ptxas::KNOWN_SPILLS);
+                        for f in &findings {
+                            println!("cargo:warning={name}: {}", f.describe());
+                        }
+                        match findings.iter().find(|f| f.is_error()) {
+                            Some(f) if require => {
+                                panic!("ptxas report of kernel family `{name}`: {}", f.describe())
+                            }
+                            _ => entries.push((name, cubin)),
+                        }
+                    }
                     Err(e) => {
                         if require {
                             panic!("nvcc failed on kernel family `{name}`:\n{e}");
@@ -166,6 +232,14 @@ fn main() {
                         }
                     }
                 }
+            }
+            let report_path = out_dir.join("ptxas-report.txt");
+            fs::write(&report_path, report).unwrap();
+            if env::var("FLASHMLA_PTXAS_VERBOSE").is_ok_and(|v| v == "1") {
+                println!(
+                    "cargo:warning=ptxas report (every family, full text): {}",
+                    report_path.display()
+                );
             }
         }
     }

@@ -10,7 +10,8 @@ Drop-in replacements for the FlashMLA Python API are in :mod:`flashmla.compat`; 
 :mod:`flashmla.reference`.
 
 Errors: invalid arguments raise ``ValueError`` (``TypeError`` for a wrong dtype), valid requests this build
-cannot serve raise ``NotImplementedError`` naming the op, CUDA failures raise ``RuntimeError``.
+cannot serve raise ``NotImplementedError`` naming the op, CUDA failures raise ``RuntimeError``, a CPU call that
+needs more host memory than there is raises ``MemoryError``; Ctrl-C stops a long CPU call (``KeyboardInterrupt``).
 """
 
 from typing import Optional, Tuple, Union
@@ -64,7 +65,8 @@ def sparse_mla(
         indices: ``[s_q, 1, topk]`` int32 rows of ``kv`` per query token; values outside ``[0, s_kv)`` are ignored.
         sm_scale: logit scale; default ``d_qk ** -0.5``.
         attn_sink: optional ``[h_q]`` float32 per-head sink logit (damps ``out``; ``+inf`` gives 0).
-        topk_length: optional ``[s_q]`` int32: token ``t`` uses only its first ``topk_length[t]`` entries.
+        topk_length: optional ``[s_q]`` int32: token ``t`` uses only its first ``topk_length[t]`` entries, clamped to
+            ``[0, topk]`` (a larger value uses all ``topk`` entries, a negative one none).
         return_lse: also return ``lse [s_q, h_q]`` float32 (natural log, sink excluded; not differentiable).
 
     Returns:

@@ -104,6 +104,27 @@ def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
+    """ValueError naming the first tensor whose device differs from the first tensor's (``None`` ones skipped).
+
+    Fake implementations run this first. The dispatcher sends a call with any ``meta`` tensor to the fake
+    implementation, which computes nothing: a call mixing meta and real tensors must be refused there, or it would
+    return uninitialised memory on the real tensors' device. Real implementations need no such check: the
+    library refuses a tensor that is not where the first one is (CPU or a CUDA device).
+    """
+    first_name, first = None, None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if first is None:
+            first_name, first = name, t
+        elif t.device != first.device:
+            raise ValueError(
+                f"invalid argument `{name}.device`: expected {first.device} (the device of `{first_name}`), "
+                f"got {t.device}"
+            )
+
+
 def check_tensor_args(required: dict, optional: dict = None) -> None:
     """TypeError naming the first argument that is not a tensor (``None`` is allowed for the optional ones).
 

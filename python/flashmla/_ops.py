@@ -92,6 +92,7 @@ def _sparse_fwd_op(
 
 @_sparse_fwd_op.register_fake
 def _sparse_fwd_fake(q, kv, indices, sm_scale, attn_sink=None, topk_length=None):
+    _glue.check_same_device(q=q, kv=kv, indices=indices, attn_sink=attn_sink, topk_length=topk_length)
     if _glue.is_concrete(q, kv, indices, attn_sink, topk_length):
         _native.sparse_fwd_check(
             _glue.meta_desc(q, "q"),
@@ -194,6 +195,7 @@ def _sparse_bwd_op(
 @_sparse_bwd_op.register_fake
 def _sparse_bwd_fake(q, kv, out, d_out, indices, lse, sm_scale, attn_sink=None, topk_length=None, d_kv_f32=False):
     named = ((q, "q"), (kv, "kv"), (out, "out"), (d_out, "d_out"), (indices, "indices"), (lse, "lse"))
+    _glue.check_same_device(**{n: t for t, n in named}, attn_sink=attn_sink, topk_length=topk_length)
     if _glue.is_concrete(q, kv, out, d_out, indices, lse, attn_sink, topk_length):
         _native.sparse_bwd_check(
             *(_glue.meta_desc(t, n) for t, n in named),
@@ -260,6 +262,9 @@ def _decode_dense_op(
 def _decode_dense_fake(
     q, k_cache, block_table, cache_seqlens, softmax_scale=None, causal=False, attn_sink=None, batch_invariant=False
 ):
+    _glue.check_same_device(
+        q=q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens, attn_sink=attn_sink
+    )
     if _glue.is_concrete(q, k_cache, block_table, cache_seqlens, attn_sink):
         _native.decode_dense_check(
             _glue.meta_desc(q, "q"),
@@ -329,6 +334,10 @@ def _decode_sparse_fake(
     extra_k_cache=None, extra_indices=None, extra_topk_length=None,
 ):
     tensors = (q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices, extra_topk_length)
+    _glue.check_same_device(
+        q=q, k_cache=k_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
+        extra_k_cache=extra_k_cache, extra_indices=extra_indices, extra_topk_length=extra_topk_length,
+    )
     if _glue.is_concrete(*tensors):
         args = _sparse_decode_descs(_glue.meta_desc, _glue.meta_desc_opt, *tensors)
         _native.decode_sparse_check(*args[:4], softmax_scale, *args[4:])
@@ -411,9 +420,11 @@ def sparse_fwd(
     """Sparse MLA prefill forward (docs/spec.md section 1): ``(out [s_q, h_q, 512] bf16, max_logits, lse [s_q, h_q] f32)``.
 
     ``q [s_q, h_q, d_qk]`` bf16, ``kv [s_kv, 1, d_qk]`` bf16, ``indices [s_q, 1, topk]`` int32 (values outside
-    ``[0, s_kv)`` are ignored), optional ``attn_sink [h_q]`` float32 and ``topk_length [s_q]`` int32. ``lse`` is
-    a natural log without the sink, ``+inf`` for a token without valid entries (``max_logits`` is ``-inf`` and
-    ``out`` 0 there). Differentiable in ``q``, ``kv`` and ``attn_sink`` through ``out``.
+    ``[0, s_kv)`` are ignored), optional ``attn_sink [h_q]`` float32 and ``topk_length [s_q]`` int32 (token ``t``
+    uses its first ``topk_length[t]`` entries, clamped to ``[0, topk]``: a larger value means all ``topk``, a
+    negative one none). ``lse`` is a natural log without the sink, ``+inf`` for a token without valid entries
+    (``max_logits`` is ``-inf`` and ``out`` 0 there). Differentiable in ``q``, ``kv`` and ``attn_sink`` through
+    ``out``.
     """
     _glue.check_tensor_args(dict(q=q, kv=kv, indices=indices), dict(attn_sink=attn_sink, topk_length=topk_length))
     return _sparse_fwd_op(q, kv, indices, float(sm_scale), attn_sink, topk_length)
@@ -487,7 +498,8 @@ def decode_sparse(
 
     ``q [b, s_q, h_q, d_qk]`` bf16 (576: V3.2 cache, 512: MODEL1 cache), ``k_cache [num_blocks, page_size, 1,
     656 | 584]`` uint8/float8_e4m3fn, ``indices [b, s_q, topk]`` int32 token ids ``block * page_size + offset``
-    (others ignored), optional ``topk_length [b]``, ``attn_sink [h_q]`` and a second cache with its own indices.
+    (others ignored), optional ``topk_length [b]`` (request ``b`` uses the first ``topk_length[b]`` entries of each
+    row, clamped to ``[0, topk]``), ``attn_sink [h_q]`` and a second cache with its own indices and lengths.
     """
     _glue.check_tensor_args(
         dict(q=q, k_cache=k_cache, indices=indices),

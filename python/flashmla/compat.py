@@ -58,7 +58,8 @@ def flash_mla_sparse_fwd(
         q: ``[s_q, h_q, d_qk]`` bfloat16. kv: ``[s_kv, h_kv = 1, d_qk]`` bfloat16.
         indices: ``[s_q, h_kv, topk]`` int32; values outside ``[0, s_kv)`` are ignored.
         sm_scale: logit scale. d_v: must be 512.
-        attn_sink: optional ``[h_q]`` float32. topk_length: optional ``[s_q]`` int32.
+        attn_sink: optional ``[h_q]`` float32. topk_length: optional ``[s_q]`` int32, clamped to ``[0, topk]``
+            (token ``t`` uses its first ``topk_length[t]`` entries; a larger value means all, a negative one none).
         indexer_topk: must be 0 (the indexer LSE is not implemented).
 
     Returns:
@@ -167,8 +168,8 @@ def flash_mla_with_kvcache(
     d_qk]`` of q's dtype, ``block_table [b, max_blocks]`` and ``cache_seqlens [b]`` int32, optional ``causal``
     (bottom-right aligned). Sparse (``indices [b, s_q, topk]`` int32, ``is_fp8_kvcache=True``): an FP8 cache
     ``[num_blocks, page_block_size, 1, 656 | 584]`` (uint8 or float8_e4m3fn; index = ``block * page_block_size +
-    offset``, -1 for none), optional ``attn_sink [h_q]``, ``topk_length [b]`` and an extra cache with its own
-    indices and lengths. ``head_dim_v`` must be 512; ``softmax_scale`` defaults to ``d_qk ** -0.5``.
+    offset``, -1 for none), optional ``attn_sink [h_q]``, ``topk_length [b]`` (clamped to ``[0, topk]``) and an
+    extra cache with its own indices and lengths. ``head_dim_v`` must be 512; ``softmax_scale`` defaults to ``d_qk ** -0.5``.
 
     Returns:
         ``(out [b, s_q, h_q, 512], softmax_lse [b, h_q, s_q] float32)``, natural-log lse (``+inf`` and ``out = 0``

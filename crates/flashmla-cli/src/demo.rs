@@ -2,28 +2,55 @@
 //! the f64 reference. On an sm_90 GPU both kernels run at the V3.2 standard benchmark shape of
 //! docs/benchmarking.md (sampled tokens verified) and the backward also on a small problem (every element
 //! verified); on a machine without one, the CPU reference runs a problem small enough to finish in seconds.
+//!
+//! Where it runs: `--device cpu` (or `--cpu`) the CPU; `--device N` GPU `N`, and an error when that GPU cannot be
+//! used (absent, not sm_90), never a silent fallback; no `--device`: GPU 0 when it is an sm_90 GPU, else the CPU
+//! (saying why).
 
 use crate::device_ops::{SparseBwdOnGpu, SparseFwdOnGpu};
 use crate::report::spinner;
+use crate::signals;
 use flashmla::cuda::Gpu;
-use flashmla::ops::sparse_bwd::{sparse_bwd_cpu, SparseBwdArgs, SparseBwdOptions};
-use flashmla::ops::sparse_fwd::{sparse_fwd_cpu, SparseFwdArgs, D_V};
+use flashmla::ops::sparse_bwd::{sparse_bwd_cpu_with, SparseBwdArgs, SparseBwdOptions};
+use flashmla::ops::sparse_fwd::{sparse_fwd_cpu_with, SparseFwdArgs, D_V};
 use flashmla::reference::compare::{compare, Tolerance, BWD_GRAD, PREFILL_LSE, PREFILL_OUT};
-use flashmla::reference::sparse_bwd::{sparse_bwd, SparseBwdProblem};
-use flashmla::reference::sparse_fwd::{sparse_fwd, sparse_fwd_rows};
+use flashmla::reference::sparse_bwd::{sparse_bwd_with, SparseBwdProblem};
+use flashmla::reference::sparse_fwd::{sparse_fwd_rows_with, sparse_fwd_with};
 use flashmla::testing::{peer_bf16, rng, SinkKind, SparseCase, SparseValues};
 use flashmla::{DType, HostTensor};
 use std::time::Instant;
 
+/// Where `flashmla demo` runs (`--device`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceChoice {
+    /// The CPU reference.
+    Cpu,
+    /// The CUDA device of this ordinal.
+    Cuda(usize),
+}
+
+/// Parses `cpu`, `N` or `cuda:N`.
+fn parse_device(s: &str) -> Result<DeviceChoice, String> {
+    if s.eq_ignore_ascii_case("cpu") {
+        return Ok(DeviceChoice::Cpu);
+    }
+    s.strip_prefix("cuda:")
+        .unwrap_or(s)
+        .parse()
+        .map(DeviceChoice::Cuda)
+        .map_err(|_| format!("expected `cpu`, a CUDA device ordinal or `cuda:N`, got {s:?}"))
+}
+
 /// Arguments of `flashmla demo`.
 #[derive(clap::Args)]
 pub struct DemoArgs {
-    /// Run on the CPU even when a GPU is present.
-    #[arg(long)]
+    /// Run on the CPU even when a GPU is present (the same as `--device cpu`).
+    #[arg(long, conflicts_with = "device")]
     cpu: bool,
-    /// CUDA device ordinal.
-    #[arg(long, default_value_t = 0)]
-    device: usize,
+    /// `cpu`, or the CUDA device ordinal (`N` or `cuda:N`) to run on: an error when that GPU cannot be used.
+    /// Default: GPU 0 when it is an sm_90 GPU, else the CPU.
+    #[arg(long, value_parser = parse_device)]
+    device: Option<DeviceChoice>,
     /// Seed of the generated inputs.
     #[arg(long, default_value_t = 2026)]
     seed: u64,
@@ -91,7 +118,7 @@ fn gpu_forward(gpu: &Gpu, seed: u64) -> flashmla::Result<bool> {
     let rows: Vec<usize> = (0..SAMPLED_ROWS)
         .map(|i| i * (s_q - 1) / (SAMPLED_ROWS - 1))
         .collect();
-    let want = sparse_fwd_rows::<f64>(&values.problem(), &rows)?;
+    let want = sparse_fwd_rows_with::<f64>(&values.problem(), &rows, signals::token())?;
     sp.finish_and_clear();
     let pick = |v: &[f32], w: usize| -> Vec<f32> {
         rows.iter()
@@ -172,12 +199,15 @@ fn gpu_backward(gpu: &Gpu, seed: u64) -> flashmla::Result<bool> {
         pick(&fwd.lse, h_q),
         pick(&d_out_values, h_q * D_V),
     );
-    let want = sparse_bwd::<f64>(&SparseBwdProblem {
-        fwd: sub.problem(),
-        out: &sub_out,
-        d_out: &sub_dout,
-        lse: &sub_lse,
-    })?;
+    let want = sparse_bwd_with::<f64>(
+        &SparseBwdProblem {
+            fwd: sub.problem(),
+            out: &sub_out,
+            d_out: &sub_dout,
+            lse: &sub_lse,
+        },
+        signals::token(),
+    )?;
     sp.finish_and_clear();
     println!(
         "  {:.3} ms (median of {}), {:.0} TFLOPS, f32 d_kv workspace {} MB",
@@ -203,12 +233,15 @@ fn gpu_backward(gpu: &Gpu, seed: u64) -> flashmla::Result<bool> {
     let got = dev.download(gpu)?;
     let fwd = dev.fwd.download(gpu)?;
     let values = inp.values()?;
-    let want = sparse_bwd::<f64>(&SparseBwdProblem {
-        fwd: values.problem(),
-        out: &fwd.out,
-        d_out: &d_out_values,
-        lse: &fwd.lse,
-    })?;
+    let want = sparse_bwd_with::<f64>(
+        &SparseBwdProblem {
+            fwd: values.problem(),
+            out: &fwd.out,
+            d_out: &d_out_values,
+            lse: &fwd.lse,
+        },
+        signals::token(),
+    )?;
     let mut checks = vec![
         verdict("d_q", &got.d_q, &want.d_q, &BWD_GRAD),
         verdict("d_kv", &got.d_kv, &want.d_kv, &BWD_GRAD),
@@ -240,7 +273,7 @@ fn cpu_forward_backward(seed: u64) -> flashmla::Result<bool> {
         topk_length: None,
     };
     let t0 = Instant::now();
-    let fwd = sparse_fwd_cpu(&args)?;
+    let fwd = sparse_fwd_cpu_with(&args, signals::token())?;
     let t_fwd = t0.elapsed().as_secs_f64();
     {
         println!("sparse forward on the CPU reference: s_q={s_q} s_kv={s_kv} h_q={h_q} d_qk={d_qk} topk={topk}, with sink");
@@ -250,7 +283,7 @@ fn cpu_forward_backward(seed: u64) -> flashmla::Result<bool> {
             fwd_flop(s_q, topk, h_q, d_qk) / t_fwd / 1e9
         );
         let sp = spinner("f64 reference");
-        let want = sparse_fwd::<f64>(&problem)?;
+        let want = sparse_fwd_with::<f64>(&problem, signals::token())?;
         sp.finish_and_clear();
         ok &= report(
             "all rows",
@@ -277,7 +310,7 @@ fn cpu_forward_backward(seed: u64) -> flashmla::Result<bool> {
         d_kv_dtype: DType::Bf16,
     };
     let t0 = Instant::now();
-    let bwd = sparse_bwd_cpu(&bargs)?;
+    let bwd = sparse_bwd_cpu_with(&bargs, signals::token())?;
     let t_bwd = t0.elapsed().as_secs_f64();
     println!(
         "  {:.2} s, {:.1} GFLOP/s",
@@ -286,12 +319,15 @@ fn cpu_forward_backward(seed: u64) -> flashmla::Result<bool> {
     );
     let sp = spinner("f64 reference");
     let (out_v, lse_v) = (fwd.out.to_f32_vec()?, fwd.lse.to_f32_vec()?);
-    let want = sparse_bwd::<f64>(&SparseBwdProblem {
-        fwd: problem,
-        out: &out_v,
-        d_out: &d_out_values,
-        lse: &lse_v,
-    })?;
+    let want = sparse_bwd_with::<f64>(
+        &SparseBwdProblem {
+            fwd: problem,
+            out: &out_v,
+            d_out: &d_out_values,
+            lse: &lse_v,
+        },
+        signals::token(),
+    )?;
     sp.finish_and_clear();
     let mut checks = vec![
         verdict("d_q", &bwd.d_q.to_f32_vec()?, &want.d_q, &BWD_GRAD),
@@ -308,11 +344,27 @@ fn cpu_forward_backward(seed: u64) -> flashmla::Result<bool> {
 /// Runs the demo; returns the process exit code.
 pub fn run(args: &DemoArgs) -> Result<u8, String> {
     println!("flashmla demo: sparse MLA (DeepSeek V3.2 widths: d_qk 576, d_v 512)");
-    let gpu = if args.cpu {
-        println!("device: CPU (requested)");
-        None
+    let device = if args.cpu {
+        Some(DeviceChoice::Cpu)
     } else {
-        match Gpu::new(args.device) {
+        args.device
+    };
+    let gpu = match device {
+        Some(DeviceChoice::Cpu) => {
+            println!("device: CPU (requested)");
+            None
+        }
+        Some(DeviceChoice::Cuda(n)) => {
+            let g = Gpu::new(n).map_err(|e| format!("--device {n}: {e}"))?;
+            if !g.info().is_sm90() {
+                return Err(format!(
+                    "--device {n}: {} is not an sm_90 GPU (the kernels are built for sm_90a);                      `--device cpu` runs the CPU reference",
+                    g.info().name
+                ));
+            }
+            Some(g)
+        }
+        None => match Gpu::new(0) {
             Ok(g) if g.info().is_sm90() => Some(g),
             Ok(g) => {
                 println!("device: CPU ({} is not an sm_90 GPU)", g.info().name);
@@ -322,7 +374,7 @@ pub fn run(args: &DemoArgs) -> Result<u8, String> {
                 println!("device: CPU ({e})");
                 None
             }
-        }
+        },
     };
     let run = || -> flashmla::Result<bool> {
         match &gpu {

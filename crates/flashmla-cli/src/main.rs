@@ -13,6 +13,7 @@ mod device_ops;
 mod info;
 mod meta;
 mod report;
+mod signals;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -45,12 +46,14 @@ enum Command {
     Bench(bench::BenchArgs),
 }
 
-/// Exit codes: 0 success, 1 a check failed, 2 the command could not run (bad arguments, no GPU...).
+/// Exit codes: 0 success, 1 a check failed, 2 the command could not run (bad arguments, no GPU...), 130 stopped
+/// by Ctrl-C ([`signals::EXIT_INTERRUPTED`]).
 pub const EXIT_FAILED: u8 = 1;
 /// See [`EXIT_FAILED`].
 pub const EXIT_ERROR: u8 = 2;
 
 fn main() -> ExitCode {
+    signals::install();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo(a) => demo::run(&a),
@@ -58,6 +61,11 @@ fn main() -> ExitCode {
         Command::Check(a) => check::run(&a),
         Command::Bench(a) => bench::run(&a),
     };
+    // Whatever the command made of it (an `Interrupted` error, a partial result), Ctrl-C ends it as such.
+    if signals::interrupted() {
+        eprintln!("flashmla: interrupted");
+        return ExitCode::from(signals::EXIT_INTERRUPTED);
+    }
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {

@@ -12,3 +12,11 @@ pub const ARCH: &str = "sm_90a";
 pub fn cubin(family: &str) -> Option<&'static [u8]> {
     CUBINS.iter().find(|(n, _)| *n == family).map(|(_, b)| *b)
 }
+
+// The build script's reader of ptxas reports, compiled here too so that its rules are unit-tested.
+#[cfg(test)]
+#[path = "../build_support/ptxas.rs"]
+mod ptxas;
+
+#[cfg(test)]
+mod ptxas_tests;

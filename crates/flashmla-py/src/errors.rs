@@ -5,13 +5,18 @@
 //! | `InvalidArgument` whose argument ends in `.dtype` | `TypeError` |
 //! | other `InvalidArgument` | `ValueError` |
 //! | `Unsupported` | `NotImplementedError` |
+//! | `OutOfHostMemory` | `MemoryError` |
+//! | `Interrupted` | `KeyboardInterrupt` |
 //! | `Cuda`, `NoGpu`, `KernelsNotBuilt`, `UnsupportedDevice`, anything newer | `RuntimeError` |
 //!
 //! The message is always the error's `Display` text. A panic (a bug: library code returns errors) is caught at
 //! the entry point by [`guard`] and raised as `RuntimeError`, so no `PanicException` reaches Python.
 
 use flashmla::Error;
-use pyo3::exceptions::{PyNotImplementedError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{
+    PyKeyboardInterrupt, PyMemoryError, PyNotImplementedError, PyRuntimeError, PyTypeError,
+    PyValueError,
+};
 use pyo3::PyErr;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -27,6 +32,8 @@ pub fn to_py_err(e: Error) -> PyErr {
         }
         Error::InvalidArgument { .. } => PyValueError::new_err(msg),
         Error::Unsupported { .. } => PyNotImplementedError::new_err(msg),
+        Error::OutOfHostMemory { .. } => PyMemoryError::new_err(msg),
+        Error::Interrupted => PyKeyboardInterrupt::new_err(msg),
         _ => PyRuntimeError::new_err(msg),
     }
 }

@@ -9,6 +9,7 @@
 
 mod errors;
 mod gpu;
+mod interrupt;
 mod ops;
 mod tensor;
 

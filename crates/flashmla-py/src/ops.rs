@@ -7,14 +7,16 @@
 //!   reference (inputs copied in, results copied into the outputs); CUDA tensors run the kernel on `stream`
 //!   (torch's current stream of the tensors' device) with no copy and no synchronisation.
 //!
-//! The GIL is released while an op runs. Every entry point goes through [`guard`]: library errors become the
-//! matching Python exceptions and no panic crosses into Python.
+//! The GIL is released while an op runs; a CPU run goes through [`run_cpu`], so that Ctrl-C stops it
+//! (`KeyboardInterrupt`). Every entry point goes through [`guard`]: library errors become the matching Python
+//! exceptions and no panic crosses into Python.
 //!
 //! Wiring a new GPU kernel is one function below (`<op>_gpu`): call `flashmla::ops::<family>::<op>_cuda` with the
 //! handle, the argument views and the output views.
 
 use crate::errors::guard;
 use crate::gpu::gpu_for;
+use crate::interrupt::run_cpu;
 use crate::tensor::{parse_dtype, placement, Desc, RawDesc};
 use flashmla::cuda::Gpu;
 use flashmla::ops::decode::{self, DecodeOutput, DenseDecodeArgs, ExtraKvArgs, SparseDecodeArgs};
@@ -122,54 +124,55 @@ pub fn sparse_fwd(
     lse: RawDesc,
     stream: u64,
 ) -> PyResult<()> {
-    py.detach(|| {
-        guard("sparse_fwd", || {
-            let d = FwdDescs::new(&q, &kv, &indices, &attn_sink, &topk_length)?;
-            let outs = SparseFwdOutput {
-                out: Desc::new("out", &out)?,
-                max_logits: Desc::new("max_logits", &max_logits)?,
-                lse: Desc::new("lse", &lse)?,
+    let (d, outs) = guard("sparse_fwd", || {
+        let d = FwdDescs::new(&q, &kv, &indices, &attn_sink, &topk_length)?;
+        let outs = SparseFwdOutput {
+            out: Desc::new("out", &out)?,
+            max_logits: Desc::new("max_logits", &max_logits)?,
+            lse: Desc::new("lse", &lse)?,
+        };
+        let dims = fwd_op::validate(&d.args(sm_scale))?;
+        fwd_op::validate_output(&dims, placement(&d.q), &outs)?;
+        Ok((d, outs))
+    })?;
+    match placement(&d.q) {
+        Location::Host => run_cpu(py, "sparse_fwd", |cancel| {
+            let (q, kv, idx) = (d.q.to_host()?, d.kv.to_host()?, d.indices.to_host()?);
+            let (sink, len) = (host_opt(&d.attn_sink)?, host_opt(&d.topk_length)?);
+            let args = SparseFwdArgs {
+                q: &q,
+                kv: &kv,
+                indices: &idx,
+                sm_scale,
+                attn_sink: sink.as_ref(),
+                topk_length: len.as_ref(),
             };
-            let dims = fwd_op::validate(&d.args(sm_scale))?;
-            fwd_op::validate_output(&dims, placement(&d.q), &outs)?;
-            match placement(&d.q) {
-                Location::Host => {
-                    let (q, kv, idx) = (d.q.to_host()?, d.kv.to_host()?, d.indices.to_host()?);
-                    let (sink, len) = (host_opt(&d.attn_sink)?, host_opt(&d.topk_length)?);
-                    let res = fwd_op::sparse_fwd_cpu(&SparseFwdArgs {
-                        q: &q,
-                        kv: &kv,
-                        indices: &idx,
-                        sm_scale,
-                        attn_sink: sink.as_ref(),
-                        topk_length: len.as_ref(),
-                    })?;
-                    outs.out.write_host(&res.out)?;
-                    outs.max_logits.write_host(&res.max_logits)?;
-                    outs.lse.write_host(&res.lse)
-                }
-                Location::Cuda(device) => {
-                    let (q, kv, idx) =
-                        (d.q.to_device()?, d.kv.to_device()?, d.indices.to_device()?);
-                    let (sink, len) = (device_opt(&d.attn_sink)?, device_opt(&d.topk_length)?);
-                    let views = SparseFwdOutput {
-                        out: outs.out.to_device()?,
-                        max_logits: outs.max_logits.to_device()?,
-                        lse: outs.lse.to_device()?,
-                    };
-                    let args = SparseFwdArgs {
-                        q: &q,
-                        kv: &kv,
-                        indices: &idx,
-                        sm_scale,
-                        attn_sink: sink.as_ref(),
-                        topk_length: len.as_ref(),
-                    };
-                    sparse_fwd_gpu(&gpu_for(device, stream)?, &args, &views)
-                }
-            }
-        })
-    })
+            let res = fwd_op::sparse_fwd_cpu_with(&args, cancel)?;
+            outs.out.write_host(&res.out)?;
+            outs.max_logits.write_host(&res.max_logits)?;
+            outs.lse.write_host(&res.lse)
+        }),
+        Location::Cuda(device) => py.detach(|| {
+            guard("sparse_fwd", || {
+                let (q, kv, idx) = (d.q.to_device()?, d.kv.to_device()?, d.indices.to_device()?);
+                let (sink, len) = (device_opt(&d.attn_sink)?, device_opt(&d.topk_length)?);
+                let views = SparseFwdOutput {
+                    out: outs.out.to_device()?,
+                    max_logits: outs.max_logits.to_device()?,
+                    lse: outs.lse.to_device()?,
+                };
+                let args = SparseFwdArgs {
+                    q: &q,
+                    kv: &kv,
+                    indices: &idx,
+                    sm_scale,
+                    attn_sink: sink.as_ref(),
+                    topk_length: len.as_ref(),
+                };
+                sparse_fwd_gpu(&gpu_for(device, stream)?, &args, &views)
+            })
+        }),
+    }
 }
 
 /// GPU path of the sparse forward (shapes the kernel does not cover come back as `Unsupported`).
@@ -261,7 +264,8 @@ pub fn sparse_bwd_check(
             &attn_sink,
             &topk_length,
         )?;
-        let dims = bwd_op::validate(&d.args(sm_scale, parse_dtype("d_kv", d_kv_dtype)?))?;
+        let d_kv_dtype = parse_dtype("d_kv", d_kv_dtype, &bwd_op::D_KV_DTYPES)?;
+        let dims = bwd_op::validate(&d.args(sm_scale, d_kv_dtype))?;
         let f = dims.fwd;
         let [ws_rows, ws_cols] =
             bwd_op::workspace_shape(&dims, &bwd_op::SparseBwdOptions::default());
@@ -297,91 +301,93 @@ pub fn sparse_bwd(
     stream: u64,
     workspace: Option<RawDesc>,
 ) -> PyResult<()> {
-    py.detach(|| {
-        guard("sparse_bwd", || {
-            let d = bwd_descs(
-                &q,
-                &kv,
-                &out,
-                &d_out,
-                &indices,
-                &lse,
-                &attn_sink,
-                &topk_length,
+    let (d, outs, d_kv_dtype) = guard("sparse_bwd", || {
+        let d = bwd_descs(
+            &q,
+            &kv,
+            &out,
+            &d_out,
+            &indices,
+            &lse,
+            &attn_sink,
+            &topk_length,
+        )?;
+        let outs = SparseBwdOutput {
+            d_q: Desc::new("d_q", &d_q)?,
+            d_kv: Desc::new("d_kv", &d_kv)?,
+            delta: Desc::new("delta", &delta)?,
+            d_attn_sink: Desc::opt("d_attn_sink", &d_attn_sink)?,
+        };
+        let d_kv_dtype = flashmla::TensorMeta::dtype(&outs.d_kv);
+        let dims = bwd_op::validate(&d.args(sm_scale, d_kv_dtype))?;
+        bwd_op::validate_output(&dims, placement(&d.fwd.q), &outs)?;
+        Ok((d, outs, d_kv_dtype))
+    })?;
+    match placement(&d.fwd.q) {
+        Location::Host => run_cpu(py, "sparse_bwd", |cancel| {
+            let f = &d.fwd;
+            let (q, kv, idx) = (f.q.to_host()?, f.kv.to_host()?, f.indices.to_host()?);
+            let (sink, len) = (host_opt(&f.attn_sink)?, host_opt(&f.topk_length)?);
+            let (out, d_out, lse) = (d.out.to_host()?, d.d_out.to_host()?, d.lse.to_host()?);
+            let res = bwd_op::sparse_bwd_cpu_with(
+                &SparseBwdArgs {
+                    q: &q,
+                    kv: &kv,
+                    out: &out,
+                    d_out: &d_out,
+                    indices: &idx,
+                    lse: &lse,
+                    sm_scale,
+                    attn_sink: sink.as_ref(),
+                    topk_length: len.as_ref(),
+                    d_kv_dtype,
+                },
+                cancel,
             )?;
-            let outs = SparseBwdOutput {
-                d_q: Desc::new("d_q", &d_q)?,
-                d_kv: Desc::new("d_kv", &d_kv)?,
-                delta: Desc::new("delta", &delta)?,
-                d_attn_sink: Desc::opt("d_attn_sink", &d_attn_sink)?,
-            };
-            let args = d.args(sm_scale, flashmla::TensorMeta::dtype(&outs.d_kv));
-            let dims = bwd_op::validate(&args)?;
-            bwd_op::validate_output(&dims, placement(&d.fwd.q), &outs)?;
-            match placement(&d.fwd.q) {
-                Location::Host => {
-                    let f = &d.fwd;
-                    let (q, kv, idx) = (f.q.to_host()?, f.kv.to_host()?, f.indices.to_host()?);
-                    let (sink, len) = (host_opt(&f.attn_sink)?, host_opt(&f.topk_length)?);
-                    let (out, d_out, lse) =
-                        (d.out.to_host()?, d.d_out.to_host()?, d.lse.to_host()?);
-                    let res = bwd_op::sparse_bwd_cpu(&SparseBwdArgs {
-                        q: &q,
-                        kv: &kv,
-                        out: &out,
-                        d_out: &d_out,
-                        indices: &idx,
-                        lse: &lse,
-                        sm_scale,
-                        attn_sink: sink.as_ref(),
-                        topk_length: len.as_ref(),
-                        d_kv_dtype: args.d_kv_dtype,
-                    })?;
-                    outs.d_q.write_host(&res.d_q)?;
-                    outs.d_kv.write_host(&res.d_kv)?;
-                    outs.delta.write_host(&res.delta)?;
-                    match (&outs.d_attn_sink, &res.d_attn_sink) {
-                        (Some(dst), Some(v)) => dst.write_host(v),
-                        _ => Ok(()),
-                    }
-                }
-                Location::Cuda(device) => {
-                    let f = &d.fwd;
-                    let (q, kv, idx) =
-                        (f.q.to_device()?, f.kv.to_device()?, f.indices.to_device()?);
-                    let (sink, len) = (device_opt(&f.attn_sink)?, device_opt(&f.topk_length)?);
-                    let (out, d_out, lse) =
-                        (d.out.to_device()?, d.d_out.to_device()?, d.lse.to_device()?);
-                    let views = SparseBwdOutput {
-                        d_q: outs.d_q.to_device()?,
-                        d_kv: outs.d_kv.to_device()?,
-                        delta: outs.delta.to_device()?,
-                        d_attn_sink: device_opt(&outs.d_attn_sink)?,
-                    };
-                    let args = SparseBwdArgs {
-                        q: &q,
-                        kv: &kv,
-                        out: &out,
-                        d_out: &d_out,
-                        indices: &idx,
-                        lse: &lse,
-                        sm_scale,
-                        attn_sink: sink.as_ref(),
-                        topk_length: len.as_ref(),
-                        d_kv_dtype: args.d_kv_dtype,
-                    };
-                    let ws = device_opt(&Desc::opt("workspace", &workspace)?)?;
-                    bwd_op::sparse_bwd_cuda_with(
-                        &gpu_for(device, stream)?,
-                        &args,
-                        &views,
-                        &bwd_op::SparseBwdOptions::default(),
-                        ws.as_ref(),
-                    )
-                }
+            outs.d_q.write_host(&res.d_q)?;
+            outs.d_kv.write_host(&res.d_kv)?;
+            outs.delta.write_host(&res.delta)?;
+            match (&outs.d_attn_sink, &res.d_attn_sink) {
+                (Some(dst), Some(v)) => dst.write_host(v),
+                _ => Ok(()),
             }
-        })
-    })
+        }),
+        Location::Cuda(device) => py.detach(|| {
+            guard("sparse_bwd", || {
+                let f = &d.fwd;
+                let (q, kv, idx) = (f.q.to_device()?, f.kv.to_device()?, f.indices.to_device()?);
+                let (sink, len) = (device_opt(&f.attn_sink)?, device_opt(&f.topk_length)?);
+                let (out, d_out, lse) =
+                    (d.out.to_device()?, d.d_out.to_device()?, d.lse.to_device()?);
+                let views = SparseBwdOutput {
+                    d_q: outs.d_q.to_device()?,
+                    d_kv: outs.d_kv.to_device()?,
+                    delta: outs.delta.to_device()?,
+                    d_attn_sink: device_opt(&outs.d_attn_sink)?,
+                };
+                let args = SparseBwdArgs {
+                    q: &q,
+                    kv: &kv,
+                    out: &out,
+                    d_out: &d_out,
+                    indices: &idx,
+                    lse: &lse,
+                    sm_scale,
+                    attn_sink: sink.as_ref(),
+                    topk_length: len.as_ref(),
+                    d_kv_dtype,
+                };
+                let ws = device_opt(&Desc::opt("workspace", &workspace)?)?;
+                bwd_op::sparse_bwd_cuda_with(
+                    &gpu_for(device, stream)?,
+                    &args,
+                    &views,
+                    &bwd_op::SparseBwdOptions::default(),
+                    ws.as_ref(),
+                )
+            })
+        }),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -505,68 +511,72 @@ pub fn decode_dense(
     workspace: Option<RawDesc>,
     batch_invariant: bool,
 ) -> PyResult<()> {
-    py.detach(|| {
-        guard("decode_dense", || {
-            let d = DenseDescs::new(&q, &k_cache, &block_table, &cache_seqlens, &attn_sink)?;
-            let outs = DecodeOutput {
-                out: Desc::new("out", &out)?,
-                lse: Desc::new("lse", &lse)?,
-            };
-            decode::validate_dense(&d.args(softmax_scale, causal))?;
-            match placement(&d.q) {
-                Location::Host => {
-                    let (q, k, bt, sl) = (
-                        d.q.to_host()?,
-                        d.k_cache.to_host()?,
-                        d.block_table.to_host()?,
-                        d.cache_seqlens.to_host()?,
-                    );
-                    let sink = host_opt(&d.attn_sink)?;
-                    let res = decode::decode_dense_cpu(&DenseDecodeArgs {
-                        q: &q,
-                        k_cache: &k,
-                        block_table: &bt,
-                        cache_seqlens: &sl,
-                        softmax_scale,
-                        causal,
-                        attn_sink: sink.as_ref(),
-                    })?;
-                    outs.out.write_host(&res.out)?;
-                    outs.lse.write_host(&res.lse)
-                }
-                Location::Cuda(device) => {
-                    let (q, k, bt, sl) = (
-                        d.q.to_device()?,
-                        d.k_cache.to_device()?,
-                        d.block_table.to_device()?,
-                        d.cache_seqlens.to_device()?,
-                    );
-                    let sink = device_opt(&d.attn_sink)?;
-                    let args = DenseDecodeArgs {
-                        q: &q,
-                        k_cache: &k,
-                        block_table: &bt,
-                        cache_seqlens: &sl,
-                        softmax_scale,
-                        causal,
-                        attn_sink: sink.as_ref(),
-                    };
-                    let views = DecodeOutput {
-                        out: outs.out.to_device()?,
-                        lse: outs.lse.to_device()?,
-                    };
-                    let ws = device_opt(&Desc::opt("workspace", &workspace)?)?;
-                    decode::decode_dense_cuda(
-                        &gpu_for(device, stream)?,
-                        &args,
-                        &views,
-                        &decode_options(batch_invariant),
-                        ws.as_ref(),
-                    )
-                }
-            }
-        })
-    })
+    let (d, outs) = guard("decode_dense", || {
+        let d = DenseDescs::new(&q, &k_cache, &block_table, &cache_seqlens, &attn_sink)?;
+        let outs = DecodeOutput {
+            out: Desc::new("out", &out)?,
+            lse: Desc::new("lse", &lse)?,
+        };
+        decode::validate_dense(&d.args(softmax_scale, causal))?;
+        Ok((d, outs))
+    })?;
+    match placement(&d.q) {
+        Location::Host => run_cpu(py, "decode_dense", |cancel| {
+            let (q, k, bt, sl) = (
+                d.q.to_host()?,
+                d.k_cache.to_host()?,
+                d.block_table.to_host()?,
+                d.cache_seqlens.to_host()?,
+            );
+            let sink = host_opt(&d.attn_sink)?;
+            let res = decode::decode_dense_cpu_with(
+                &DenseDecodeArgs {
+                    q: &q,
+                    k_cache: &k,
+                    block_table: &bt,
+                    cache_seqlens: &sl,
+                    softmax_scale,
+                    causal,
+                    attn_sink: sink.as_ref(),
+                },
+                cancel,
+            )?;
+            outs.out.write_host(&res.out)?;
+            outs.lse.write_host(&res.lse)
+        }),
+        Location::Cuda(device) => py.detach(|| {
+            guard("decode_dense", || {
+                let (q, k, bt, sl) = (
+                    d.q.to_device()?,
+                    d.k_cache.to_device()?,
+                    d.block_table.to_device()?,
+                    d.cache_seqlens.to_device()?,
+                );
+                let sink = device_opt(&d.attn_sink)?;
+                let args = DenseDecodeArgs {
+                    q: &q,
+                    k_cache: &k,
+                    block_table: &bt,
+                    cache_seqlens: &sl,
+                    softmax_scale,
+                    causal,
+                    attn_sink: sink.as_ref(),
+                };
+                let views = DecodeOutput {
+                    out: outs.out.to_device()?,
+                    lse: outs.lse.to_device()?,
+                };
+                let ws = device_opt(&Desc::opt("workspace", &workspace)?)?;
+                decode::decode_dense_cuda(
+                    &gpu_for(device, stream)?,
+                    &args,
+                    &views,
+                    &decode_options(batch_invariant),
+                    ws.as_ref(),
+                )
+            })
+        }),
+    }
 }
 
 /// The sparse decode's input descriptors.
@@ -690,84 +700,88 @@ pub fn decode_sparse(
     lse: RawDesc,
     stream: u64,
 ) -> PyResult<()> {
-    py.detach(|| {
-        guard("decode_sparse", || {
-            let d = SparseDecodeDescs::new(
-                &q,
-                &k_cache,
-                &indices,
-                &topk_length,
-                &attn_sink,
-                &extra_k_cache,
-                &extra_indices,
-                &extra_topk_length,
-            )?;
-            let outs = DecodeOutput {
-                out: Desc::new("out", &out)?,
-                lse: Desc::new("lse", &lse)?,
+    let (d, outs) = guard("decode_sparse", || {
+        let d = SparseDecodeDescs::new(
+            &q,
+            &k_cache,
+            &indices,
+            &topk_length,
+            &attn_sink,
+            &extra_k_cache,
+            &extra_indices,
+            &extra_topk_length,
+        )?;
+        let outs = DecodeOutput {
+            out: Desc::new("out", &out)?,
+            lse: Desc::new("lse", &lse)?,
+        };
+        decode::validate_sparse(&d.args(softmax_scale))?;
+        Ok((d, outs))
+    })?;
+    match placement(&d.q) {
+        Location::Host => run_cpu(py, "decode_sparse", |cancel| {
+            let (q, k, idx) = (d.q.to_host()?, d.k_cache.to_host()?, d.indices.to_host()?);
+            let (len, sink) = (host_opt(&d.topk_length)?, host_opt(&d.attn_sink)?);
+            let extra = match &d.extra {
+                Some((c, i, l)) => Some((c.to_host()?, i.to_host()?, host_opt(l)?)),
+                None => None,
             };
-            decode::validate_sparse(&d.args(softmax_scale))?;
-            match placement(&d.q) {
-                Location::Host => {
-                    let (q, k, idx) = (d.q.to_host()?, d.k_cache.to_host()?, d.indices.to_host()?);
-                    let (len, sink) = (host_opt(&d.topk_length)?, host_opt(&d.attn_sink)?);
-                    let extra = match &d.extra {
-                        Some((c, i, l)) => Some((c.to_host()?, i.to_host()?, host_opt(l)?)),
-                        None => None,
-                    };
-                    let res = decode::decode_sparse_cpu(&SparseDecodeArgs {
-                        q: &q,
-                        k_cache: &k,
-                        indices: &idx,
-                        topk_length: len.as_ref(),
-                        softmax_scale,
-                        attn_sink: sink.as_ref(),
-                        extra: extra
-                            .as_ref()
-                            .map(|(k_cache, indices, topk_length)| ExtraKvArgs {
-                                k_cache,
-                                indices,
-                                topk_length: topk_length.as_ref(),
-                            }),
-                    })?;
-                    outs.out.write_host(&res.out)?;
-                    outs.lse.write_host(&res.lse)
-                }
-                Location::Cuda(device) => {
-                    let (q, k, idx) = (
-                        d.q.to_device()?,
-                        d.k_cache.to_device()?,
-                        d.indices.to_device()?,
-                    );
-                    let (len, sink) = (device_opt(&d.topk_length)?, device_opt(&d.attn_sink)?);
-                    let extra = match &d.extra {
-                        Some((c, i, l)) => Some((c.to_device()?, i.to_device()?, device_opt(l)?)),
-                        None => None,
-                    };
-                    let args = SparseDecodeArgs {
-                        q: &q,
-                        k_cache: &k,
-                        indices: &idx,
-                        topk_length: len.as_ref(),
-                        softmax_scale,
-                        attn_sink: sink.as_ref(),
-                        extra: extra
-                            .as_ref()
-                            .map(|(k_cache, indices, topk_length)| ExtraKvArgs {
-                                k_cache,
-                                indices,
-                                topk_length: topk_length.as_ref(),
-                            }),
-                    };
-                    let views = DecodeOutput {
-                        out: outs.out.to_device()?,
-                        lse: outs.lse.to_device()?,
-                    };
-                    decode_sparse_gpu(&gpu_for(device, stream)?, &args, &views)
-                }
-            }
-        })
-    })
+            let res = decode::decode_sparse_cpu_with(
+                &SparseDecodeArgs {
+                    q: &q,
+                    k_cache: &k,
+                    indices: &idx,
+                    topk_length: len.as_ref(),
+                    softmax_scale,
+                    attn_sink: sink.as_ref(),
+                    extra: extra
+                        .as_ref()
+                        .map(|(k_cache, indices, topk_length)| ExtraKvArgs {
+                            k_cache,
+                            indices,
+                            topk_length: topk_length.as_ref(),
+                        }),
+                },
+                cancel,
+            )?;
+            outs.out.write_host(&res.out)?;
+            outs.lse.write_host(&res.lse)
+        }),
+        Location::Cuda(device) => py.detach(|| {
+            guard("decode_sparse", || {
+                let (q, k, idx) = (
+                    d.q.to_device()?,
+                    d.k_cache.to_device()?,
+                    d.indices.to_device()?,
+                );
+                let (len, sink) = (device_opt(&d.topk_length)?, device_opt(&d.attn_sink)?);
+                let extra = match &d.extra {
+                    Some((c, i, l)) => Some((c.to_device()?, i.to_device()?, device_opt(l)?)),
+                    None => None,
+                };
+                let args = SparseDecodeArgs {
+                    q: &q,
+                    k_cache: &k,
+                    indices: &idx,
+                    topk_length: len.as_ref(),
+                    softmax_scale,
+                    attn_sink: sink.as_ref(),
+                    extra: extra
+                        .as_ref()
+                        .map(|(k_cache, indices, topk_length)| ExtraKvArgs {
+                            k_cache,
+                            indices,
+                            topk_length: topk_length.as_ref(),
+                        }),
+                };
+                let views = DecodeOutput {
+                    out: outs.out.to_device()?,
+                    lse: outs.lse.to_device()?,
+                };
+                decode_sparse_gpu(&gpu_for(device, stream)?, &args, &views)
+            })
+        }),
+    }
 }
 
 /// GPU path of the sparse FP8 decode: no kernel yet.

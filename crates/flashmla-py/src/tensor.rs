@@ -1,8 +1,10 @@
 //! Tensor descriptors handed over by the Python layer, and their conversion to the library's tensor types.
 //!
 //! Python describes each torch tensor as a tuple `(data_ptr, dtype, shape, strides, device)`:
-//! `data_ptr` is `tensor.data_ptr()` (the address of element `[0, 0, ...]`, storage offset included), `dtype` a
-//! name from [`parse_dtype`], `shape` and `strides` in elements, `device` the CUDA ordinal or `-1` for the CPU.
+//! `data_ptr` is `tensor.data_ptr()` (the address of element `[0, 0, ...]`, storage offset included), `dtype` one
+//! of `bf16`, `f16`, `f32`, `i32`, `u8`, `f8e4m3` (any other name, e.g. torch's `int64`, describes a dtype
+//! flashmla does not compute on: validation then names it and lists what the argument accepts), `shape` and
+//! `strides` in elements, `device` the CUDA ordinal or `-1` for the CPU.
 //! The Python caller keeps every tensor alive for the duration of the call (the descriptors are built from
 //! arguments it holds), which is what makes reading and writing through `data_ptr` sound.
 //!
@@ -10,6 +12,7 @@
 //!   allocated by torch and filled by [`Desc::write_host`].
 //! * CUDA tensors become [`DeviceView`]s: no copy, the kernels read and write torch's memory.
 
+use flashmla::alloc::try_filled;
 use flashmla::{
     DType, DeviceView, Error, HostData, HostTensor, Layout, Location, Result, TensorMeta,
 };
@@ -20,32 +23,45 @@ use pyo3::FromPyObject;
 #[derive(Debug, Clone, FromPyObject)]
 pub struct RawDesc(pub u64, pub String, pub Vec<usize>, pub Vec<usize>, pub i64);
 
-/// The dtype names the Python layer uses (`torch.bfloat16` -> `"bf16"`, ...). Anything else is refused with a
-/// `TypeError` naming the argument.
-pub fn parse_dtype(arg: &str, name: &str) -> Result<DType> {
-    Ok(match name {
+/// The dtype of a name the Python layer uses (`torch.bfloat16` -> `"bf16"`, ...), or `None` for any other name.
+fn known_dtype(name: &str) -> Option<DType> {
+    Some(match name {
         "bf16" => DType::Bf16,
         "f16" => DType::F16,
         "f32" => DType::F32,
         "i32" => DType::I32,
         "u8" => DType::U8,
         "f8e4m3" => DType::F8E4M3,
-        other => {
-            return Err(Error::invalid(
-                format!("{arg}.dtype"),
-                "one of [bf16, f16, f32, i32, u8, f8e4m3] (flashmla computes on no other dtype)",
-                other,
-            ))
-        }
+        _ => return None,
     })
 }
 
-/// One described tensor, checked: known dtype, one stride per dimension, a known place.
+/// A dtype name that must be one of `allowed` (an option such as `d_kv`'s dtype); anything else is refused with
+/// a `TypeError` naming the argument and listing `allowed`.
+pub fn parse_dtype(arg: &str, name: &str, allowed: &[DType]) -> Result<DType> {
+    match known_dtype(name) {
+        Some(d) if allowed.contains(&d) => Ok(d),
+        _ => {
+            let names: Vec<&str> = allowed.iter().map(|d| d.name()).collect();
+            Err(Error::invalid(
+                format!("{arg}.dtype"),
+                format!("one of [{}]", names.join(", ")),
+                name,
+            ))
+        }
+    }
+}
+
+/// One described tensor, checked: one stride per dimension, a known place. Its dtype may be one flashmla does not
+/// know ([`TensorMeta::foreign_dtype`]): validation reports it, and its memory is never read or written.
 #[derive(Debug, Clone)]
 pub struct Desc {
     arg: &'static str,
     ptr: u64,
+    /// The dtype, or a placeholder when `foreign` is set.
     dtype: DType,
+    /// The name Python gave a dtype flashmla does not know.
+    foreign: Option<String>,
     layout: Layout,
     location: Location,
 }
@@ -60,13 +76,20 @@ impl TensorMeta for Desc {
     fn location(&self) -> Location {
         self.location
     }
+    fn foreign_dtype(&self) -> Option<&str> {
+        self.foreign.as_deref()
+    }
 }
 
 impl Desc {
     /// Checks a raw descriptor of argument `arg`.
     pub fn new(arg: &'static str, raw: &RawDesc) -> Result<Desc> {
-        let RawDesc(ptr, dtype, shape, strides, device) = raw;
-        let dtype = parse_dtype(arg, dtype)?;
+        let RawDesc(ptr, dtype_name, shape, strides, device) = raw;
+        let (dtype, foreign) = match known_dtype(dtype_name) {
+            Some(d) => (d, None),
+            // A placeholder: every validation checks the dtype through `expect_dtype`, which sees `foreign`.
+            None => (DType::U8, Some(dtype_name.clone())),
+        };
         let layout = Layout::strided(shape, strides).map_err(|_| {
             Error::invalid(
                 format!("{arg}.stride"),
@@ -82,6 +105,7 @@ impl Desc {
             arg,
             ptr: *ptr,
             dtype,
+            foreign,
             layout,
             location,
         })
@@ -92,9 +116,16 @@ impl Desc {
         raw.as_ref().map(|r| Desc::new(arg, r)).transpose()
     }
 
-    /// Elements the storage must hold behind `ptr` (the layout's span), refusing a null pointer for a non-empty
-    /// view and a span whose byte size overflows.
+    /// Elements the storage must hold behind `ptr` (the layout's span), refusing a foreign dtype (its element
+    /// size is unknown), a null pointer for a non-empty view and a span whose byte size overflows.
     fn span_bytes(&self) -> Result<usize> {
+        if let Some(name) = &self.foreign {
+            return Err(Error::invalid(
+                format!("{}.dtype", self.arg),
+                "a dtype flashmla computes on",
+                name,
+            ));
+        }
         let span = self.layout.span().ok_or_else(|| {
             Error::invalid(
                 format!("{}.stride", self.arg),
@@ -130,12 +161,15 @@ impl Desc {
         self.expect_host()?;
         let bytes = self.span_bytes()?;
         let span = bytes / self.dtype.size_bytes();
+        let what = format!("a host copy of `{}`", self.arg);
         let data = match self.dtype {
-            DType::Bf16 => HostData::Bf16(self.read_span(vec![bf16::ZERO; span])),
-            DType::F16 => HostData::F16(self.read_span(vec![f16::ZERO; span])),
-            DType::F32 => HostData::F32(self.read_span(vec![0f32; span])),
-            DType::I32 => HostData::I32(self.read_span(vec![0i32; span])),
-            DType::U8 | DType::F8E4M3 => HostData::U8(self.read_span(vec![0u8; span])),
+            DType::Bf16 => HostData::Bf16(self.read_span(try_filled(&what, span, bf16::ZERO)?)),
+            DType::F16 => HostData::F16(self.read_span(try_filled(&what, span, f16::ZERO)?)),
+            DType::F32 => HostData::F32(self.read_span(try_filled(&what, span, 0f32)?)),
+            DType::I32 => HostData::I32(self.read_span(try_filled(&what, span, 0i32)?)),
+            DType::U8 | DType::F8E4M3 => {
+                HostData::U8(self.read_span(try_filled(&what, span, 0u8)?))
+            }
         };
         HostTensor::with_layout(data, self.layout.clone())
     }

@@ -51,6 +51,17 @@ pub enum Error {
         /// Compute capability minor.
         minor: i32,
     },
+    /// A host allocation of the CPU path failed (the request needs more memory than the machine can give).
+    #[error("out of host memory: {what} needs {bytes} bytes")]
+    OutOfHostMemory {
+        /// What the memory was for (e.g. `sparse_fwd out`).
+        what: String,
+        /// The size of the failed allocation, in bytes (saturated at `usize::MAX`).
+        bytes: usize,
+    },
+    /// The caller cancelled a CPU computation through its [`crate::cancel::CancelToken`] (e.g. on Ctrl-C).
+    #[error("interrupted")]
+    Interrupted,
 }
 
 /// Shorthand for `std::result::Result<T, flashmla::Error>`.

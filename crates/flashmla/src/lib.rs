@@ -8,6 +8,8 @@
 //! * [`ops`]: the public operations, which validate once and then run on the CPU or the GPU.
 #![warn(missing_docs)]
 
+pub mod alloc;
+pub mod cancel;
 pub mod cuda;
 pub mod error;
 pub mod fp8;
@@ -17,6 +19,7 @@ pub mod tensor;
 pub mod testing;
 pub mod validate;
 
+pub use cancel::CancelToken;
 pub use error::{Error, Result};
 pub use fp8::KvFormat;
 pub use tensor::{DType, DeviceView, HostData, HostTensor, Layout, Location, TensorMeta};

@@ -5,6 +5,7 @@
 //!
 //! Both implement [`TensorMeta`], so validation is written once for both backends.
 
+use crate::alloc::try_with_capacity;
 use crate::error::{Error, Result};
 use half::{bf16, f16};
 use std::fmt;
@@ -179,6 +180,12 @@ pub trait TensorMeta {
     fn strides(&self) -> &[usize] {
         self.layout().strides()
     }
+    /// The name of the tensor's element type when it is none of [`DType`] (a foreign tensor, e.g. a torch int64
+    /// tensor described by the Python bindings); `None` for every tensor flashmla can compute on.
+    /// [`crate::validate::expect_dtype`] reports this name, and `dtype()` must then not be relied on.
+    fn foreign_dtype(&self) -> Option<&str> {
+        None
+    }
 }
 
 /// Typed host storage.
@@ -271,10 +278,12 @@ impl HostTensor {
 
     /// Contiguous bf16 tensor from f32 values (rounded to nearest even).
     pub fn bf16_from_f32(values: &[f32], shape: &[usize]) -> Result<Self> {
-        Self::new(
-            HostData::Bf16(values.iter().map(|&v| bf16::from_f32(v)).collect()),
-            shape,
-        )
+        let data = crate::alloc::try_collect(
+            "a bf16 tensor",
+            values.len(),
+            values.iter().map(|&v| bf16::from_f32(v)),
+        )?;
+        Self::new(HostData::Bf16(data), shape)
     }
 
     /// Contiguous f32 tensor.
@@ -303,33 +312,14 @@ impl HostTensor {
     }
 
     /// Visits the storage offset of every element in row-major index order.
-    fn for_each_offset(&self, mut f: impl FnMut(usize)) {
-        let shape = self.layout.shape();
-        let strides = self.layout.strides();
-        if shape.contains(&0) {
-            return;
-        }
-        let mut idx = vec![0usize; shape.len()];
-        loop {
-            f(idx.iter().zip(strides).map(|(&i, &s)| i * s).sum());
-            let mut d = shape.len();
-            loop {
-                if d == 0 {
-                    return;
-                }
-                d -= 1;
-                idx[d] += 1;
-                if idx[d] < shape[d] {
-                    break;
-                }
-                idx[d] = 0;
-            }
-        }
+    fn for_each_offset(&self, f: impl FnMut(usize)) {
+        for_each_offset(self.layout.shape(), self.layout.strides(), 0, f);
     }
 
-    /// The values as contiguous f32, in row-major order (bf16/f16/f32 only; exact widening).
+    /// The values as contiguous f32, in row-major order (bf16/f16/f32 only; exact widening). The copy has the
+    /// tensor's logical size, whatever its strides: see [`HostTensor::rows_to_f32_vec`] for a broadcast view.
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
-        let mut out = Vec::with_capacity(self.layout.numel());
+        let mut out = try_with_capacity("a contiguous f32 copy of a tensor", self.layout.numel())?;
         match &self.data {
             HostData::Bf16(v) => self.for_each_offset(|o| out.push(v[o].to_f32())),
             HostData::F16(v) => self.for_each_offset(|o| out.push(v[o].to_f32())),
@@ -345,11 +335,61 @@ impl HostTensor {
         Ok(out)
     }
 
+    /// The values of the sub-tensors `self[r]` for each `r` of `rows`, in that order, as contiguous f32
+    /// (`rows.len()` times the product of the other dimensions; bf16/f16/f32 only). Reads in place with the
+    /// tensor's strides, so only the listed rows are copied: the way to read a few rows of a large or broadcast
+    /// (stride-0) tensor. Every row must be below `shape[0]`.
+    pub fn rows_to_f32_vec(&self, rows: &[usize]) -> Result<Vec<f32>> {
+        let (shape, strides) = (self.layout.shape(), self.layout.strides());
+        let (Some(&n), Some(&stride)) = (shape.first(), strides.first()) else {
+            return Err(Error::invalid(
+                "tensor.shape",
+                "at least 1 dimension",
+                "a scalar",
+            ));
+        };
+        if let Some(&bad) = rows.iter().find(|&&r| r >= n) {
+            return Err(Error::invalid(
+                "rows",
+                format!("row indices below {n}"),
+                bad,
+            ));
+        }
+        let per_row: usize = shape[1..].iter().product();
+        let total = rows.len().checked_mul(per_row).ok_or_else(|| {
+            Error::invalid("rows", "a selection whose size fits in usize", rows.len())
+        })?;
+        let mut out = try_with_capacity("a copy of the referenced rows of a tensor", total)?;
+        for &r in rows {
+            let base = r * stride;
+            match &self.data {
+                HostData::Bf16(v) => for_each_offset(&shape[1..], &strides[1..], base, |o| {
+                    out.push(v[o].to_f32())
+                }),
+                HostData::F16(v) => for_each_offset(&shape[1..], &strides[1..], base, |o| {
+                    out.push(v[o].to_f32())
+                }),
+                HostData::F32(v) => {
+                    for_each_offset(&shape[1..], &strides[1..], base, |o| out.push(v[o]))
+                }
+                other => {
+                    return Err(Error::invalid(
+                        "tensor",
+                        "a floating-point dtype",
+                        other.dtype(),
+                    ))
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// The values as contiguous i32, in row-major order (i32 only).
     pub fn to_i32_vec(&self) -> Result<Vec<i32>> {
         match &self.data {
             HostData::I32(v) => {
-                let mut out = Vec::with_capacity(self.layout.numel());
+                let mut out =
+                    try_with_capacity("a contiguous i32 copy of a tensor", self.layout.numel())?;
                 self.for_each_offset(|o| out.push(v[o]));
                 Ok(out)
             }
@@ -361,7 +401,8 @@ impl HostTensor {
     pub fn to_u8_vec(&self) -> Result<Vec<u8>> {
         match &self.data {
             HostData::U8(v) => {
-                let mut out = Vec::with_capacity(self.layout.numel());
+                let mut out =
+                    try_with_capacity("a contiguous byte copy of a tensor", self.layout.numel())?;
                 self.for_each_offset(|o| out.push(v[o]));
                 Ok(out)
             }
@@ -415,6 +456,30 @@ impl HostTensor {
     }
 }
 
+/// Visits `base` plus the storage offset of every element of a `shape` / `strides` view, in row-major index
+/// order (nothing for an empty shape's zero-sized dimension; once for a rank-0 view).
+fn for_each_offset(shape: &[usize], strides: &[usize], base: usize, mut f: impl FnMut(usize)) {
+    if shape.contains(&0) {
+        return;
+    }
+    let mut idx = vec![0usize; shape.len()];
+    loop {
+        f(base + idx.iter().zip(strides).map(|(&i, &s)| i * s).sum::<usize>());
+        let mut d = shape.len();
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+}
+
 /// A raw view of device memory owned by someone else (a PyTorch tensor, a [`crate::cuda::DeviceTensor`]).
 ///
 /// `ptr` is the device address of element `[0, 0, ...]`; strides are in elements.
@@ -462,5 +527,43 @@ impl DeviceView {
     /// Device ordinal.
     pub fn device(&self) -> usize {
         self.device
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_of_a_strided_tensor_are_read_in_place() {
+        // [3, 2, 2] over a padded storage (row stride 6, middle stride 3).
+        let data: Vec<f32> = (0..18).map(|x| x as f32).collect();
+        let t = HostTensor::with_layout(
+            HostData::F32(data),
+            Layout::strided(&[3, 2, 2], &[6, 3, 1]).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            t.rows_to_f32_vec(&[2, 0, 2]).unwrap(),
+            vec![12., 13., 15., 16., 0., 1., 3., 4., 12., 13., 15., 16.]
+        );
+        assert_eq!(t.rows_to_f32_vec(&[]).unwrap(), Vec::<f32>::new());
+        let err = t.rows_to_f32_vec(&[3]).unwrap_err();
+        assert_eq!(err.arg(), Some("rows"));
+    }
+
+    #[test]
+    fn rows_of_a_broadcast_view_cost_only_the_rows_read() {
+        // 2^50 rows of stride 0 over one bf16 row: reading two of them copies two rows.
+        let row = [1.5f32, -2.0, 0.25];
+        let t = HostTensor::with_layout(
+            HostData::Bf16(row.iter().map(|&v| bf16::from_f32(v)).collect()),
+            Layout::strided(&[1 << 50, 1, 3], &[0, 3, 1]).unwrap(),
+        )
+        .unwrap();
+        let got = t.rows_to_f32_vec(&[0, (1 << 50) - 1]).unwrap();
+        assert_eq!(got, [row, row].concat());
+        // Copying the whole view instead is an allocation error, not an abort.
+        assert!(matches!(t.to_f32_vec(), Err(Error::OutOfHostMemory { .. })));
     }
 }

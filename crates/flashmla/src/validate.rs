@@ -4,16 +4,18 @@
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Location, TensorMeta};
 
-/// The tensor's dtype is one of `allowed`.
+/// The tensor's dtype is one of `allowed`. The error lists exactly the dtypes this argument accepts and names the
+/// one that came, also when it is none of [`DType`] ([`TensorMeta::foreign_dtype`], e.g. a torch int64 tensor).
 pub fn expect_dtype(arg: &str, t: &impl TensorMeta, allowed: &[DType]) -> Result<()> {
-    if allowed.contains(&t.dtype()) {
+    let foreign = t.foreign_dtype();
+    if foreign.is_none() && allowed.contains(&t.dtype()) {
         return Ok(());
     }
     let names: Vec<&str> = allowed.iter().map(|d| d.name()).collect();
     Err(Error::invalid(
         format!("{arg}.dtype"),
         format!("one of [{}]", names.join(", ")),
-        t.dtype(),
+        foreign.unwrap_or(t.dtype().name()),
     ))
 }
 
@@ -163,4 +165,47 @@ pub fn to_i32(arg: &str, value: usize) -> Result<i32> {
 /// Converts a size to `i64` for a kernel parameter, naming the argument when it does not fit.
 pub fn to_i64(arg: &str, value: usize) -> Result<i64> {
     i64::try_from(value).map_err(|_| Error::invalid(arg, "a value that fits in i64", value))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::Layout;
+
+    /// Metadata of a tensor whose element type flashmla does not know (e.g. torch's int64).
+    struct Foreign(Layout);
+
+    impl TensorMeta for Foreign {
+        fn dtype(&self) -> DType {
+            DType::I32
+        }
+        fn layout(&self) -> &Layout {
+            &self.0
+        }
+        fn location(&self) -> Location {
+            Location::Host
+        }
+        fn foreign_dtype(&self) -> Option<&str> {
+            Some("int64")
+        }
+    }
+
+    #[test]
+    fn a_dtype_error_lists_what_the_argument_accepts_and_names_what_came() {
+        let t = Foreign(Layout::contiguous(&[2, 1, 4]));
+        // The placeholder dtype() of a foreign tensor is never taken for an accepted one.
+        let err = expect_dtype("indices", &t, &[DType::I32]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid argument `indices.dtype`: expected one of [i32], got int64"
+        );
+        let host = crate::HostTensor::from_f32(vec![0.0; 2], &[2]).unwrap();
+        let err = expect_dtype("attn_sink", &host, &[DType::F32]);
+        assert_eq!(err, Ok(()));
+        let err = expect_dtype("q", &host, &[DType::Bf16, DType::F16]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid argument `q.dtype`: expected one of [bf16, f16], got f32"
+        );
+    }
 }

@@ -8,7 +8,7 @@ pub(crate) mod sparse_fwd;
 
 use crate::clocks::{ClockStats, Nvml, Sampler};
 use crate::report::{progress, table, LogProgress};
-use crate::{meta, write_json};
+use crate::{meta, signals, write_json};
 use flashmla::cuda::Gpu;
 use serde::Serialize;
 use std::path::PathBuf;
@@ -273,16 +273,43 @@ pub struct Bench {
 /// Ops timed only when `--op` names them (variants of another op's shapes).
 const OPT_IN_OPS: &[&str] = &[sparse_bwd::DETERMINISTIC_OP];
 
-fn all_benches(args: &BenchArgs) -> Vec<Bench> {
+/// Every benchmark of a suite.
+fn suite_benches(suite: BenchSuite, indices: IndexChoice) -> Vec<Bench> {
     let mut v = Vec::new();
-    v.extend(sparse_fwd::benches(args.suite, args.indices));
-    v.extend(sparse_bwd::benches(args.suite, args.indices, false));
-    v.extend(sparse_bwd::benches(args.suite, args.indices, true));
-    v.extend(kv_quant::benches(args.suite));
-    v.extend(decode_dense::benches(args.suite));
-    v.into_iter()
+    v.extend(sparse_fwd::benches(suite, indices));
+    v.extend(sparse_bwd::benches(suite, indices, false));
+    v.extend(sparse_bwd::benches(suite, indices, true));
+    v.extend(kv_quant::benches(suite));
+    v.extend(decode_dense::benches(suite));
+    v
+}
+
+/// Every op name `--op` accepts (the ops of every suite), in suite order.
+fn known_ops() -> Vec<String> {
+    let mut ops: Vec<String> = Vec::new();
+    for suite in [BenchSuite::Standard, BenchSuite::Small, BenchSuite::Sweep] {
+        for b in suite_benches(suite, IndexChoice::Both) {
+            if !ops.contains(&b.record.op) {
+                ops.push(b.record.op);
+            }
+        }
+    }
+    ops
+}
+
+/// The benchmarks of `args.suite` that `--op` selects; an op name no suite knows is an error listing the ops.
+fn all_benches(args: &BenchArgs) -> Result<Vec<Bench>, String> {
+    let known = known_ops();
+    if let Some(bad) = args.op.iter().find(|o| !known.contains(o)) {
+        return Err(format!(
+            "unknown --op {bad:?}; the ops are: {}",
+            known.join(", ")
+        ));
+    }
+    Ok(suite_benches(args.suite, args.indices)
+        .into_iter()
         .filter(|b| op_selected(&args.op, &b.record.op))
-        .collect()
+        .collect())
 }
 
 /// Whether `--op` (empty: every op that is not opt-in) selects `op`.
@@ -321,10 +348,16 @@ fn median(v: &mut [f32]) -> f64 {
 
 /// Runs the benchmarks; returns the process exit code.
 pub fn run(args: &BenchArgs) -> Result<u8, String> {
-    let (benches, others): (Vec<Bench>, Vec<Bench>) = all_benches(args)
+    let (benches, others): (Vec<Bench>, Vec<Bench>) = all_benches(args)?
         .into_iter()
         .partition(|b| shape_selected(&args.shapes, &shape_label(&b.record)));
     if benches.is_empty() {
+        if others.is_empty() {
+            return Err(format!(
+                "the {:?} suite has no shape for --op {:?} (`--suite` picks another)",
+                args.suite, args.op
+            ));
+        }
         let known: Vec<String> = others
             .iter()
             .map(|b| format!("  {} {}", b.record.op, shape_label(&b.record)))
@@ -380,6 +413,10 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
     let mut records: Vec<Record> = Vec::new();
     let mut outcome = Ok(());
     'benches: for b in &benches {
+        // Ctrl-C: stop before the next shape (what was measured is printed and written below).
+        if signals::interrupted() {
+            break;
+        }
         bar.set_message(b.record.op.clone());
         let mut f = match (b.setup)(&gpu) {
             Ok(f) => f,

@@ -7,7 +7,7 @@ mod sparse_bwd;
 mod sparse_fwd;
 
 use crate::report::{progress, table, LogProgress};
-use crate::{meta, write_json, EXIT_FAILED};
+use crate::{meta, signals, write_json, EXIT_FAILED};
 use flashmla::cuda::Gpu;
 use serde::Serialize;
 use std::path::PathBuf;
@@ -28,6 +28,9 @@ pub struct CheckArgs {
     /// Which cases to run.
     #[arg(long, value_enum, default_value_t = Suite::Full)]
     suite: Suite,
+    /// Only the cases of these op families (comma-separated, e.g. `sparse_fwd,kv_quant`); all when absent.
+    #[arg(long, value_delimiter = ',')]
+    op: Vec<String>,
     /// Only cases whose name contains this text.
     #[arg(long)]
     filter: Option<String>,
@@ -165,17 +168,52 @@ fn case_seed(base: u64, name: &str) -> u64 {
     })
 }
 
-/// Runs the suite; returns the process exit code.
-pub fn run(args: &CheckArgs) -> Result<u8, String> {
-    let cases: Vec<Case> = all_cases()
+/// The op family of a case: its name up to the first `/`.
+fn family(name: &str) -> &str {
+    name.split('/').next().unwrap_or(name)
+}
+
+/// The cases `args` select: `--suite`, `--op` (every name must be a family of the suite), `--filter`. Selecting
+/// nothing is an error naming what exists, never an empty run.
+fn select(args: &CheckArgs, all: Vec<Case>) -> Result<Vec<Case>, String> {
+    let mut families: Vec<String> = Vec::new();
+    for c in &all {
+        if !families.iter().any(|f| f == family(&c.name)) {
+            families.push(family(&c.name).to_string());
+        }
+    }
+    if let Some(bad) = args.op.iter().find(|o| !families.contains(o)) {
+        return Err(format!(
+            "unknown --op {bad:?}; the ops (case families) are: {}",
+            families.join(", ")
+        ));
+    }
+    let cases: Vec<Case> = all
         .into_iter()
         .filter(|c| args.suite == Suite::Full || c.quick)
+        .filter(|c| args.op.is_empty() || args.op.iter().any(|o| o == family(&c.name)))
         .filter(|c| {
             args.filter
                 .as_ref()
                 .is_none_or(|f| c.name.contains(f.as_str()))
         })
         .collect();
+    if cases.is_empty() {
+        return Err(format!(
+            "no case of the {:?} suite matches --op {:?} --filter {:?}; the ops (case families) are: {} \
+             (`flashmla check --list` lists the cases)",
+            args.suite,
+            args.op,
+            args.filter.as_deref().unwrap_or(""),
+            families.join(", ")
+        ));
+    }
+    Ok(cases)
+}
+
+/// Runs the suite; returns the process exit code.
+pub fn run(args: &CheckArgs) -> Result<u8, String> {
+    let cases = select(args, all_cases())?;
     if args.list {
         for c in &cases {
             println!("{}", c.name);
@@ -199,6 +237,9 @@ pub fn run(args: &CheckArgs) -> Result<u8, String> {
     let mut log = LogProgress::new("check", cases.len(), std::time::Duration::from_secs(10));
     let mut records = Vec::new();
     for case in &cases {
+        if signals::interrupted() {
+            break;
+        }
         bar.set_message(case.name.clone());
         let seed = case_seed(args.seed, &case.name);
         let t0 = Instant::now();
@@ -206,6 +247,10 @@ pub fn run(args: &CheckArgs) -> Result<u8, String> {
             passed: false,
             detail: format!("error: {e}"),
         });
+        if signals::interrupted() {
+            // Stopped mid-case by Ctrl-C: no verdict (the JSON keeps the cases before it).
+            break;
+        }
         let seconds = t0.elapsed().as_secs_f64();
         if !outcome.passed {
             // `suspend`, not `println`: a hidden bar (output not a terminal) would swallow the line.

@@ -10,7 +10,7 @@ use flashmla::ops::sparse_bwd::SparseBwdOptions;
 use flashmla::ops::sparse_fwd::D_V;
 use flashmla::reference::compare::BWD_GRAD;
 use flashmla::reference::sparse_bwd::{
-    sparse_bwd, sparse_bwd_operand_rounding, SparseBwdProblem, SparseBwdResult,
+    sparse_bwd_operand_rounding, sparse_bwd_with, SparseBwdProblem, SparseBwdResult,
 };
 use flashmla::testing::{peer_bf16, rng, IndexPattern, SinkKind, SparseCase, SparseValues};
 use flashmla::{DType, HostTensor};
@@ -96,10 +96,11 @@ fn run_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
         lse: &fwd.lse,
     };
     let small = c.s_q * c.h_q * c.topk <= F64_LIMIT;
+    let stop = crate::signals::token();
     let want = if small {
-        sparse_bwd::<f64>(&problem)?
+        sparse_bwd_with::<f64>(&problem, stop)?
     } else {
-        widen(sparse_bwd::<f32>(&problem)?)
+        widen(sparse_bwd_with::<f32>(&problem, stop)?)
     };
     // Where the f64 reference runs, d_q and d_kv are judged net of the bf16 rounding of the P / dS'
     // MMA operands (a per-element bound; it only matters for tokens with few valid entries, i.e. large

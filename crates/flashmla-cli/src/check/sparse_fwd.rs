@@ -6,7 +6,7 @@ use crate::device_ops::SparseFwdOnGpu;
 use flashmla::cuda::Gpu;
 use flashmla::ops::sparse_fwd::D_V;
 use flashmla::reference::compare::{PREFILL_LSE, PREFILL_MAX_LOGITS, PREFILL_OUT};
-use flashmla::reference::sparse_fwd::sparse_fwd_rows;
+use flashmla::reference::sparse_fwd::sparse_fwd_rows_with;
 use flashmla::testing::{IndexPattern, SinkKind, SparseCase};
 
 /// How a case is run.
@@ -52,7 +52,7 @@ fn run_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
     let got = dev.download(gpu)?;
     let values = inp.values()?;
     let rows = rows_to_check(c.s_q, spec.sample);
-    let want = sparse_fwd_rows::<f64>(&values.problem(), &rows)?;
+    let want = sparse_fwd_rows_with::<f64>(&values.problem(), &rows, crate::signals::token())?;
     Ok(Outcome::from_checks(vec![
         check(
             "out",

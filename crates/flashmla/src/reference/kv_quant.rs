@@ -140,7 +140,7 @@ pub fn quantize_cache(layout: &CacheLayout, kv: &[f32]) -> Result<Vec<u8>> {
             kv.len(),
         ));
     }
-    let mut cache = vec![0u8; layout.total_bytes()];
+    let mut cache = crate::alloc::try_filled("FP8 cache", layout.total_bytes(), 0u8)?;
     if layout.block_stride == 0 {
         return Ok(cache);
     }
@@ -173,7 +173,7 @@ pub fn dequantize_cache(layout: &CacheLayout, cache: &[u8]) -> Result<Vec<f32>> 
         ));
     }
     let d = layout.format.d_qk();
-    let mut out = vec![0f32; layout.num_tokens() * d];
+    let mut out = crate::alloc::try_filled("dequantised values", layout.num_tokens() * d, 0f32)?;
     if out.is_empty() {
         return Ok(out);
     }

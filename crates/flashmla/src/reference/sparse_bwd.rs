@@ -21,6 +21,8 @@
 
 use super::sparse_fwd::{dot, SparseFwdProblem};
 use super::Real;
+use crate::alloc::{try_clear_for, try_collect, try_filled};
+use crate::cancel::CancelToken;
 use crate::error::Result;
 use rayon::prelude::*;
 
@@ -129,66 +131,90 @@ fn d_out_row<'a>(p: &SparseBwdProblem<'a>, t: usize, h: usize) -> &'a [f32] {
 }
 
 /// Pass 1: per-(t, h) statistics. lse' = lse (+) sink, so exp(lse - lse') = sigmoid(lse - sink).
-fn head_stats<R: Real>(p: &SparseBwdProblem<'_>) -> Vec<HeadStats<R>> {
+/// Polls `cancel` once per token.
+fn head_stats<R: Real>(
+    p: &SparseBwdProblem<'_>,
+    cancel: &CancelToken,
+) -> Result<Vec<HeadStats<R>>> {
     let f = &p.fwd;
     let (h_q, d_v) = (f.h_q, f.d_v);
-    (0..f.s_q * h_q)
-        .into_par_iter()
-        .map(|th| {
-            let (o, g) = (
-                &p.out[th * d_v..(th + 1) * d_v],
-                &p.d_out[th * d_v..(th + 1) * d_v],
-            );
-            let lse = R::of(p.lse[th]);
-            let keep = f
-                .attn_sink
-                .map_or(R::one(), |sink| sigmoid(lse - R::of(sink[th % h_q])));
-            HeadStats {
-                lse,
-                keep,
-                delta: dot::<R>(o, g),
+    let zero = HeadStats {
+        lse: R::zero(),
+        keep: R::zero(),
+        delta: R::zero(),
+    };
+    let mut stats = try_filled("sparse_bwd statistics", f.s_q * h_q, zero)?;
+    stats
+        .par_chunks_mut(h_q)
+        .enumerate()
+        .for_each(|(t, token_stats)| {
+            if cancel.is_cancelled() {
+                return;
             }
-        })
-        .collect()
+            for (h, st) in token_stats.iter_mut().enumerate() {
+                let th = t * h_q + h;
+                let (o, g) = (
+                    &p.out[th * d_v..(th + 1) * d_v],
+                    &p.d_out[th * d_v..(th + 1) * d_v],
+                );
+                let lse = R::of(p.lse[th]);
+                let keep = f
+                    .attn_sink
+                    .map_or(R::one(), |sink| sigmoid(lse - R::of(sink[h])));
+                *st = HeadStats {
+                    lse,
+                    keep,
+                    delta: dot::<R>(o, g),
+                };
+            }
+        });
+    cancel.check()?;
+    Ok(stats)
 }
 
 /// Passes 2 and 3: `(d_q, d_kv)`, or with `ABS` the same sums over the absolute values of every product
-/// (`sum |ds| |k|` and `sum |ds| |q| + |p| |d_out|`).
+/// (`sum |ds| |k|` and `sum |ds| |q| + |p| |d_out|`). Polls `cancel` once per token (pass 2) and per KV row
+/// (pass 3).
 fn gradients<R: Real, const ABS: bool>(
     p: &SparseBwdProblem<'_>,
     stats: &[HeadStats<R>],
-) -> (Vec<R>, Vec<R>) {
+    cancel: &CancelToken,
+) -> Result<(Vec<R>, Vec<R>)> {
     let f = &p.fwd;
     let (s_q, s_kv, h_q, d_qk, d_v) = (f.s_q, f.s_kv, f.h_q, f.d_qk, f.d_v);
     let m = |x: R| if ABS { x.abs() } else { x };
 
     // Pass 2: d_q, one token per task.
-    let mut d_q = vec![R::zero(); s_q * h_q * d_qk];
-    d_q.par_chunks_mut(h_q * d_qk).enumerate().for_each_init(
-        Vec::new,
-        |rows: &mut Vec<usize>, (t, d_q_t)| {
-            rows.clear();
-            rows.extend(f.valid_rows(t));
-            for h in 0..h_q {
-                let st = stats[t * h_q + h];
-                if st.is_empty() {
-                    continue;
-                }
-                let acc = &mut d_q_t[h * d_qk..(h + 1) * d_qk];
-                for &r in rows.iter() {
-                    let (_, ds) = entry_grad(p, t, h, r, st);
-                    let ds = m(ds);
-                    for (a, &k) in acc.iter_mut().zip(f.kv_row(r)) {
-                        *a = *a + ds * m(R::of(k));
+    let mut d_q = try_filled("sparse_bwd d_q", s_q * h_q * d_qk, R::zero())?;
+    d_q.par_chunks_mut(h_q * d_qk)
+        .enumerate()
+        .try_for_each_init(
+            Vec::new,
+            |rows: &mut Vec<usize>, (t, d_q_t)| -> Result<()> {
+                cancel.check()?;
+                try_clear_for(rows, "sparse_bwd token scratch", f.row_len(t))?;
+                rows.extend(f.valid_rows(t));
+                for h in 0..h_q {
+                    let st = stats[t * h_q + h];
+                    if st.is_empty() {
+                        continue;
+                    }
+                    let acc = &mut d_q_t[h * d_qk..(h + 1) * d_qk];
+                    for &r in rows.iter() {
+                        let (_, ds) = entry_grad(p, t, h, r, st);
+                        let ds = m(ds);
+                        for (a, &k) in acc.iter_mut().zip(f.kv_row(r)) {
+                            *a = *a + ds * m(R::of(k));
+                        }
                     }
                 }
-            }
-        },
-    );
+                Ok(())
+            },
+        )?;
 
     // Row -> tokens index of the valid entries (counting sort, tokens ascending within a row; a token
     // appears once per occurrence of the row in its index list).
-    let mut offsets = vec![0usize; s_kv + 1];
+    let mut offsets = try_filled("sparse_bwd row index", s_kv + 1, 0usize)?;
     for t in 0..s_q {
         for r in f.valid_rows(t) {
             offsets[r + 1] += 1;
@@ -197,8 +223,8 @@ fn gradients<R: Real, const ABS: bool>(
     for r in 0..s_kv {
         offsets[r + 1] += offsets[r];
     }
-    let mut tokens = vec![0usize; offsets[s_kv]];
-    let mut fill = offsets.clone();
+    let mut tokens = try_filled("sparse_bwd row index", offsets[s_kv], 0usize)?;
+    let mut fill = try_collect("sparse_bwd row index", s_kv + 1, offsets.iter().copied())?;
     for t in 0..s_q {
         for r in f.valid_rows(t) {
             tokens[fill[r]] = t;
@@ -207,8 +233,11 @@ fn gradients<R: Real, const ABS: bool>(
     }
 
     // Pass 3: d_kv, one KV row per task; unreferenced rows keep their zeros.
-    let mut d_kv = vec![R::zero(); s_kv * d_qk];
+    let mut d_kv = try_filled("sparse_bwd d_kv", s_kv * d_qk, R::zero())?;
     d_kv.par_chunks_mut(d_qk).enumerate().for_each(|(r, acc)| {
+        if cancel.is_cancelled() {
+            return;
+        }
         for &t in &tokens[offsets[r]..offsets[r + 1]] {
             for h in 0..h_q {
                 let st = stats[t * h_q + h];
@@ -226,7 +255,8 @@ fn gradients<R: Real, const ABS: bool>(
             }
         }
     });
-    (d_q, d_kv)
+    cancel.check()?;
+    Ok((d_q, d_kv))
 }
 
 /// Runs the backward.
@@ -244,11 +274,20 @@ fn gradients<R: Real, const ABS: bool>(
 /// occurrence) and, per worker thread, one token's valid rows. `p` and `ds` are computed twice (for
 /// `d_q` and for `d_kv`), which costs about 40% more arithmetic than storing them would.
 pub fn sparse_bwd<R: Real>(p: &SparseBwdProblem<'_>) -> Result<SparseBwdResult<R>> {
+    sparse_bwd_with(p, CancelToken::never())
+}
+
+/// [`sparse_bwd`], stopping with [`crate::Error::Interrupted`] soon after `cancel` is cancelled (it is
+/// polled before every token of passes 1 and 2 and every KV row of pass 3).
+pub fn sparse_bwd_with<R: Real>(
+    p: &SparseBwdProblem<'_>,
+    cancel: &CancelToken,
+) -> Result<SparseBwdResult<R>> {
     p.check()?;
     let f = &p.fwd;
     let (s_q, h_q) = (f.s_q, f.h_q);
-    let stats = head_stats::<R>(p);
-    let (d_q, d_kv) = gradients::<R, false>(p, &stats);
+    let stats = head_stats::<R>(p, cancel)?;
+    let (d_q, d_kv) = gradients::<R, false>(p, &stats, cancel)?;
 
     // Pass 4: d_sink[h] = -sum_t exp(sink - lse') * delta, with exp(sink - lse') = sigmoid(sink - lse);
     // summed over tokens in order.
@@ -269,7 +308,11 @@ pub fn sparse_bwd<R: Real>(p: &SparseBwdProblem<'_>) -> Result<SparseBwdResult<R
     Ok(SparseBwdResult {
         d_q,
         d_kv,
-        delta: stats.iter().map(|st| st.delta).collect(),
+        delta: try_collect(
+            "sparse_bwd delta",
+            stats.len(),
+            stats.iter().map(|st| st.delta),
+        )?,
         d_attn_sink,
     })
 }
@@ -303,8 +346,9 @@ pub struct OperandRounding {
 /// exchange between the two head groups of a token) adds at most the same again: twice `d_kv` bounds it.
 pub fn sparse_bwd_operand_rounding(p: &SparseBwdProblem<'_>) -> Result<OperandRounding> {
     p.check()?;
-    let stats = head_stats::<f64>(p);
-    let (d_q, d_kv) = gradients::<f64, true>(p, &stats);
+    let never = CancelToken::never();
+    let stats = head_stats::<f64>(p, never)?;
+    let (d_q, d_kv) = gradients::<f64, true>(p, &stats, never)?;
     let u = BF16_UNIT_ROUNDOFF;
     Ok(OperandRounding {
         d_q: d_q.into_iter().map(|x| u * x).collect(),

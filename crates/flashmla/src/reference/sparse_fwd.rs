@@ -19,6 +19,8 @@
 //! the exact limits for `attn_sink = +inf` (out = 0) and `-inf` (no effect).
 
 use super::Real;
+use crate::alloc::{try_clear_for, try_filled, try_refill};
+use crate::cancel::CancelToken;
 use crate::error::{Error, Result};
 use rayon::prelude::*;
 
@@ -50,8 +52,15 @@ pub struct SparseFwdProblem<'a> {
     pub sm_scale: f32,
     /// Per-head sink logit `[h_q]`: an extra softmax term whose value vector is zero.
     pub attn_sink: Option<&'a [f32]>,
-    /// Per-token count of leading entries to use `[s_q]` (clamped to `0..=topk`).
+    /// Per-token count of leading entries to use `[s_q]`: entries at positions `>= topk_length[t]` are
+    /// ignored; a length above `topk` means all `topk` entries, a negative one none (clamped to `0..=topk`).
     pub topk_length: Option<&'a [i32]>,
+}
+
+/// How many leading index entries a `topk_length` value selects: the value clamped to `0..=topk` (a
+/// negative length selects none, one above `topk` all `topk`). The GPU kernels clamp the same way.
+pub fn clamp_topk_length(len: i32, topk: usize) -> usize {
+    usize::try_from(len).map_or(0, |l| l.min(topk))
 }
 
 /// Checks that a slice holds exactly `n` elements, where `n` is a product that must not overflow.
@@ -107,7 +116,7 @@ impl SparseFwdProblem<'_> {
     /// `0..=topk`, or `topk` without `topk_length`.
     pub fn row_len(&self, t: usize) -> usize {
         match self.topk_length {
-            Some(len) => usize::try_from(len[t]).map_or(0, |l| l.min(self.topk)),
+            Some(len) => clamp_topk_length(len[t], self.topk),
             None => self.topk,
         }
     }
@@ -182,8 +191,18 @@ fn nan_max<R: Real>(a: R, b: R) -> R {
 /// Allocates the outputs plus, per worker thread, scratch for one token: its valid rows, the logits
 /// `[h_q, topk]`, an output accumulator `[h_q, d_v]` and `[h_q]` normalisers.
 pub fn sparse_fwd<R: Real>(p: &SparseFwdProblem<'_>) -> Result<SparseFwdResult<R>> {
+    sparse_fwd_with(p, CancelToken::never())
+}
+
+/// [`sparse_fwd`], stopping with [`Error::Interrupted`] soon after `cancel` is cancelled (it is polled
+/// before every query token).
+pub fn sparse_fwd_with<R: Real>(
+    p: &SparseFwdProblem<'_>,
+    cancel: &CancelToken,
+) -> Result<SparseFwdResult<R>> {
+    p.check()?;
     let rows: Vec<usize> = (0..p.s_q).collect();
-    sparse_fwd_rows(p, &rows)
+    sparse_fwd_rows_with(p, &rows, cancel)
 }
 
 /// Runs the forward for the query tokens in `rows` only (any order, repeats allowed); the outputs'
@@ -191,6 +210,16 @@ pub fn sparse_fwd<R: Real>(p: &SparseFwdProblem<'_>) -> Result<SparseFwdResult<R
 pub fn sparse_fwd_rows<R: Real>(
     p: &SparseFwdProblem<'_>,
     rows: &[usize],
+) -> Result<SparseFwdResult<R>> {
+    sparse_fwd_rows_with(p, rows, CancelToken::never())
+}
+
+/// [`sparse_fwd_rows`], stopping with [`Error::Interrupted`] soon after `cancel` is cancelled (it is
+/// polled before every query token).
+pub fn sparse_fwd_rows_with<R: Real>(
+    p: &SparseFwdProblem<'_>,
+    rows: &[usize],
+    cancel: &CancelToken,
 ) -> Result<SparseFwdResult<R>> {
     p.check()?;
     if let Some(&bad) = rows.iter().find(|&&t| t >= p.s_q) {
@@ -203,18 +232,27 @@ pub fn sparse_fwd_rows<R: Real>(
     let (h_q, d_v) = (p.h_q, p.d_v);
     let n = rows.len();
     let mut res = SparseFwdResult {
-        out: vec![R::zero(); n * h_q * d_v],
-        max_logits: vec![R::neg_infinity(); n * h_q],
-        lse: vec![R::infinity(); n * h_q],
+        out: try_filled(
+            "sparse_fwd out",
+            n.saturating_mul(h_q).saturating_mul(d_v),
+            R::zero(),
+        )?,
+        max_logits: try_filled(
+            "sparse_fwd max_logits",
+            n.saturating_mul(h_q),
+            R::neg_infinity(),
+        )?,
+        lse: try_filled("sparse_fwd lse", n.saturating_mul(h_q), R::infinity())?,
     };
     res.out
         .par_chunks_mut(h_q * d_v)
         .zip(res.max_logits.par_chunks_mut(h_q))
         .zip(res.lse.par_chunks_mut(h_q))
         .zip(rows.par_iter())
-        .for_each_init(TokenScratch::default, |scratch, (((out, max), lse), &t)| {
+        .try_for_each_init(TokenScratch::default, |scratch, (((out, max), lse), &t)| {
+            cancel.check()?;
             forward_token(p, t, scratch, out, max, lse)
-        });
+        })?;
     Ok(res)
 }
 
@@ -242,7 +280,7 @@ impl<R> Default for TokenScratch<R> {
 }
 
 /// Forward for token `t`; `out [h_q, d_v]`, `max`/`lse [h_q]` arrive as 0 / -inf / +inf (the empty-row
-/// values) and stay so when the token has no valid entry.
+/// values) and stay so when the token has no valid entry. Fails only when its scratch cannot be allocated.
 fn forward_token<R: Real>(
     p: &SparseFwdProblem<'_>,
     t: usize,
@@ -250,18 +288,22 @@ fn forward_token<R: Real>(
     out: &mut [R],
     max: &mut [R],
     lse: &mut [R],
-) {
+) -> Result<()> {
     let (h_q, d_v) = (p.h_q, p.d_v);
-    scratch.rows.clear();
+    try_clear_for(&mut scratch.rows, "sparse_fwd token scratch", p.row_len(t))?;
     scratch.rows.extend(p.valid_rows(t));
     let n = scratch.rows.len();
     if n == 0 {
-        return;
+        return Ok(());
     }
     let scale = R::of(p.sm_scale);
     // Logits [h_q, n]; the loop visits each gathered KV row once for all heads.
-    scratch.weights.clear();
-    scratch.weights.resize(h_q * n, R::zero());
+    try_refill(
+        &mut scratch.weights,
+        "sparse_fwd token scratch",
+        h_q.saturating_mul(n),
+        R::zero(),
+    )?;
     for (j, &r) in scratch.rows.iter().enumerate() {
         let k = p.kv_row(r);
         for h in 0..h_q {
@@ -269,8 +311,12 @@ fn forward_token<R: Real>(
         }
     }
     // Softmax statistics per head; weights become exp(s - max), the normaliser includes the sink.
-    scratch.inv_denominator.clear();
-    scratch.inv_denominator.resize(h_q, R::zero());
+    try_refill(
+        &mut scratch.inv_denominator,
+        "sparse_fwd token scratch",
+        h_q,
+        R::zero(),
+    )?;
     for h in 0..h_q {
         let s = &mut scratch.weights[h * n..(h + 1) * n];
         let m = s.iter().copied().fold(R::neg_infinity(), nan_max);
@@ -287,8 +333,12 @@ fn forward_token<R: Real>(
         scratch.inv_denominator[h] = R::one() / (sum + sink);
     }
     // out[h, :] = sum_j w[h, j] * V[r_j, :], again one pass over the gathered rows for all heads.
-    scratch.acc.clear();
-    scratch.acc.resize(h_q * d_v, R::zero());
+    try_refill(
+        &mut scratch.acc,
+        "sparse_fwd token scratch",
+        h_q * d_v,
+        R::zero(),
+    )?;
     for (j, &r) in scratch.rows.iter().enumerate() {
         let v = &p.kv_row(r)[..d_v];
         for h in 0..h_q {
@@ -308,4 +358,5 @@ fn forward_token<R: Real>(
             *o = a * inv;
         }
     }
+    Ok(())
 }

@@ -16,6 +16,13 @@
 //! equal the unsplit result up to rounding). The GPU path of the dense decode ([`decode_dense_cuda`]) runs the
 //! sm_90a kernels of [`launch`]: an on-device schedule, the split kernel and an f32 combine, with no host
 //! synchronisation.
+//! The CPU path reads only the cache blocks (dense) or tokens (sparse) that a request uses, so a broadcast or huge
+//! cache costs nothing more; an allocation that fails is [`crate::Error::OutOfHostMemory`], and the `*_cpu_with`
+//! entry points stop with [`crate::Error::Interrupted`] when their [`CancelToken`] is cancelled.
+//!
+//! `topk_length` values (sparse) are data, never errors: request `b` uses the first
+//! `clamp(topk_length[b], 0, topk)` entries of each index row, so a length above `topk` means all `topk` entries
+//! and a negative length none. The same holds for `extra_topk_length`.
 
 pub mod launch;
 pub mod validate;
@@ -24,10 +31,13 @@ pub use validate::{
     check_dense_values, validate_dense, validate_sparse, DenseDecodeDims, SparseDecodeDims,
 };
 
+use crate::alloc::{try_collect, try_with_capacity};
+use crate::cancel::CancelToken;
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::reference::decode::{
-    self as reference, DecodeResult, DenseDecodeInputs, SparseDecodeInputs, SparseKv,
+    self as reference, DecodeResult, DenseDecodeInputs, DenseDecodeProblem, SparseDecodeInputs,
+    SparseKv,
 };
 use crate::tensor::{DType, DeviceView, HostData, HostTensor, Location, TensorMeta};
 use crate::validate::{expect_dtype, expect_location, expect_rank, expect_shape};
@@ -75,7 +85,8 @@ pub struct SparseDecodeArgs<'a, T> {
     pub k_cache: &'a T,
     /// `[b, s_q, topk]` i32 token indices.
     pub indices: &'a T,
-    /// `[b]` i32: entries at positions `>= topk_length[b]` are ignored. Optional.
+    /// `[b]` i32: entries at positions `>= topk_length[b]` are ignored (a value above `topk` uses all
+    /// entries, a negative one none). Optional.
     pub topk_length: Option<&'a T>,
     /// Logit scale; `None` means `d_qk^-0.5`.
     pub softmax_scale: Option<f32>,
@@ -115,13 +126,22 @@ fn pack(
     [b, s_q, h_q, d_v]: [usize; 4],
 ) -> Result<DecodeOutput<HostTensor>> {
     let out_shape = [b, s_q, h_q, d_v];
+    let n = res.out.len();
     let out = match dtype {
         DType::F16 => HostTensor::new(
-            HostData::F16(res.out.iter().map(|&v| f16::from_f32(v)).collect()),
+            HostData::F16(try_collect(
+                "decode out",
+                n,
+                res.out.iter().map(|&v| f16::from_f32(v)),
+            )?),
             &out_shape,
         )?,
         _ => HostTensor::new(
-            HostData::Bf16(res.out.iter().map(|&v| bf16::from_f32(v)).collect()),
+            HostData::Bf16(try_collect(
+                "decode out",
+                n,
+                res.out.iter().map(|&v| bf16::from_f32(v)),
+            )?),
             &out_shape,
         )?,
     };
@@ -131,20 +151,31 @@ fn pack(
     })
 }
 
-/// Dense decode on the CPU (f32 accumulation).
-///
-/// Validates ([`validate_dense`], then [`check_dense_values`] on the host values), then allocates f32 copies
-/// of `q` and of the whole `k_cache`, contiguous copies of `block_table`, `cache_seqlens` and `attn_sink`,
-/// the f32 results, and the returned `out` (q's dtype) and `lse` (f32) tensors.
+/// Dense decode on the CPU (f32 accumulation). See [`decode_dense_cpu_with`].
 pub fn decode_dense_cpu(
     args: &DenseDecodeArgs<'_, HostTensor>,
 ) -> Result<DecodeOutput<HostTensor>> {
+    decode_dense_cpu_with(args, CancelToken::never())
+}
+
+/// Dense decode on the CPU (f32 accumulation), stopping with [`Error::Interrupted`] soon after `cancel` is
+/// cancelled (it is polled before every query row).
+///
+/// Validates ([`validate_dense`], then [`check_dense_values`] on the host values), then allocates f32 copies
+/// of `q` and of the cache blocks the requests use (each once, however many requests share it), contiguous
+/// copies of `block_table`, `cache_seqlens` and `attn_sink`, the f32 results, and the returned `out` (q's
+/// dtype) and `lse` (f32) tensors.
+pub fn decode_dense_cpu_with(
+    args: &DenseDecodeArgs<'_, HostTensor>,
+    cancel: &CancelToken,
+) -> Result<DecodeOutput<HostTensor>> {
     let dims = validate_dense(args)?;
-    let block_table = args.block_table.to_i32_vec()?;
+    let mut block_table = args.block_table.to_i32_vec()?;
     let cache_seqlens = args.cache_seqlens.to_i32_vec()?;
     check_dense_values(&dims, &block_table, &cache_seqlens)?;
+    let blocks = compact_blocks(&dims, &mut block_table, &cache_seqlens)?;
     let q = args.q.to_f32_vec()?;
-    let k_cache = args.k_cache.to_f32_vec()?;
+    let k_cache = args.k_cache.rows_to_f32_vec(&blocks)?;
     let sink = args.attn_sink.map(HostTensor::to_f32_vec).transpose()?;
     let inputs = DenseDecodeInputs {
         q: &q,
@@ -153,8 +184,43 @@ pub fn decode_dense_cpu(
         cache_seqlens: &cache_seqlens,
         attn_sink: sink.as_deref(),
     };
-    let res = reference::decode_dense::<f32>(&dims.problem(), &inputs)?;
+    let problem = DenseDecodeProblem {
+        num_blocks: blocks.len(),
+        ..dims.problem()
+    };
+    let res = reference::decode_dense_with::<f32>(&problem, &inputs, cancel)?;
     pack(res, dims.dtype, [dims.batch, dims.s_q, dims.h_q, dims.d_v])
+}
+
+/// The cache blocks a dense decode reads, ascending: `block_table[b][j]` for `j < ceil(cache_seqlens[b] /
+/// page_size)` (values checked by [`check_dense_values`]). Rewrites `block_table` to index that list, with -1 in
+/// the columns no key uses (the reference never reads them).
+fn compact_blocks(
+    dims: &DenseDecodeDims,
+    block_table: &mut [i32],
+    cache_seqlens: &[i32],
+) -> Result<Vec<usize>> {
+    let used =
+        |b: usize| usize::try_from(cache_seqlens[b]).map_or(0, |n| n.div_ceil(dims.page_size));
+    let mut blocks = try_with_capacity("decode referenced cache blocks", block_table.len())?;
+    for (b, row) in block_table.chunks(dims.max_blocks.max(1)).enumerate() {
+        let n = used(b).min(row.len());
+        blocks.extend(row[..n].iter().filter_map(|&k| usize::try_from(k).ok()));
+    }
+    blocks.sort_unstable();
+    blocks.dedup();
+    for (b, row) in block_table.chunks_mut(dims.max_blocks.max(1)).enumerate() {
+        let n = used(b).min(row.len());
+        for (j, k) in row.iter_mut().enumerate() {
+            let compact = usize::try_from(*k)
+                .ok()
+                .filter(|_| j < n)
+                .and_then(|block| blocks.binary_search(&block).ok());
+            // A compacted id is at most the block id it stands for (distinct, ascending ids), so it fits in i32.
+            *k = compact.and_then(|c| i32::try_from(c).ok()).unwrap_or(-1);
+        }
+    }
+    Ok(blocks)
 }
 
 /// The raw bytes behind a host FP8 cache (read in place, with its strides).
@@ -169,14 +235,24 @@ fn cache_bytes<'a>(arg: &str, t: &'a HostTensor) -> Result<&'a [u8]> {
     }
 }
 
-/// Sparse FP8 decode on the CPU (f32 accumulation; tokens dequantised as they are attended).
+/// Sparse FP8 decode on the CPU (f32 accumulation; tokens dequantised as they are attended). See
+/// [`decode_sparse_cpu_with`].
+pub fn decode_sparse_cpu(
+    args: &SparseDecodeArgs<'_, HostTensor>,
+) -> Result<DecodeOutput<HostTensor>> {
+    decode_sparse_cpu_with(args, CancelToken::never())
+}
+
+/// Sparse FP8 decode on the CPU, stopping with [`Error::Interrupted`] soon after `cancel` is cancelled (it is
+/// polled before every query row).
 ///
 /// Validates ([`validate_sparse`]; index and length values need no check), reads the caches in place
 /// (padded block strides included), and allocates f32 copies of `q` and `attn_sink`, contiguous copies of
 /// the indices and lengths, one row's dequantised tokens per worker thread, the f32 results, and the
 /// returned `out` (bf16) and `lse` (f32) tensors.
-pub fn decode_sparse_cpu(
+pub fn decode_sparse_cpu_with(
     args: &SparseDecodeArgs<'_, HostTensor>,
+    cancel: &CancelToken,
 ) -> Result<DecodeOutput<HostTensor>> {
     let dims = validate_sparse(args)?;
     let q = args.q.to_f32_vec()?;
@@ -212,7 +288,7 @@ pub fn decode_sparse_cpu(
             }),
         attn_sink: sink.as_deref(),
     };
-    let res = reference::decode_sparse::<f32>(&dims.problem(), &inputs)?;
+    let res = reference::decode_sparse_with::<f32>(&dims.problem(), &inputs, cancel)?;
     pack(res, DType::Bf16, [dims.batch, dims.s_q, dims.h_q, dims.d_v])
 }
 

@@ -65,7 +65,8 @@ pub struct DequantizeOutput<T> {
 pub fn quantize_cpu(args: &QuantizeArgs<'_, HostTensor>) -> Result<QuantizeOutput<HostTensor>> {
     let dims = validate_quantize(args)?;
     let packed = CacheLayout::packed(dims.format, dims.num_blocks, dims.page_size);
-    let cache = HostTensor::from_u8(vec![0u8; packed.total_bytes()], &dims.cache_shape())?;
+    let bytes = crate::alloc::try_filled("kv_quantize cache", packed.total_bytes(), 0u8)?;
+    let cache = HostTensor::from_u8(bytes, &dims.cache_shape())?;
     Ok(QuantizeOutput {
         cache: quantize_cpu_into(args, cache)?,
     })

@@ -12,8 +12,11 @@
 //! | `delta` | `[s_q, h_q]` | f32, `sum_c d_out * out` |
 //! | `d_attn_sink` | `[h_q]` | f32, only when `attn_sink` is given |
 //!
-//! Rows of `d_kv` that no valid index references are exactly 0. [`validate()`] checks everything once for
-//! both backends. CPU path: [`sparse_bwd_cpu`] runs [`crate::reference::sparse_bwd`] in f32.
+//! Rows of `d_kv` that no valid index references are exactly 0. `topk_length` is clamped to `0..=topk` as in the
+//! forward. [`validate()`] checks everything once for both backends. CPU path: [`sparse_bwd_cpu`] runs
+//! [`crate::reference::sparse_bwd`] in f32 on the referenced `kv` rows only (like the forward's CPU path), reports
+//! an allocation that fails as [`crate::Error::OutOfHostMemory`], and [`sparse_bwd_cpu_with`] stops with
+//! [`crate::Error::Interrupted`] when its [`CancelToken`] is cancelled.
 
 pub mod launch;
 pub mod validate;
@@ -21,11 +24,14 @@ pub mod validate;
 pub use launch::{workspace_shape, SparseBwdOptions};
 pub use validate::{validate, validate_output};
 
+use crate::alloc::try_filled;
+use crate::cancel::CancelToken;
 use crate::cuda::Gpu;
 use crate::error::Result;
 use crate::ops::sparse_fwd::{HostInputs, SparseFwdArgs, SparseFwdDims};
-use crate::reference::sparse_bwd::{sparse_bwd, SparseBwdProblem};
-use crate::tensor::{DType, DeviceView, HostTensor, TensorMeta};
+use crate::reference::sparse_bwd::{sparse_bwd_with, SparseBwdProblem};
+use crate::tensor::{DType, DeviceView, HostData, HostTensor, TensorMeta};
+use half::bf16;
 
 /// The dtypes `d_kv` may have.
 pub const D_KV_DTYPES: [DType; 2] = [DType::Bf16, DType::F32];
@@ -123,25 +129,40 @@ pub struct SparseBwdOutput<T> {
 }
 
 /// Runs the backward on the CPU: validates, gathers the (possibly strided) inputs, runs the f32
-/// reference and returns contiguous outputs (`d_q` rounded to bf16, `d_kv` to `d_kv_dtype`).
+/// reference and returns contiguous outputs (`d_q` rounded to bf16, `d_kv` to `d_kv_dtype`). See
+/// [`sparse_bwd_cpu_with`].
 pub fn sparse_bwd_cpu(args: &SparseBwdArgs<'_, HostTensor>) -> Result<SparseBwdOutput<HostTensor>> {
+    sparse_bwd_cpu_with(args, CancelToken::never())
+}
+
+/// [`sparse_bwd_cpu`] that stops with [`crate::Error::Interrupted`] soon after `cancel` is cancelled (it is
+/// polled before every token and every referenced KV row).
+pub fn sparse_bwd_cpu_with(
+    args: &SparseBwdArgs<'_, HostTensor>,
+    cancel: &CancelToken,
+) -> Result<SparseBwdOutput<HostTensor>> {
     let dims = validate(args)?;
-    let inputs = HostInputs::gather(&args.fwd_args())?;
+    let inputs = HostInputs::gather(&args.fwd_args(), &dims.fwd)?;
     let (out, d_out, lse) = (
         args.out.to_f32_vec()?,
         args.d_out.to_f32_vec()?,
         args.lse.to_f32_vec()?,
     );
-    let res = sparse_bwd::<f32>(&SparseBwdProblem {
-        fwd: inputs.problem(&dims.fwd, args.sm_scale),
-        out: &out,
-        d_out: &d_out,
-        lse: &lse,
-    })?;
-    let d_kv = match dims.d_kv_dtype {
-        DType::F32 => HostTensor::from_f32(res.d_kv, &dims.d_kv_shape())?,
-        _ => HostTensor::bf16_from_f32(&res.d_kv, &dims.d_kv_shape())?,
-    };
+    let res = sparse_bwd_with::<f32>(
+        &SparseBwdProblem {
+            fwd: inputs.problem(&dims.fwd, args.sm_scale),
+            out: &out,
+            d_out: &d_out,
+            lse: &lse,
+        },
+        cancel,
+    )?;
+    let d_kv = scatter_rows(
+        &res.d_kv,
+        &inputs.kv_rows,
+        dims.d_kv_dtype,
+        &dims.d_kv_shape(),
+    )?;
     Ok(SparseBwdOutput {
         d_q: HostTensor::bf16_from_f32(&res.d_q, &dims.d_q_shape())?,
         d_kv,
@@ -151,6 +172,34 @@ pub fn sparse_bwd_cpu(args: &SparseBwdArgs<'_, HostTensor>) -> Result<SparseBwdO
             .map(|d| HostTensor::from_f32(d, &dims.d_attn_sink_shape()))
             .transpose()?,
     })
+}
+
+/// The full `d_kv [s_kv, 1, d_qk]` of `dtype` (f32 or bf16) from the gradients of the referenced rows:
+/// `compact[k]` (`d_qk` values) goes to row `rows[k]`, every other row is 0.
+fn scatter_rows(
+    compact: &[f32],
+    rows: &[usize],
+    dtype: DType,
+    shape: &[usize; 3],
+) -> Result<HostTensor> {
+    let [s_kv, _, d_qk] = *shape;
+    let n = s_kv.saturating_mul(d_qk);
+    macro_rules! scatter {
+        ($zero:expr, $convert:expr, $variant:ident) => {{
+            let mut full = try_filled("sparse_bwd d_kv", n, $zero)?;
+            for (src, &r) in compact.chunks(d_qk).zip(rows) {
+                for (d, &x) in full[r * d_qk..(r + 1) * d_qk].iter_mut().zip(src) {
+                    *d = $convert(x);
+                }
+            }
+            HostData::$variant(full)
+        }};
+    }
+    let data = match dtype {
+        DType::F32 => scatter!(0f32, |x: f32| x, F32),
+        _ => scatter!(bf16::ZERO, bf16::from_f32, Bf16),
+    };
+    HostTensor::new(data, shape)
 }
 
 /// Runs the backward on the GPU with default options (atomic f32 accumulation of `d_kv`, workspace allocated

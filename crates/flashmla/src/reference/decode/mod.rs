@@ -23,6 +23,8 @@
 //! Memory past `s_k` (dense) or behind invalid indices (sparse) is never read, so NaN there cannot leak.
 
 use super::Real;
+use crate::alloc::{try_clear_for, try_collect, try_filled, try_from_fn, try_with_capacity};
+use crate::cancel::CancelToken;
 use crate::error::{Error, Result};
 use crate::reference::kv_quant::{dequantize_token, CacheLayout};
 use rayon::prelude::*;
@@ -197,8 +199,8 @@ impl DenseDecodeProblem {
         Some(&x.k_cache[at..at + self.d_qk])
     }
 
-    /// Fills one `(b, i)` row group (`h_q` heads) over the key positions `keys`; returns per-head lse
-    /// (`empty_lse` where no key exists).
+    /// Fills one `(b, i)` row group (`h_q` heads) over the key positions `keys`; writes per-head lse
+    /// (`empty_lse` where no key exists). Fails only when its scratch cannot be allocated.
     fn rows<R: Real>(
         &self,
         x: &DenseDecodeInputs<'_>,
@@ -207,22 +209,27 @@ impl DenseDecodeProblem {
         finish: Finish<'_, R>,
         out: &mut [R],
         lse: &mut [R],
-    ) {
+    ) -> Result<()> {
         let heads_per_kv = self.h_q / self.h_kv;
         let end = keys.end.min(self.visible_keys(self.num_keys(x, b), i));
         let scale = R::of(self.softmax_scale);
         let mut rows: Vec<&[f32]> = Vec::new();
         for g in 0..self.h_kv {
-            rows.clear();
+            try_clear_for(
+                &mut rows,
+                "decode row scratch",
+                end.saturating_sub(keys.start),
+            )?;
             rows.extend((keys.start..end).filter_map(|p| self.key(x, b, p, g)));
             for h in g * heads_per_kv..(g + 1) * heads_per_kv {
                 let qo = ((b * self.s_q + i) * self.h_q + h) * self.d_qk;
                 let q = &x.q[qo..qo + self.d_qk];
                 let o = &mut out[h * self.d_v..(h + 1) * self.d_v];
-                lse[h] = attend_row(q, &rows, scale, finish.sink.map(|s| s[h]), o)
+                lse[h] = attend_row(q, &rows, scale, finish.sink.map(|s| s[h]), o)?
                     .unwrap_or(finish.empty_lse);
             }
         }
+        Ok(())
     }
 }
 
@@ -250,30 +257,36 @@ impl<'a, R: Real> Finish<'a, R> {
 }
 
 /// Softmax over `keys` for one query row: writes `out` (`d_v` values) and returns the log-sum-exp of the
-/// logits without the sink, or `None` (and `out = 0`) when there is no key.
+/// logits without the sink, or `None` (and `out = 0`) when there is no key. Fails only when its scratch cannot
+/// be allocated.
 fn attend_row<R: Real>(
     q: &[f32],
     keys: &[&[f32]],
     scale: R,
     sink: Option<f32>,
     out: &mut [R],
-) -> Option<R> {
+) -> Result<Option<R>> {
     out.iter_mut().for_each(|o| *o = R::zero());
     if keys.is_empty() {
-        return None;
+        return Ok(None);
     }
-    let logits: Vec<R> = keys
-        .iter()
-        .map(|k| {
+    let logits: Vec<R> = try_collect(
+        "decode row scratch",
+        keys.len(),
+        keys.iter().map(|k| {
             scale
                 * q.iter()
                     .zip(k.iter())
                     .map(|(&a, &c)| R::of(a) * R::of(c))
                     .sum::<R>()
-        })
-        .collect();
+        }),
+    )?;
     let max = logits.iter().fold(R::neg_infinity(), |m, &s| m.max(s));
-    let weights: Vec<R> = logits.iter().map(|&s| (s - max).exp()).collect();
+    let weights: Vec<R> = try_collect(
+        "decode row scratch",
+        logits.len(),
+        logits.iter().map(|&s| (s - max).exp()),
+    )?;
     let sum: R = weights.iter().copied().sum();
     // The sink adds exp(sink - max) to the denominator only: it has no value vector.
     let denom = sum + sink.map_or(R::zero(), |s| (R::of(s) - max).exp());
@@ -283,32 +296,34 @@ fn attend_row<R: Real>(
             *o = *o + p * R::of(v);
         }
     }
-    Some(max + sum.ln())
+    Ok(Some(max + sum.ln()))
 }
 
 /// Runs `fill(b, i, out_rows, lse_rows)` for every `(b, i)` in parallel and returns `out [b, s_q, h_q, d_v]`
-/// and `lse [b, h_q, s_q]` (transposed from the per-row layout).
+/// and `lse [b, h_q, s_q]` (transposed from the per-row layout). Polls `cancel` before every `(b, i)`.
 fn run_rows<R: Real>(
     (batch, s_q, h_q, d_v): (usize, usize, usize, usize),
-    fill: impl Fn(usize, usize, &mut [R], &mut [R]) + Sync,
-) -> DecodeResult<R> {
-    let mut out = vec![R::zero(); batch * s_q * h_q * d_v];
-    let mut lse_rows = vec![R::zero(); batch * s_q * h_q];
+    cancel: &CancelToken,
+    fill: impl Fn(usize, usize, &mut [R], &mut [R]) -> Result<()> + Sync,
+) -> Result<DecodeResult<R>> {
+    let rows = batch * s_q * h_q;
+    let mut out = try_filled("decode out", rows * d_v, R::zero())?;
+    let mut lse_rows = try_filled("decode lse", rows, R::zero())?;
     if !out.is_empty() {
         out.par_chunks_mut(h_q * d_v)
             .zip(lse_rows.par_chunks_mut(h_q))
             .enumerate()
-            .for_each(|(r, (o, l))| fill(r / s_q, r % s_q, o, l));
+            .try_for_each(|(r, (o, l))| {
+                cancel.check()?;
+                fill(r / s_q, r % s_q, o, l)
+            })?;
     }
-    let mut lse = vec![R::zero(); lse_rows.len()];
-    for b in 0..batch {
-        for i in 0..s_q {
-            for h in 0..h_q {
-                lse[(b * h_q + h) * s_q + i] = lse_rows[(b * s_q + i) * h_q + h];
-            }
-        }
-    }
-    DecodeResult { out, lse }
+    // lse[b, h, i] = lse_rows[b, i, h].
+    let lse = try_from_fn("decode lse", rows, |k| {
+        let (b, h, i) = (k / (h_q * s_q), k / s_q % h_q, k % s_q);
+        lse_rows[(b * s_q + i) * h_q + h]
+    })?;
+    Ok(DecodeResult { out, lse })
 }
 
 /// Dense decode over the whole key range of every request (no split). Allocates the outputs.
@@ -316,11 +331,21 @@ pub fn decode_dense<R: Real>(
     p: &DenseDecodeProblem,
     x: &DenseDecodeInputs<'_>,
 ) -> Result<DecodeResult<R>> {
+    decode_dense_with(p, x, CancelToken::never())
+}
+
+/// [`decode_dense`], stopping with [`Error::Interrupted`] soon after `cancel` is cancelled (it is polled
+/// before every query row).
+pub fn decode_dense_with<R: Real>(
+    p: &DenseDecodeProblem,
+    x: &DenseDecodeInputs<'_>,
+    cancel: &CancelToken,
+) -> Result<DecodeResult<R>> {
     p.check(x)?;
     let all = 0..usize::MAX;
-    Ok(run_rows((p.batch, p.s_q, p.h_q, p.d_v), |b, i, o, l| {
+    run_rows((p.batch, p.s_q, p.h_q, p.d_v), cancel, |b, i, o, l| {
         p.rows(x, (b, i), &all, Finish::whole(x.attn_sink), o, l)
-    }))
+    })
 }
 
 /// The partial result of request `request` over its key positions `keys` (clamped to the request's keys;
@@ -333,9 +358,9 @@ pub fn decode_dense_partial<R: Real>(
 ) -> Result<DecodePartial<R>> {
     p.check(x)?;
     check_request(request, p.batch)?;
-    Ok(partial(p.s_q, p.h_q, p.d_v, |i, o, l| {
+    partial(p.s_q, p.h_q, p.d_v, |i, o, l| {
         p.rows(x, (request, i), &keys, Finish::partial(), o, l)
-    }))
+    })
 }
 
 fn check_request(request: usize, batch: usize) -> Result<()> {
@@ -353,17 +378,17 @@ fn partial<R: Real>(
     s_q: usize,
     h_q: usize,
     d_v: usize,
-    fill: impl Fn(usize, &mut [R], &mut [R]) + Sync,
-) -> DecodePartial<R> {
-    let mut out = vec![R::zero(); s_q * h_q * d_v];
-    let mut lse = vec![R::zero(); s_q * h_q];
+    fill: impl Fn(usize, &mut [R], &mut [R]) -> Result<()> + Sync,
+) -> Result<DecodePartial<R>> {
+    let mut out = try_filled("decode partial out", s_q * h_q * d_v, R::zero())?;
+    let mut lse = try_filled("decode partial lse", s_q * h_q, R::zero())?;
     if !out.is_empty() {
         out.par_chunks_mut(h_q * d_v)
             .zip(lse.par_chunks_mut(h_q))
             .enumerate()
-            .for_each(|(i, (o, l))| fill(i, o, l));
+            .try_for_each(|(i, (o, l))| fill(i, o, l))?;
     }
-    DecodePartial { out, lse }
+    Ok(DecodePartial { out, lse })
 }
 
 /// Merges the partial results of one request's chunks, as the GPU combine kernel does, in `R`:
@@ -631,27 +656,29 @@ impl SparseDecodeProblem {
         finish: Finish<'_, R>,
         out: &mut [R],
         lse: &mut [R],
-    ) {
+    ) -> Result<()> {
         let d = x.kv.layout.format.d_qk();
         let row = b * self.s_q + i;
         let n_main = x.kv.len(b);
         let end = keys.end.min(self.num_keys(x, b));
         // Every head reads the same latent tokens: dequantise each valid one once per row.
-        let mut tokens = Vec::new();
+        let n = end.saturating_sub(keys.start);
+        let mut tokens = try_with_capacity("decode row scratch", n.saturating_mul(d))?;
         for pos in keys.start..end {
             match &x.extra {
                 Some(e) if pos >= n_main => e.token(row, pos - n_main, &mut tokens),
                 _ => x.kv.token(row, pos, &mut tokens),
             };
         }
-        let rows: Vec<&[f32]> = tokens.chunks(d).collect();
+        let rows: Vec<&[f32]> = try_collect("decode row scratch", n, tokens.chunks(d))?;
         let scale = R::of(self.softmax_scale);
         for h in 0..self.h_q {
             let q = &x.q[(row * self.h_q + h) * d..(row * self.h_q + h + 1) * d];
             let o = &mut out[h * self.d_v..(h + 1) * self.d_v];
-            lse[h] = attend_row(q, &rows, scale, finish.sink.map(|s| s[h]), o)
+            lse[h] = attend_row(q, &rows, scale, finish.sink.map(|s| s[h]), o)?
                 .unwrap_or(finish.empty_lse);
         }
+        Ok(())
     }
 }
 
@@ -660,11 +687,21 @@ pub fn decode_sparse<R: Real>(
     p: &SparseDecodeProblem,
     x: &SparseDecodeInputs<'_>,
 ) -> Result<DecodeResult<R>> {
+    decode_sparse_with(p, x, CancelToken::never())
+}
+
+/// [`decode_sparse`], stopping with [`Error::Interrupted`] soon after `cancel` is cancelled (it is polled
+/// before every query row).
+pub fn decode_sparse_with<R: Real>(
+    p: &SparseDecodeProblem,
+    x: &SparseDecodeInputs<'_>,
+    cancel: &CancelToken,
+) -> Result<DecodeResult<R>> {
     p.check(x)?;
     let all = 0..usize::MAX;
-    Ok(run_rows((p.batch, p.s_q, p.h_q, p.d_v), |b, i, o, l| {
+    run_rows((p.batch, p.s_q, p.h_q, p.d_v), cancel, |b, i, o, l| {
         p.rows(x, (b, i), &all, Finish::whole(x.attn_sink), o, l)
-    }))
+    })
 }
 
 /// The partial result of request `request` over its key positions `keys` (main entries first, then extra;
@@ -677,9 +714,9 @@ pub fn decode_sparse_partial<R: Real>(
 ) -> Result<DecodePartial<R>> {
     p.check(x)?;
     check_request(request, p.batch)?;
-    Ok(partial(p.s_q, p.h_q, p.d_v, |i, o, l| {
+    partial(p.s_q, p.h_q, p.d_v, |i, o, l| {
         p.rows(x, (request, i), &keys, Finish::partial(), o, l)
-    }))
+    })
 }
 
 /// Sparse decode the split-KV way (see [`decode_dense_split`]); `schedule` comes from
