@@ -70,19 +70,52 @@ enum Direction {
     Dequantize,
 }
 
-/// The kernel symbol for a direction, format and access path (entry points in kv_quant.cu).
+/// The family's kernel symbols (entry points in `csrc/sm90/kv_quant/kv_quant.cu`): the only place they
+/// are spelled on the host; a CPU test checks each against the embedded cubin.
+pub mod kernels {
+    /// Quantise, V3.2 format, vector accesses.
+    pub const QUANTIZE_V32_VEC: &str = "kv_quant_quantize_v32_vec";
+    /// Quantise, V3.2 format, scalar accesses.
+    pub const QUANTIZE_V32_SCALAR: &str = "kv_quant_quantize_v32_scalar";
+    /// Quantise, MODEL1 format, vector accesses.
+    pub const QUANTIZE_MODEL1_VEC: &str = "kv_quant_quantize_model1_vec";
+    /// Quantise, MODEL1 format, scalar accesses.
+    pub const QUANTIZE_MODEL1_SCALAR: &str = "kv_quant_quantize_model1_scalar";
+    /// Dequantise, V3.2 format, vector accesses.
+    pub const DEQUANTIZE_V32_VEC: &str = "kv_quant_dequantize_v32_vec";
+    /// Dequantise, V3.2 format, scalar accesses.
+    pub const DEQUANTIZE_V32_SCALAR: &str = "kv_quant_dequantize_v32_scalar";
+    /// Dequantise, MODEL1 format, vector accesses.
+    pub const DEQUANTIZE_MODEL1_VEC: &str = "kv_quant_dequantize_model1_vec";
+    /// Dequantise, MODEL1 format, scalar accesses.
+    pub const DEQUANTIZE_MODEL1_SCALAR: &str = "kv_quant_dequantize_model1_scalar";
+    /// Every kernel of the family.
+    pub const ALL: &[&str] = &[
+        QUANTIZE_V32_VEC,
+        QUANTIZE_V32_SCALAR,
+        QUANTIZE_MODEL1_VEC,
+        QUANTIZE_MODEL1_SCALAR,
+        DEQUANTIZE_V32_VEC,
+        DEQUANTIZE_V32_SCALAR,
+        DEQUANTIZE_MODEL1_VEC,
+        DEQUANTIZE_MODEL1_SCALAR,
+    ];
+}
+
+/// The kernel symbol for a direction, format and access path.
 fn kernel_name(direction: Direction, format: KvFormat, vec: bool) -> &'static str {
+    use kernels::*;
     use Direction::*;
     use KvFormat::*;
     match (direction, format, vec) {
-        (Quantize, V32, true) => "kv_quant_quantize_v32_vec",
-        (Quantize, V32, false) => "kv_quant_quantize_v32_scalar",
-        (Quantize, Model1, true) => "kv_quant_quantize_model1_vec",
-        (Quantize, Model1, false) => "kv_quant_quantize_model1_scalar",
-        (Dequantize, V32, true) => "kv_quant_dequantize_v32_vec",
-        (Dequantize, V32, false) => "kv_quant_dequantize_v32_scalar",
-        (Dequantize, Model1, true) => "kv_quant_dequantize_model1_vec",
-        (Dequantize, Model1, false) => "kv_quant_dequantize_model1_scalar",
+        (Quantize, V32, true) => QUANTIZE_V32_VEC,
+        (Quantize, V32, false) => QUANTIZE_V32_SCALAR,
+        (Quantize, Model1, true) => QUANTIZE_MODEL1_VEC,
+        (Quantize, Model1, false) => QUANTIZE_MODEL1_SCALAR,
+        (Dequantize, V32, true) => DEQUANTIZE_V32_VEC,
+        (Dequantize, V32, false) => DEQUANTIZE_V32_SCALAR,
+        (Dequantize, Model1, true) => DEQUANTIZE_MODEL1_VEC,
+        (Dequantize, Model1, false) => DEQUANTIZE_MODEL1_SCALAR,
     }
 }
 
@@ -263,5 +296,9 @@ mod tests {
         names.sort();
         names.dedup();
         assert_eq!(names.len(), n);
+        // ... and `kernels::ALL` (what the cubin test checks) lists exactly these.
+        let mut all = kernels::ALL.to_vec();
+        all.sort();
+        assert_eq!(names, all);
     }
 }
