@@ -7,7 +7,7 @@ use crate::device_ops::{SparseBwdOnGpu, SparseFwdOnGpu};
 use crate::report::spinner;
 use flashmla::cuda::Gpu;
 use flashmla::ops::sparse_bwd::{sparse_bwd_cpu, SparseBwdArgs, SparseBwdOptions};
-use flashmla::ops::sparse_fwd::{sparse_fwd_cpu, SparseFwdArgs, D_V};
+use flashmla::ops::sparse_fwd::{sparse_fwd_cpu, SparseFwdArgs, SparseFwdTuning, D_V};
 use flashmla::reference::compare::{compare, Tolerance, BWD_GRAD, PREFILL_LSE, PREFILL_OUT};
 use flashmla::reference::sparse_bwd::{sparse_bwd, SparseBwdProblem};
 use flashmla::reference::sparse_fwd::{sparse_fwd, sparse_fwd_rows};
@@ -82,7 +82,7 @@ fn gpu_forward(gpu: &Gpu, seed: u64) -> flashmla::Result<bool> {
     sp.set_message("uploading");
     let dev = SparseFwdOnGpu::new(gpu, &inp, true)?;
     sp.set_message("running");
-    let mut ms = gpu.time_ms(3, 10, || dev.run(gpu))?;
+    let mut ms = gpu.time_ms(3, 10, || dev.run(gpu, &SparseFwdTuning::default()))?;
     ms.sort_by(|a, b| a.total_cmp(b));
     let med = ms[ms.len() / 2] as f64;
     let got = dev.download(gpu)?;

@@ -13,6 +13,7 @@ mod device_ops;
 mod info;
 mod meta;
 mod report;
+mod tuning;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
