@@ -48,15 +48,14 @@
 //! [`FLAG_DEFER_LAST_REDUCE`]. Results are the same up to the f32 reduction order.
 
 use super::{SparseBwdArgs, SparseBwdDims, SparseBwdOutput};
-use crate::cuda::{Gpu, LaunchConfig};
+use crate::cuda::{device_params, DeviceParams, Gpu, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::ops::layout::{rows_aligned, stride_param};
 use crate::tensor::{DType, DeviceView, Location, TensorMeta};
 use crate::validate::{expect_location, expect_offsets_fit, expect_shape, to_i32, to_i64};
-use std::mem::{offset_of, size_of};
 
 /// Kernel family (`csrc/sm90/sparse_bwd/`).
-pub const FAMILY: &str = "sparse_bwd";
+pub const FAMILY: &str = <SparseBwdParams as DeviceParams>::FAMILY;
 /// Heads per CTA of the main kernel (`kHeadsPerCta`).
 pub const HEADS_PER_CTA: usize = 64;
 /// Largest `h_q` the kernels serve (`kMaxHeads`): two head groups per token.
@@ -161,121 +160,106 @@ const FINALIZE_VALUES_PER_ITEM: usize = 8;
 /// log2(e): the kernel keeps logits in base 2, so the host folds it into the scale.
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
 
-/// Mirror of `flashmla::sparse_bwd::SparseBwdParams` (params.h): same field order, types and size,
-/// asserted below and by `static_assert`s on the C++ side. Pointers are device addresses (0 when
-/// absent); strides are in elements; last dimensions are contiguous and have no stride field.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SparseBwdParams {
-    /// `[s_q, h_q, d_qk]` bf16.
-    pub q: u64,
-    /// `[s_kv, 1, d_qk]` bf16.
-    pub kv: u64,
-    /// `[s_q, 1, topk]` i32.
-    pub indices: u64,
-    /// `[s_q]` i32 or 0.
-    pub topk_length: u64,
-    /// `[h_q]` f32 or 0.
-    pub attn_sink: u64,
-    /// Forward output `[s_q, h_q, d_v]` bf16.
-    pub out: u64,
-    /// `[s_q, h_q, d_v]` bf16.
-    pub d_out: u64,
-    /// `[s_q, h_q]` f32.
-    pub lse: u64,
-    /// `[s_q, h_q, d_qk]` bf16 output.
-    pub d_q: u64,
-    /// `[s_q, h_q]` f32 output.
-    pub delta: u64,
-    /// `[h_q]` f32 output or 0.
-    pub d_attn_sink: u64,
-    /// f32 accumulator `[s_kv, d_qk]`, row stride `dkv_acc_stride` (the f32 `d_kv` or the workspace).
-    pub dkv_acc: u64,
-    /// `[s_kv, 1, d_qk]` bf16 or f32 output.
-    pub d_kv: u64,
-    /// Elements between `q` tokens.
-    pub q_stride_t: i64,
-    /// Elements between `q` heads.
-    pub q_stride_h: i64,
-    /// Elements between `kv` rows.
-    pub kv_stride_t: i64,
-    /// Elements between `indices` tokens.
-    pub indices_stride_t: i64,
-    /// Elements between `topk_length` entries.
-    pub topk_length_stride: i64,
-    /// Elements between `attn_sink` entries.
-    pub attn_sink_stride: i64,
-    /// Elements between `out` tokens.
-    pub out_stride_t: i64,
-    /// Elements between `out` heads.
-    pub out_stride_h: i64,
-    /// Elements between `d_out` tokens.
-    pub d_out_stride_t: i64,
-    /// Elements between `d_out` heads.
-    pub d_out_stride_h: i64,
-    /// Elements between `lse` tokens.
-    pub lse_stride_t: i64,
-    /// Elements between `lse` heads.
-    pub lse_stride_h: i64,
-    /// Elements between `d_q` tokens.
-    pub d_q_stride_t: i64,
-    /// Elements between `d_q` heads.
-    pub d_q_stride_h: i64,
-    /// Elements between `delta` tokens.
-    pub delta_stride_t: i64,
-    /// Elements between `delta` heads.
-    pub delta_stride_h: i64,
-    /// Elements between `d_attn_sink` entries.
-    pub d_attn_sink_stride: i64,
-    /// Elements between accumulator rows.
-    pub dkv_acc_stride: i64,
-    /// Elements between `d_kv` rows.
-    pub d_kv_stride: i64,
-    /// Query tokens.
-    pub s_q: i32,
-    /// KV rows, clamped to `i32::MAX` (every i32 index >= 0 is then below it, as it is below the
-    /// true `s_kv`).
-    pub s_kv: i32,
-    /// Query heads, 1..=128.
-    pub h_q: i32,
-    /// Index entries per token.
-    pub topk: i32,
-    /// 512 or 576.
-    pub d_qk: i32,
-    /// `ceil(h_q / 64)`.
-    pub num_head_groups: i32,
-    /// `FLAG_*` bits.
-    pub flags: u32,
-    /// The forward's scale.
-    pub sm_scale: f32,
-    /// `sm_scale * log2(e)`.
-    pub sm_scale_log2: f32,
-    /// Entry order of the main kernel: 1 = index order, 2..=[`MAX_KV_BUCKETS`] = ascending KV-row
-    /// buckets ([`kv_buckets`]).
-    pub kv_buckets: i32,
-    /// First token of a main-kernel launch (set per launch: [`Launch::token0`]).
-    pub token0: i32,
-    /// Bucketed order: 1 = the main kernel walks the buckets from the last one down (set per launch:
-    /// [`Launch::descending`]); 0 = ascending.
-    pub kv_buckets_descending: i32,
+device_params! {
+    family = "sparse_bwd", cxx = "SparseBwdParams";
+    /// Mirror of `flashmla::sparse_bwd::SparseBwdParams` (params.h), checked against it at compile
+    /// time ([`crate::cuda::params`]). Pointers are device addresses (0 when absent); strides are in
+    /// elements; last dimensions are contiguous and have no stride field.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    pub struct SparseBwdParams {
+        /// `[s_q, h_q, d_qk]` bf16.
+        pub q: u64,
+        /// `[s_kv, 1, d_qk]` bf16.
+        pub kv: u64,
+        /// `[s_q, 1, topk]` i32.
+        pub indices: u64,
+        /// `[s_q]` i32 or 0.
+        pub topk_length: u64,
+        /// `[h_q]` f32 or 0.
+        pub attn_sink: u64,
+        /// Forward output `[s_q, h_q, d_v]` bf16.
+        pub out: u64,
+        /// `[s_q, h_q, d_v]` bf16.
+        pub d_out: u64,
+        /// `[s_q, h_q]` f32.
+        pub lse: u64,
+        /// `[s_q, h_q, d_qk]` bf16 output.
+        pub d_q: u64,
+        /// `[s_q, h_q]` f32 output.
+        pub delta: u64,
+        /// `[h_q]` f32 output or 0.
+        pub d_attn_sink: u64,
+        /// f32 accumulator `[s_kv, d_qk]`, row stride `dkv_acc_stride` (the f32 `d_kv` or the workspace).
+        pub dkv_acc: u64,
+        /// `[s_kv, 1, d_qk]` bf16 or f32 output.
+        pub d_kv: u64,
+        /// Elements between `q` tokens.
+        pub q_stride_t: i64,
+        /// Elements between `q` heads.
+        pub q_stride_h: i64,
+        /// Elements between `kv` rows.
+        pub kv_stride_t: i64,
+        /// Elements between `indices` tokens.
+        pub indices_stride_t: i64,
+        /// Elements between `topk_length` entries.
+        pub topk_length_stride: i64,
+        /// Elements between `attn_sink` entries.
+        pub attn_sink_stride: i64,
+        /// Elements between `out` tokens.
+        pub out_stride_t: i64,
+        /// Elements between `out` heads.
+        pub out_stride_h: i64,
+        /// Elements between `d_out` tokens.
+        pub d_out_stride_t: i64,
+        /// Elements between `d_out` heads.
+        pub d_out_stride_h: i64,
+        /// Elements between `lse` tokens.
+        pub lse_stride_t: i64,
+        /// Elements between `lse` heads.
+        pub lse_stride_h: i64,
+        /// Elements between `d_q` tokens.
+        pub d_q_stride_t: i64,
+        /// Elements between `d_q` heads.
+        pub d_q_stride_h: i64,
+        /// Elements between `delta` tokens.
+        pub delta_stride_t: i64,
+        /// Elements between `delta` heads.
+        pub delta_stride_h: i64,
+        /// Elements between `d_attn_sink` entries.
+        pub d_attn_sink_stride: i64,
+        /// Elements between accumulator rows.
+        pub dkv_acc_stride: i64,
+        /// Elements between `d_kv` rows.
+        pub d_kv_stride: i64,
+        /// Query tokens.
+        pub s_q: i32,
+        /// KV rows, clamped to `i32::MAX` (every i32 index >= 0 is then below it, as it is below the
+        /// true `s_kv`).
+        pub s_kv: i32,
+        /// Query heads, 1..=128.
+        pub h_q: i32,
+        /// Index entries per token.
+        pub topk: i32,
+        /// 512 or 576.
+        pub d_qk: i32,
+        /// `ceil(h_q / 64)`.
+        pub num_head_groups: i32,
+        /// `FLAG_*` bits.
+        pub flags: u32,
+        /// The forward's scale.
+        pub sm_scale: f32,
+        /// `sm_scale * log2(e)`.
+        pub sm_scale_log2: f32,
+        /// Entry order of the main kernel: 1 = index order, 2..=[`MAX_KV_BUCKETS`] = ascending KV-row
+        /// buckets ([`kv_buckets`]).
+        pub kv_buckets: i32,
+        /// First token of a main-kernel launch (set per launch: [`Launch::token0`]).
+        pub token0: i32,
+        /// Bucketed order: 1 = the main kernel walks the buckets from the last one down (set per launch:
+        /// [`Launch::descending`]); 0 = ascending.
+        pub kv_buckets_descending: i32,
+    }
 }
-
-const _: () = {
-    assert!(size_of::<SparseBwdParams>() == 304);
-    assert!(offset_of!(SparseBwdParams, q) == 0);
-    assert!(offset_of!(SparseBwdParams, lse) == 56);
-    assert!(offset_of!(SparseBwdParams, dkv_acc) == 88);
-    assert!(offset_of!(SparseBwdParams, d_kv) == 96);
-    assert!(offset_of!(SparseBwdParams, q_stride_t) == 104);
-    assert!(offset_of!(SparseBwdParams, d_kv_stride) == 248);
-    assert!(offset_of!(SparseBwdParams, s_q) == 256);
-    assert!(offset_of!(SparseBwdParams, flags) == 280);
-    assert!(offset_of!(SparseBwdParams, sm_scale) == 284);
-    assert!(offset_of!(SparseBwdParams, sm_scale_log2) == 288);
-    assert!(offset_of!(SparseBwdParams, kv_buckets) == 292);
-    assert!(offset_of!(SparseBwdParams, token0) == 296);
-    assert!(offset_of!(SparseBwdParams, kv_buckets_descending) == 300);
-};
 
 /// Choices of a GPU backward call that the arguments do not carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -940,8 +924,8 @@ pub(crate) fn launch(
     }
     for l in &plan.launches {
         let kernel = gpu.kernel(FAMILY, l.kernel)?;
-        // SAFETY: `SparseBwdParams` mirrors the kernels' parameter struct (asserted on both
-        // sides). `validate`/`validate_output` established the shapes and dtypes the params
+        // SAFETY: `SparseBwdParams` is the kernels' parameter struct (its layout checked at
+        // compile time). `validate`/`validate_output` established the shapes and dtypes the params
         // describe and that every tensor lives on this device; `lower` checked alignment and that
         // every offset fits i64; the accumulator is d_kv itself (f32, rows 16-byte aligned) or a
         // checked workspace that lives until this function returns, after the launches were queued

@@ -16,15 +16,14 @@
 //! and 2-byte stores otherwise.
 
 use super::{SparseFwdArgs, SparseFwdDims, SparseFwdOutput};
-use crate::cuda::{Gpu, LaunchConfig};
+use crate::cuda::{device_params, DeviceParams, Gpu, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::ops::layout::{rows_aligned, stride_param};
 use crate::tensor::{DType, DeviceView, Location, TensorMeta};
 use crate::validate::{expect_location, expect_offsets_fit, to_i32};
-use std::mem::{offset_of, size_of};
 
 /// Kernel family (`csrc/sm90/sparse_fwd/`).
-pub const FAMILY: &str = "sparse_fwd";
+pub const FAMILY: &str = <SparseFwdParams as DeviceParams>::FAMILY;
 /// Heads per CTA (`kHeadsPerCta`, the wgmma M).
 pub const HEADS_PER_CTA: usize = 64;
 /// Largest `h_q` the kernel serves (`kMaxHeads`): two head groups per token.
@@ -49,82 +48,72 @@ const MAX_GRID_X: usize = i32::MAX as usize;
 /// log2(e): the kernel keeps logits in base 2, so the host folds it into the scale.
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
 
-/// Mirror of `flashmla::sparse_fwd::SparseFwdParams` (params.h): same field order, types and size,
-/// asserted below and by `static_assert`s on the C++ side. Pointers are device addresses; strides
-/// are in elements; last dimensions are contiguous and have no stride field.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SparseFwdParams {
-    /// `[s_q, h_q, d_qk]` bf16, strides `(q_stride_t, q_stride_h, 1)`.
-    pub q: u64,
-    /// `[s_kv, 1, d_qk]` bf16, row stride `kv_stride_t`.
-    pub kv: u64,
-    /// `[s_q, 1, topk]` i32, token stride `indices_stride_t`.
-    pub indices: u64,
-    /// `[s_q]` i32, stride `topk_length_stride`; 0 when absent.
-    pub topk_length: u64,
-    /// `[h_q]` f32, stride `attn_sink_stride`; 0 when absent.
-    pub attn_sink: u64,
-    /// `[s_q, h_q, d_v]` bf16, strides `(out_stride_t, out_stride_h, 1)`.
-    pub out: u64,
-    /// `[s_q, h_q]` f32, strides `(max_logits_stride_t, max_logits_stride_h)`.
-    pub max_logits: u64,
-    /// `[s_q, h_q]` f32, strides `(lse_stride_t, lse_stride_h)`.
-    pub lse: u64,
-    /// Elements between `q` tokens.
-    pub q_stride_t: i64,
-    /// Elements between `q` heads.
-    pub q_stride_h: i64,
-    /// Elements between `kv` rows.
-    pub kv_stride_t: i64,
-    /// Elements between `indices` tokens.
-    pub indices_stride_t: i64,
-    /// Elements between `topk_length` entries.
-    pub topk_length_stride: i64,
-    /// Elements between `attn_sink` entries.
-    pub attn_sink_stride: i64,
-    /// Elements between `out` tokens.
-    pub out_stride_t: i64,
-    /// Elements between `out` heads.
-    pub out_stride_h: i64,
-    /// Elements between `max_logits` tokens.
-    pub max_logits_stride_t: i64,
-    /// Elements between `max_logits` heads.
-    pub max_logits_stride_h: i64,
-    /// Elements between `lse` tokens.
-    pub lse_stride_t: i64,
-    /// Elements between `lse` heads.
-    pub lse_stride_h: i64,
-    /// Query tokens.
-    pub s_q: i32,
-    /// KV rows, clamped to `i32::MAX` (every i32 index >= 0 is then below it, as it is below the
-    /// true `s_kv`).
-    pub s_kv: i32,
-    /// Query heads, 1..=128.
-    pub h_q: i32,
-    /// Index entries per token.
-    pub topk: i32,
-    /// `ceil(h_q / 64)`.
-    pub num_head_groups: i32,
-    /// `FLAG_*` bits.
-    pub flags: u32,
-    /// `sm_scale * log2(e)`.
-    pub sm_scale_log2: f32,
-    /// Always 0.
-    pub reserved: i32,
+device_params! {
+    family = "sparse_fwd", cxx = "SparseFwdParams";
+    /// Mirror of `flashmla::sparse_fwd::SparseFwdParams` (params.h), checked against it at compile
+    /// time ([`crate::cuda::params`]). Pointers are device addresses; strides are in elements; last
+    /// dimensions are contiguous and have no stride field.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    pub struct SparseFwdParams {
+        /// `[s_q, h_q, d_qk]` bf16, strides `(q_stride_t, q_stride_h, 1)`.
+        pub q: u64,
+        /// `[s_kv, 1, d_qk]` bf16, row stride `kv_stride_t`.
+        pub kv: u64,
+        /// `[s_q, 1, topk]` i32, token stride `indices_stride_t`.
+        pub indices: u64,
+        /// `[s_q]` i32, stride `topk_length_stride`; 0 when absent.
+        pub topk_length: u64,
+        /// `[h_q]` f32, stride `attn_sink_stride`; 0 when absent.
+        pub attn_sink: u64,
+        /// `[s_q, h_q, d_v]` bf16, strides `(out_stride_t, out_stride_h, 1)`.
+        pub out: u64,
+        /// `[s_q, h_q]` f32, strides `(max_logits_stride_t, max_logits_stride_h)`.
+        pub max_logits: u64,
+        /// `[s_q, h_q]` f32, strides `(lse_stride_t, lse_stride_h)`.
+        pub lse: u64,
+        /// Elements between `q` tokens.
+        pub q_stride_t: i64,
+        /// Elements between `q` heads.
+        pub q_stride_h: i64,
+        /// Elements between `kv` rows.
+        pub kv_stride_t: i64,
+        /// Elements between `indices` tokens.
+        pub indices_stride_t: i64,
+        /// Elements between `topk_length` entries.
+        pub topk_length_stride: i64,
+        /// Elements between `attn_sink` entries.
+        pub attn_sink_stride: i64,
+        /// Elements between `out` tokens.
+        pub out_stride_t: i64,
+        /// Elements between `out` heads.
+        pub out_stride_h: i64,
+        /// Elements between `max_logits` tokens.
+        pub max_logits_stride_t: i64,
+        /// Elements between `max_logits` heads.
+        pub max_logits_stride_h: i64,
+        /// Elements between `lse` tokens.
+        pub lse_stride_t: i64,
+        /// Elements between `lse` heads.
+        pub lse_stride_h: i64,
+        /// Query tokens.
+        pub s_q: i32,
+        /// KV rows, clamped to `i32::MAX` (every i32 index >= 0 is then below it, as it is below the
+        /// true `s_kv`).
+        pub s_kv: i32,
+        /// Query heads, 1..=128.
+        pub h_q: i32,
+        /// Index entries per token.
+        pub topk: i32,
+        /// `ceil(h_q / 64)`.
+        pub num_head_groups: i32,
+        /// `FLAG_*` bits.
+        pub flags: u32,
+        /// `sm_scale * log2(e)`.
+        pub sm_scale_log2: f32,
+        /// Always 0.
+        pub reserved: i32,
+    }
 }
-
-const _: () = {
-    assert!(size_of::<SparseFwdParams>() == 192);
-    assert!(offset_of!(SparseFwdParams, q) == 0);
-    assert!(offset_of!(SparseFwdParams, lse) == 56);
-    assert!(offset_of!(SparseFwdParams, q_stride_t) == 64);
-    assert!(offset_of!(SparseFwdParams, lse_stride_h) == 152);
-    assert!(offset_of!(SparseFwdParams, s_q) == 160);
-    assert!(offset_of!(SparseFwdParams, flags) == 180);
-    assert!(offset_of!(SparseFwdParams, sm_scale_log2) == 184);
-    assert!(offset_of!(SparseFwdParams, reserved) == 188);
-};
 
 /// The family's kernel symbols (entry points in `csrc/sm90/sparse_fwd/sparse_fwd.cu`): the only place
 /// they are spelled on the host; a CPU test checks each against the embedded cubin.
@@ -436,7 +425,7 @@ pub(crate) fn launch(
     };
     debug_assert_eq!(args.q.dtype(), DType::Bf16);
     let kernel = gpu.kernel(FAMILY, name)?;
-    // SAFETY: `SparseFwdParams` mirrors the kernel's parameter struct (asserted on both sides).
+    // SAFETY: `SparseFwdParams` mirrors the kernel's parameter struct (checked at compile time).
     // `validate`/`validate_output` established the shapes and dtypes the params describe and that
     // every tensor lives on this device; `lower` checked alignment and that every offset fits i64.
     // The kernel reads q rows of its token and head group, kv rows only at indices in 0..s_kv,
