@@ -1,9 +1,12 @@
-//! Compiles every kernel family under `csrc/sm90/<family>/<family>.cu` to an sm_90a cubin and embeds it.
+//! Compiles every kernel family under `csrc/sm90/<family>/<family>.cu` to an sm_90a cubin and embeds it, with
+//! the layout of every struct in the families' `params.h` (`build_layout.rs`: parsed from the header, laid out by
+//! nvcc's host compiler in a small probe program that this script runs).
 //!
 //! nvcc is looked up in `NVCC`, `$CUDA_HOME/bin/nvcc`, the repository's `.toolchain/` (see
 //! `scripts/toolchain.sh`), then `PATH`. Without nvcc the crate still builds, with no cubins; the library then
-//! reports `Error::KernelsNotBuilt` at run time. `FLASHMLA_REQUIRE_KERNELS=1` turns a missing nvcc or a failed
-//! compile into a build error (CI sets it).
+//! reports `Error::KernelsNotBuilt` at run time. `FLASHMLA_REQUIRE_KERNELS=1` turns a missing nvcc, a failed
+//! compile or a failed layout probe into a build error (CI sets it); without it, a failed probe leaves the
+//! build without cubins (no kernel is launched through an unchecked contract).
 //!
 //! ptxas's report: the full text of every family goes to `$OUT_DIR/ptxas-report.txt`; the build shows only what is
 //! news ([`ptxas::review`]: serialised wgmma, spills in a kernel that had none, a known spill that grew, unknown
@@ -16,6 +19,9 @@
 
 #[path = "build_support/ptxas.rs"]
 mod ptxas;
+
+#[path = "build_layout.rs"]
+mod layout;
 
 use std::env;
 use std::fs;
@@ -109,6 +115,7 @@ fn main() {
         println!("cargo:rerun-if-env-changed={var}");
     }
     println!("cargo:rerun-if-changed={}", csrc.display());
+    println!("cargo:rerun-if-changed=build_layout.rs");
     let mut sources = Vec::new();
     collect_sources(&csrc, &mut sources);
     for s in &sources {
@@ -244,6 +251,21 @@ fn main() {
         }
     }
 
+    let mut layouts = Vec::new();
+    if let Some(nvcc) = &nvcc {
+        match probe_layouts(nvcc, &csrc, &out_dir, &families) {
+            Ok(l) => layouts = l,
+            Err(e) if require => panic!("parameter layout probe failed:\n{e}"),
+            Err(e) => {
+                for line in e.lines().take(20) {
+                    println!("cargo:warning=params layout: {line}");
+                }
+                println!("cargo:warning=params layout unknown: building without GPU kernels");
+                entries.clear();
+            }
+        }
+    }
+
     let mut gen = String::new();
     gen.push_str("/// Embedded cubins: (kernel family, sm_90a cubin bytes).\n");
     gen.push_str("pub static CUBINS: &[(&str, &[u8])] = &[\n");
@@ -261,5 +283,57 @@ fn main() {
     gen.push_str(&format!(
         "/// Every kernel family in the sources, built or not.\npub const FAMILIES: &[&str] = &{all:?};\n"
     ));
+    gen.push_str(&layout::layouts_rust(&layouts));
     fs::write(out_dir.join("cubins.rs"), gen).unwrap();
+}
+
+/// Lays out every struct of every family's `params.h` with nvcc's host compiler: parses the headers, compiles
+/// and runs a program printing `sizeof` / `offsetof` of each field, and checks that it printed every struct.
+fn probe_layouts(
+    nvcc: &Path,
+    csrc: &Path,
+    out_dir: &Path,
+    families: &[(String, PathBuf)],
+) -> Result<Vec<layout::StructLayout>, String> {
+    let mut headers = Vec::new();
+    for (family, _) in families {
+        let include = format!("sm90/{family}/params.h");
+        let path = csrc.join(&include);
+        if !path.exists() {
+            continue;
+        }
+        let text = fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let structs =
+            layout::parse_structs(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        headers.push((family.clone(), include, structs));
+    }
+    let src = out_dir.join("params_layout_probe.cpp");
+    let exe = out_dir.join("params_layout_probe");
+    fs::write(&src, layout::probe_source(&headers)).map_err(|e| e.to_string())?;
+    let out = Command::new(nvcc)
+        .args(["-x", "c++", "-std=c++17", "-cudart", "none"])
+        .arg(format!("-I{}", csrc.display()))
+        .arg("-o")
+        .arg(&exe)
+        .arg(&src)
+        .output()
+        .map_err(|e| format!("{}: {e}", nvcc.display()))?;
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    let run = Command::new(&exe)
+        .output()
+        .map_err(|e| format!("{}: {e}", exe.display()))?;
+    if !run.status.success() {
+        return Err(format!("{} exited with {}", exe.display(), run.status));
+    }
+    let layouts = layout::parse_probe_output(&String::from_utf8_lossy(&run.stdout))?;
+    let expected: usize = headers.iter().map(|(_, _, s)| s.len()).sum();
+    if layouts.len() != expected {
+        return Err(format!(
+            "the probe printed {} structs, the headers define {expected}",
+            layouts.len()
+        ));
+    }
+    Ok(layouts)
 }

@@ -12,7 +12,7 @@ use crate::report::spinner;
 use crate::signals;
 use flashmla::cuda::Gpu;
 use flashmla::ops::sparse_bwd::{sparse_bwd_cpu_with, SparseBwdArgs, SparseBwdOptions};
-use flashmla::ops::sparse_fwd::{sparse_fwd_cpu_with, SparseFwdArgs, D_V};
+use flashmla::ops::sparse_fwd::{sparse_fwd_cpu_with, SparseFwdArgs, SparseFwdTuning, D_V};
 use flashmla::reference::compare::{compare, Tolerance, BWD_GRAD, PREFILL_LSE, PREFILL_OUT};
 use flashmla::reference::sparse_bwd::{sparse_bwd_with, SparseBwdProblem};
 use flashmla::reference::sparse_fwd::{sparse_fwd_rows_with, sparse_fwd_with};
@@ -109,7 +109,7 @@ fn gpu_forward(gpu: &Gpu, seed: u64) -> flashmla::Result<bool> {
     sp.set_message("uploading");
     let dev = SparseFwdOnGpu::new(gpu, &inp, true)?;
     sp.set_message("running");
-    let mut ms = gpu.time_ms(3, 10, || dev.run(gpu))?;
+    let mut ms = gpu.time_ms(3, 10, || dev.run(gpu, &SparseFwdTuning::default()))?;
     ms.sort_by(|a, b| a.total_cmp(b));
     let med = ms[ms.len() / 2] as f64;
     let got = dev.download(gpu)?;

@@ -5,9 +5,13 @@ use flashmla::cuda::{DeviceTensor, Gpu};
 use flashmla::ops::sparse_bwd::{
     sparse_bwd_cuda_with, SparseBwdArgs, SparseBwdOptions, SparseBwdOutput,
 };
-use flashmla::ops::sparse_fwd::{sparse_fwd_cuda, SparseFwdArgs, SparseFwdOutput, D_V};
+use flashmla::ops::sparse_fwd::{
+    sparse_fwd_cuda_with, SparseFwdArgs, SparseFwdOutput, SparseFwdTuning, D_V,
+};
 use flashmla::testing::SparseInputs;
-use flashmla::{DType, DeviceView, Layout, Result, TensorMeta};
+#[cfg(feature = "experiments")]
+use flashmla::Layout;
+use flashmla::{DType, DeviceView, Result, TensorMeta};
 
 /// Poison byte for outputs: 0xFF.. is NaN in bf16 and f32, so an element a kernel leaves unwritten fails a check.
 pub const POISON: u8 = 0xFF;
@@ -66,55 +70,63 @@ impl SparseFwdOnGpu {
         })
     }
 
-    /// Launches the forward kernel (asynchronously).
-    pub fn run(&self, gpu: &Gpu) -> Result<()> {
-        self.run_ordered(gpu, None, None)
+    /// Launches the forward kernel (asynchronously) with `tuning`.
+    pub fn run(&self, gpu: &Gpu, tuning: &SparseFwdTuning) -> Result<()> {
+        self.launch(gpu, tuning, &self.indices.view(), |v| Ok(v.clone()))
+    }
+
+    /// One launch of the op with `indices` in place of the uploaded ones, on the part of every
+    /// per-token view that `part` cuts out (the whole views go to the op as they are, so its own
+    /// checks see exactly what was uploaded).
+    fn launch(
+        &self,
+        gpu: &Gpu,
+        tuning: &SparseFwdTuning,
+        indices: &DeviceView,
+        part: impl Fn(&DeviceView) -> Result<DeviceView>,
+    ) -> Result<()> {
+        let (kv, sink) = (self.kv.view(), self.attn_sink.as_ref().map(|t| t.view()));
+        let len = self
+            .topk_length
+            .as_ref()
+            .map(|t| part(&t.view()))
+            .transpose()?;
+        let (q, indices) = (part(&self.q.view())?, part(indices)?);
+        let args = SparseFwdArgs {
+            q: &q,
+            kv: &kv,
+            indices: &indices,
+            sm_scale: self.sm_scale,
+            attn_sink: sink.as_ref(),
+            topk_length: len.as_ref(),
+        };
+        let out = SparseFwdOutput {
+            out: part(&self.out.view())?,
+            max_logits: part(&self.max_logits.view())?,
+            lse: part(&self.lse.view())?,
+        };
+        sparse_fwd_cuda_with(gpu, &args, &out, tuning)
     }
 
     /// [`Self::run`] with other `indices` (`[s_q, 1, topk]` i32, e.g. each row reordered) and, with `wave` set, as
     /// one launch per `wave` consecutive tokens, one after another (benchmark experiments on the entry order);
     /// without `wave`, one launch on the whole views.
+    #[cfg(feature = "experiments")]
     pub fn run_ordered(
         &self,
         gpu: &Gpu,
+        tuning: &SparseFwdTuning,
         indices: Option<&DeviceTensor>,
         wave: Option<usize>,
     ) -> Result<()> {
-        let q = self.q.view();
-        let s_q = q.shape()[0];
         let indices = indices.unwrap_or(&self.indices).view();
-        let (kv, sink) = (self.kv.view(), self.attn_sink.as_ref().map(|t| t.view()));
-        let len = self.topk_length.as_ref().map(|t| t.view());
-        let (out, max_logits, lse) = (self.out.view(), self.max_logits.view(), self.lse.view());
-        // Without waves the whole views go to the op as they are (its own checks see exactly what was uploaded).
-        let ranges: Vec<Option<(usize, usize)>> = match wave {
-            None => vec![None],
-            Some(w) => (0..s_q)
-                .step_by(w.max(1))
-                .map(|t0| Some((t0, w.max(1).min(s_q - t0))))
-                .collect(),
+        let Some(wave) = wave.map(|w| w.max(1)) else {
+            return self.launch(gpu, tuning, &indices, |v| Ok(v.clone()));
         };
-        for range in ranges {
-            let part = |v: &DeviceView| match range {
-                None => Ok(v.clone()),
-                Some((t0, n)) => token_slice(v, t0, n),
-            };
-            let len = len.as_ref().map(part).transpose()?;
-            let (q, indices) = (part(&q)?, part(&indices)?);
-            let args = SparseFwdArgs {
-                q: &q,
-                kv: &kv,
-                indices: &indices,
-                sm_scale: self.sm_scale,
-                attn_sink: sink.as_ref(),
-                topk_length: len.as_ref(),
-            };
-            let out = SparseFwdOutput {
-                out: part(&out)?,
-                max_logits: part(&max_logits)?,
-                lse: part(&lse)?,
-            };
-            sparse_fwd_cuda(gpu, &args, &out)?;
+        let s_q = self.q.view().shape()[0];
+        for t0 in (0..s_q).step_by(wave) {
+            let n = wave.min(s_q - t0);
+            self.launch(gpu, tuning, &indices, |v| token_slice(v, t0, n))?;
         }
         Ok(())
     }
@@ -170,7 +182,8 @@ impl SparseBwdOnGpu {
         poison: bool,
     ) -> Result<Self> {
         let fwd = SparseFwdOnGpu::new(gpu, inp, poison)?;
-        fwd.run(gpu)?;
+        // The forward's outputs are inputs here: made with the measured launch choices.
+        fwd.run(gpu, &SparseFwdTuning::default())?;
         let (s_q, h_q, d_qk) = (inp.q.shape()[0], inp.q.shape()[1], inp.q.shape()[2]);
         let s_kv = inp.kv.shape()[0];
         let alloc = |dtype: DType, shape: &[usize]| {
@@ -205,23 +218,33 @@ impl SparseBwdOnGpu {
 
     /// Launches the backward (asynchronously) with `options`.
     pub fn run(&self, gpu: &Gpu, options: &SparseBwdOptions) -> Result<()> {
-        self.run_indices(gpu, options, None)
+        let f = &self.fwd;
+        self.launch(gpu, options, &f.indices, f.topk_length.as_ref())
     }
 
     /// [`Self::run`] with other `indices` (`[s_q, 1, topk]` i32) and `topk_length` (`[s_q]` i32) than the
     /// forward's, e.g. a subset of each row's entries (benchmark experiments).
+    #[cfg(feature = "experiments")]
     pub fn run_indices(
         &self,
         gpu: &Gpu,
         options: &SparseBwdOptions,
-        indices: Option<(&DeviceTensor, Option<&DeviceTensor>)>,
+        indices: &DeviceTensor,
+        topk_length: Option<&DeviceTensor>,
+    ) -> Result<()> {
+        self.launch(gpu, options, indices, topk_length)
+    }
+
+    fn launch(
+        &self,
+        gpu: &Gpu,
+        options: &SparseBwdOptions,
+        indices: &DeviceTensor,
+        topk_length: Option<&DeviceTensor>,
     ) -> Result<()> {
         let f = &self.fwd;
         let (q, kv) = (f.q.view(), f.kv.view());
-        let (indices, len) = match indices {
-            Some((i, l)) => (i.view(), l.map(|t| t.view())),
-            None => (f.indices.view(), f.topk_length.as_ref().map(|t| t.view())),
-        };
+        let (indices, len) = (indices.view(), topk_length.map(|t| t.view()));
         let out = self.out_strided.as_ref().unwrap_or(&f.out).view();
         let (lse, d_out) = (f.lse.view(), self.d_out.view());
         let sink = f.attn_sink.as_ref().map(|t| t.view());
@@ -262,6 +285,7 @@ impl SparseBwdOnGpu {
 }
 
 /// Tokens `[t0, t0 + n)` of a view whose first dimension is the token; an error past that dimension.
+#[cfg(feature = "experiments")]
 fn token_slice(v: &DeviceView, t0: usize, n: usize) -> Result<DeviceView> {
     let mut shape = v.shape().to_vec();
     let tokens = shape.first().copied().unwrap_or(0);
@@ -279,11 +303,12 @@ fn token_slice(v: &DeviceView, t0: usize, n: usize) -> Result<DeviceView> {
     Ok(unsafe { DeviceView::from_raw(ptr, v.dtype(), layout, v.device()) })
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "experiments"))]
 mod tests {
     use super::SparseFwdOnGpu;
-    use crate::bench::sparse_fwd::sorted_rows;
+    use crate::bench::experiments::sorted_rows;
     use flashmla::cuda::Gpu;
+    use flashmla::ops::sparse_fwd::SparseFwdTuning;
     use flashmla::testing::SparseCase;
     use flashmla::HostTensor;
 
@@ -297,15 +322,18 @@ mod tests {
         let inp = SparseCase::plain(s_q, 4096, 128, 576, topk)
             .generate(7)
             .unwrap();
+        let tuning = SparseFwdTuning::default();
         let plain = SparseFwdOnGpu::new(&gpu, &inp, true).unwrap();
-        plain.run(&gpu).unwrap();
+        plain.run(&gpu, &tuning).unwrap();
         let want = plain.download(&gpu).unwrap();
         let rows = sorted_rows(&inp.indices.to_i32_vec().unwrap(), topk);
         let sorted = gpu
             .upload(&HostTensor::from_i32(rows, &[s_q, 1, topk]).unwrap())
             .unwrap();
         let ordered = SparseFwdOnGpu::new(&gpu, &inp, true).unwrap();
-        ordered.run_ordered(&gpu, Some(&sorted), Some(66)).unwrap();
+        ordered
+            .run_ordered(&gpu, &tuning, Some(&sorted), Some(66))
+            .unwrap();
         let got = ordered.download(&gpu).unwrap();
         for (name, a, b, rel) in [
             ("out", &want.out, &got.out, 1e-2f32),

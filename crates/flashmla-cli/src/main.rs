@@ -14,6 +14,7 @@ mod info;
 mod meta;
 mod report;
 mod signals;
+mod tuning;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;

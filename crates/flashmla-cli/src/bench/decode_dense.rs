@@ -138,7 +138,7 @@ pub fn benches(suite: BenchSuite) -> Vec<Bench> {
                 record,
                 flop,
                 bytes,
-                setup: Box::new(move |gpu| setup(gpu, &s)),
+                setup: Box::new(move |gpu, _variants| setup(gpu, &s)),
             }
         })
         .collect()
@@ -203,7 +203,7 @@ fn setup(gpu: &flashmla::cuda::Gpu, s: &Shape) -> flashmla::Result<super::Timed>
     )?;
     let gpu = gpu.clone();
     let causal = s.causal;
-    Ok(Box::new(move || {
+    Ok(Box::new(move |_tuning| {
         decode_dense_cuda(
             &gpu,
             &DenseDecodeArgs {

@@ -32,7 +32,7 @@ pub fn benches(suite: BenchSuite) -> Vec<Bench> {
                 record,
                 flop: 0.0,
                 bytes,
-                setup: Box::new(move |gpu| {
+                setup: Box::new(move |gpu, _variants| {
                     let shape = [blocks, PAGE, 1, format.d_qk()];
                     let cache_shape = [blocks, PAGE, 1, format.bytes_per_token()];
                     let values = peer_bf16(&mut rng(7), tokens * format.d_qk());
@@ -47,7 +47,7 @@ pub fn benches(suite: BenchSuite) -> Vec<Bench> {
                     )?;
                     let gpu = gpu.clone();
                     let quantize = op == "kv_quantize";
-                    Ok(Box::new(move || {
+                    Ok(Box::new(move |_tuning| {
                         if quantize {
                             quantize_cuda(
                                 &gpu,

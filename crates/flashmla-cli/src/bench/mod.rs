@@ -2,12 +2,15 @@
 //! docs/benchmarking.md and writes JSON records carrying the GPU, driver, commit and date.
 
 mod decode_dense;
+#[cfg(feature = "experiments")]
+pub(crate) mod experiments;
 mod kv_quant;
 mod sparse_bwd;
-pub(crate) mod sparse_fwd;
+mod sparse_fwd;
 
 use crate::clocks::{ClockStats, Nvml, Sampler};
 use crate::report::{progress, table, LogProgress};
+use crate::tuning::Tuning;
 use crate::{meta, signals, write_json};
 use flashmla::cuda::Gpu;
 use serde::Serialize;
@@ -70,9 +73,10 @@ pub struct BenchArgs {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
-    /// A/B comparison inside one process: `VAR=a,b,...` times every shape once per value with the
-    /// environment variable VAR set to it (e.g. `FLASHMLA_SPARSE_FWD_PIPELINE=split,alternating`),
-    /// on the same inputs, the values alternating over `--rounds` rounds; one record per value.
+    /// A/B comparison inside one process: `VAR=a,b,...` times every shape once per value of the
+    /// launch-choice variable VAR (e.g. `FLASHMLA_SPARSE_FWD_PIPELINE=split,alternating`; the other
+    /// variables keep their values from the environment), on the same inputs, the values alternating
+    /// over `--rounds` rounds; one record per value. An empty value or `auto` is the measured choice.
     #[arg(long)]
     ab: Option<String>,
     /// Rounds per shape: each round times `--reps` runs per value (after `--cooldown-ms`), the
@@ -145,19 +149,33 @@ fn sustained_warmup(call_ms: f32, min_warmup: usize) -> usize {
     n.max(min_warmup).max(1)
 }
 
-/// The `--ab` spec: the variable and its values (`None`: no A/B, one unnamed variant).
-fn ab_variants(spec: Option<&str>) -> Result<(Option<String>, Vec<String>), String> {
+/// The `--ab` spec: the variable and its values (`None`: no A/B).
+fn ab_spec(spec: Option<&str>) -> Result<Option<(String, Vec<String>)>, String> {
     let Some(spec) = spec else {
-        return Ok((None, vec![String::new()]));
+        return Ok(None);
     };
     let (var, values) = spec
         .split_once('=')
         .ok_or_else(|| format!("--ab: expected VAR=value,value..., got {spec:?}"))?;
-    let values: Vec<String> = values.split(',').map(str::to_string).collect();
-    if var.is_empty() || var.contains('\0') || values.iter().any(|v| v.contains('\0')) {
+    if var.is_empty() {
         return Err(format!("--ab: expected VAR=value,value..., got {spec:?}"));
     }
-    Ok((Some(var.to_string()), values))
+    Ok(Some((
+        var.to_string(),
+        values.split(',').map(str::to_string).collect(),
+    )))
+}
+
+/// The launch choices to time every shape with: `base` (from the environment), or one per `--ab`
+/// value, each `base` with the A/B variable set to that value.
+fn variants(base: &Tuning, ab: Option<&str>) -> Result<Vec<Tuning>, String> {
+    match ab_spec(ab)? {
+        None => Ok(vec![base.clone()]),
+        Some((var, values)) => values
+            .iter()
+            .map(|v| base.with(&var, v).map_err(|e| format!("--ab: {e}")))
+            .collect(),
+    }
 }
 
 /// One benchmark record (docs/benchmarking.md, section 7).
@@ -199,7 +217,8 @@ pub struct Record {
     /// Device memory the op allocates beyond its inputs and outputs, bytes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub extra_bytes: Option<usize>,
-    /// `VAR=value` of an `--ab` run.
+    /// The launch-choice variables set for this record, `VAR=value` separated by spaces (the `--ab`
+    /// value last); absent when every choice was the measured one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub variant: Option<String>,
     /// Median time per call, microseconds.
@@ -252,11 +271,12 @@ pub struct Record {
     pub date: String,
 }
 
-/// The closure a benchmark times: one call of the op.
-pub type Timed = Box<dyn FnMut() -> flashmla::Result<()>>;
+/// The closure a benchmark times: one call of the op with the given launch choices.
+pub type Timed = Box<dyn FnMut(&Tuning) -> flashmla::Result<()>>;
 
-/// Prepares a benchmark's inputs on the GPU and returns what to time.
-pub type Setup = Box<dyn Fn(&Gpu) -> flashmla::Result<Timed>>;
+/// Prepares a benchmark's inputs on the GPU and returns what to time; the slice holds every launch
+/// choice the closure will be called with.
+pub type Setup = Box<dyn Fn(&Gpu, &[Tuning]) -> flashmla::Result<Timed>>;
 
 /// A benchmark: its record template (shape fields), its work counts, and a closure that runs the op once.
 pub struct Bench {
@@ -369,10 +389,11 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
             known.join("\n")
         ));
     }
-    let (ab_var, ab_values) = ab_variants(args.ab.as_deref())?;
+    let base = Tuning::from_env()?;
+    let tunings = variants(&base, args.ab.as_deref())?;
     let rounds = args
         .rounds
-        .unwrap_or(if ab_var.is_some() || args.timing == Timing::FullClock {
+        .unwrap_or(if args.ab.is_some() || args.timing == Timing::FullClock {
             3
         } else {
             1
@@ -405,7 +426,9 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
         ),
         None => println!("SM clock not sampled: NVML (libnvidia-ml.so.1) is not available"),
     }
-    let saved = ab_var.as_ref().map(std::env::var_os);
+    if let (None, Some(label)) = (&args.ab, base.label()) {
+        println!("launch choices from the environment: {label}");
+    }
     let bar = progress(benches.len() as u64, "bench");
     // Every shape is logged (a shape takes seconds); the JSON is rewritten after each one, so a run
     // that is stopped keeps what it measured.
@@ -418,7 +441,7 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
             break;
         }
         bar.set_message(b.record.op.clone());
-        let mut f = match (b.setup)(&gpu) {
+        let mut f = match (b.setup)(&gpu, &tunings) {
             Ok(f) => f,
             Err(e) => {
                 outcome = Err(format!("{}: {e}", b.record.op));
@@ -429,7 +452,7 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
             Timing::BackToBack => Ok(f32::NAN),
             Timing::FullClock | Timing::Sustained => {
                 std::thread::sleep(std::time::Duration::from_millis(cooldown_ms));
-                gpu.time_ms(1, 1, &mut f).map(|t| t[0])
+                gpu.time_ms(1, 1, || f(&tunings[0])).map(|t| t[0])
             }
         };
         let call_ms = match probe {
@@ -444,25 +467,21 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
             Timing::FullClock => full_clock_counts(call_ms, args.warmup, args.reps),
             Timing::Sustained => (sustained_warmup(call_ms, args.warmup), args.reps.max(1)),
         };
-        let mut samples: Vec<Vec<f32>> = vec![Vec::new(); ab_values.len()];
-        let mut clocks: Vec<Option<ClockStats>> = vec![None; ab_values.len()];
-        let mut round_medians: Vec<Vec<f64>> = vec![Vec::new(); ab_values.len()];
+        let mut samples: Vec<Vec<f32>> = vec![Vec::new(); tunings.len()];
+        let mut clocks: Vec<Option<ClockStats>> = vec![None; tunings.len()];
+        let mut round_medians: Vec<Vec<f64>> = vec![Vec::new(); tunings.len()];
         for _ in 0..rounds {
-            for (((value, ms), seen), round_med) in ab_values
+            for (((tuning, ms), seen), round_med) in tunings
                 .iter()
                 .zip(samples.iter_mut())
                 .zip(clocks.iter_mut())
                 .zip(round_medians.iter_mut())
             {
-                if let Some(var) = &ab_var {
-                    // Single-threaded here: the sampler thread does not read the environment.
-                    std::env::set_var(var, value);
-                }
                 if cooldown_ms > 0 {
                     std::thread::sleep(std::time::Duration::from_millis(cooldown_ms));
                 }
                 let sampler = nvml.as_ref().map(Sampler::start);
-                let timed = gpu.time_ms(warmup, reps, &mut f);
+                let timed = gpu.time_ms(warmup, reps, || f(tuning));
                 let calls = warmup + reps;
                 if let Some(stats) = sampler.and_then(|s| s.stop(calls)) {
                     seen.get_or_insert_with(ClockStats::default).merge(&stats);
@@ -481,8 +500,8 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
                 }
             }
         }
-        for (((value, mut ms), seen), round_med) in
-            ab_values.iter().zip(samples).zip(clocks).zip(round_medians)
+        for (((tuning, mut ms), seen), round_med) in
+            tunings.iter().zip(samples).zip(clocks).zip(round_medians)
         {
             let (lo, hi) = ms
                 .iter()
@@ -490,7 +509,7 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
             let med = median(&mut ms);
             let secs = med * 1e-3;
             let mut r = b.record.clone();
-            r.variant = ab_var.as_ref().map(|var| format!("{var}={value}"));
+            r.variant = tuning.label();
             r.time_us = med * 1e3;
             r.min_us = lo as f64 * 1e3;
             r.max_us = hi as f64 * 1e3;
@@ -521,7 +540,7 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
             records.push(r);
         }
         bar.inc(1);
-        let shape_records = &records[records.len() - ab_values.len()..];
+        let shape_records = &records[records.len() - tunings.len()..];
         let summary: Vec<String> = shape_records
             .iter()
             .map(|r| {
@@ -535,12 +554,6 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
         }
     }
     bar.finish_and_clear();
-    if let (Some(var), Some(old)) = (&ab_var, saved) {
-        match old {
-            Some(v) => std::env::set_var(var, v),
-            None => std::env::remove_var(var),
-        }
-    }
     // What was measured is shown (and was written) even when a later shape failed.
     if !records.is_empty() {
         let rows: Vec<Vec<String>> = records.iter().map(table_row).collect();
@@ -617,9 +630,11 @@ fn shape_label(r: &Record) -> String {
 #[cfg(test)]
 mod tests {
     use super::{
-        ab_variants, full_clock_counts, op_selected, shape_selected, sustained_warmup, table_row,
+        full_clock_counts, op_selected, shape_selected, sustained_warmup, table_row, variants,
         Record, TABLE_HEADER,
     };
+    use crate::tuning::Tuning;
+    use flashmla::ops::sparse_fwd::SparseFwdPipeline;
 
     #[test]
     fn opt_in_ops_run_only_when_named() {
@@ -660,15 +675,41 @@ mod tests {
     }
 
     #[test]
-    fn ab_specs_parse_or_name_the_expectation() {
-        assert_eq!(ab_variants(None).unwrap(), (None, vec![String::new()]));
-        let (var, values) = ab_variants(Some("FLASHMLA_X=split,alternating")).unwrap();
-        assert_eq!(var.as_deref(), Some("FLASHMLA_X"));
-        assert_eq!(values, ["split", "alternating"]);
+    fn ab_specs_build_one_tuning_per_value_or_name_the_expectation() {
+        let base = Tuning::default()
+            .with("FLASHMLA_SPARSE_BWD_PDL", "off")
+            .unwrap();
+        assert_eq!(variants(&base, None).unwrap(), std::slice::from_ref(&base));
+        let v = variants(
+            &base,
+            Some("FLASHMLA_SPARSE_FWD_PIPELINE=split,alternating,"),
+        )
+        .unwrap();
+        assert_eq!(
+            v.iter().map(|t| t.fwd.pipeline).collect::<Vec<_>>(),
+            [
+                Some(SparseFwdPipeline::Split),
+                Some(SparseFwdPipeline::Alternating),
+                None
+            ]
+        );
+        // The environment's other choices stay; the label names every assignment.
+        assert!(v.iter().all(|t| t.bwd.pdl == Some(false)));
+        assert_eq!(
+            v[0].label().as_deref(),
+            Some("FLASHMLA_SPARSE_BWD_PDL=off FLASHMLA_SPARSE_FWD_PIPELINE=split")
+        );
         for bad in ["novalue", "=a,b"] {
-            let e = ab_variants(Some(bad)).unwrap_err();
+            let e = variants(&base, Some(bad)).unwrap_err();
             assert!(e.contains("VAR=value"), "{e}");
         }
+        let e = variants(&base, Some("FLASHMLA_SPARSE_FWD_PIPELINE=split,fast")).unwrap_err();
+        assert!(
+            e.starts_with("--ab: FLASHMLA_SPARSE_FWD_PIPELINE=\"fast\""),
+            "{e}"
+        );
+        let e = variants(&base, Some("FLASHMLA_X=1,2")).unwrap_err();
+        assert!(e.contains("not a launch choice"), "{e}");
     }
 
     #[test]

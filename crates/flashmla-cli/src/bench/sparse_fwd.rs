@@ -1,29 +1,11 @@
 //! Sparse prefill forward on the standard shapes (docs/benchmarking.md). FLOP = 2 * s_q * topk * h_q * (d_qk + d_v).
 
-use super::{Bench, BenchSuite, IndexChoice, Record};
+use super::{Bench, BenchSuite, IndexChoice, Record, Timed};
 use crate::device_ops::SparseFwdOnGpu;
+use crate::tuning::Tuning;
+use flashmla::cuda::Gpu;
 use flashmla::ops::sparse_fwd::D_V;
 use flashmla::testing::{IndexPattern, SparseCase};
-use flashmla::HostTensor;
-
-/// Experiment aid: when this variable is set while the inputs are prepared, the bench also uploads every token's
-/// index row sorted by KV row; each call then reads the variable: `sorted` runs on the sorted rows, `waves` launches
-/// the op once per wave of tokens (as many as the GPU holds at once: `sm_count` CTAs of 64 heads), one after
-/// another, `sorted-waves` both, anything else the op as built. The outputs are the same up to the order of the
-/// online softmax's additions. It bounds what a KV-row order inside the forward would be worth (the backward's
-/// buckets): within a wave every CTA then walks the KV rows from low to high at about the same pace. E.g.
-/// `FLASHMLA_BENCH_SPARSE_FWD_ORDER=index flashmla bench --op sparse_fwd --ab
-/// FLASHMLA_BENCH_SPARSE_FWD_ORDER=index,waves,sorted,sorted-waves`.
-pub const ORDER_ENV: &str = "FLASHMLA_BENCH_SPARSE_FWD_ORDER";
-
-/// Each `topk`-entry row of `indices` sorted ascending (invalid `-1` entries first).
-pub(crate) fn sorted_rows(indices: &[i32], topk: usize) -> Vec<i32> {
-    let mut v = indices.to_vec();
-    for row in v.chunks_mut(topk.max(1)) {
-        row.sort_unstable();
-    }
-    v
-}
 
 /// (s_q, s_kv, h_q, d_qk, topk) of a suite.
 pub fn shapes(suite: BenchSuite) -> Vec<(usize, usize, usize, usize, usize)> {
@@ -99,29 +81,10 @@ pub fn benches(suite: BenchSuite, choice: IndexChoice) -> Vec<Bench> {
                 record,
                 flop,
                 bytes: 0.0,
-                setup: Box::new(move |gpu| {
+                setup: Box::new(move |gpu, variants| {
                     let mut case = SparseCase::plain(s_q, s_kv, h_q, d_qk, topk);
                     case.pattern = pattern;
-                    let inp = case.generate(0x5eed)?;
-                    let dev = SparseFwdOnGpu::new(gpu, &inp, false)?;
-                    let sorted = if std::env::var_os(ORDER_ENV).is_some() {
-                        let rows = sorted_rows(&inp.indices.to_i32_vec()?, topk);
-                        Some(gpu.upload(&HostTensor::from_i32(rows, &[s_q, 1, topk])?)?)
-                    } else {
-                        None
-                    };
-                    let wave = (gpu.info().sm_count as usize / h_q.div_ceil(64)).max(1);
-                    let gpu = gpu.clone();
-                    Ok(Box::new(move || {
-                        let order = std::env::var(ORDER_ENV).unwrap_or_default();
-                        let indices = sorted.as_ref().filter(|_| order.starts_with("sorted"));
-                        let waves = (order == "waves" || order == "sorted-waves").then_some(wave);
-                        if indices.is_none() && waves.is_none() {
-                            dev.run(&gpu)
-                        } else {
-                            dev.run_ordered(&gpu, indices, waves)
-                        }
-                    }))
+                    setup(gpu, &case, variants)
                 }),
             });
         }
@@ -129,13 +92,18 @@ pub fn benches(suite: BenchSuite, choice: IndexChoice) -> Vec<Bench> {
     v
 }
 
-#[cfg(test)]
-mod tests {
-    use super::sorted_rows;
-
-    #[test]
-    fn sorted_rows_sorts_each_row_on_its_own() {
-        let idx = [5, -1, 3, 9, 2, 8, 0, 1];
-        assert_eq!(sorted_rows(&idx, 4), [-1, 3, 5, 9, 0, 1, 2, 8]);
-    }
+/// Uploads a problem and returns the call to time (`variants`: the launch choices it will be called
+/// with, which the bench experiments look at).
+#[cfg_attr(not(feature = "experiments"), allow(unused_variables))]
+fn setup(gpu: &Gpu, case: &SparseCase, variants: &[Tuning]) -> flashmla::Result<Timed> {
+    let inp = case.generate(0x5eed)?;
+    let dev = SparseFwdOnGpu::new(gpu, &inp, false)?;
+    #[cfg(feature = "experiments")]
+    let order = super::experiments::FwdOrderRuns::prepare(gpu, &inp, variants)?;
+    let gpu = gpu.clone();
+    #[cfg(feature = "experiments")]
+    let timed: Timed = Box::new(move |t| order.run(&dev, &gpu, t));
+    #[cfg(not(feature = "experiments"))]
+    let timed: Timed = Box::new(move |t| dev.run(&gpu, &t.fwd));
+    Ok(timed)
 }

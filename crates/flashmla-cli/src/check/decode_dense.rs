@@ -387,7 +387,7 @@ pub fn cases() -> Vec<Case> {
         .map(|(name, quick, c)| Case {
             name,
             quick,
-            run: Box::new(move |gpu, seed| run_case(gpu, &c, seed)),
+            run: Box::new(move |gpu, _tuning, seed| run_case(gpu, &c, seed)),
         })
         .collect();
     let mut reuse = base(spec(6, 1, 128, 1, 64, lengths(6, 2)));
@@ -395,7 +395,7 @@ pub fn cases() -> Vec<Case> {
     cases.push(Case {
         name: "decode_dense/bf16/workspace_reuse".into(),
         quick: true,
-        run: Box::new(move |gpu, seed| run_reuse(gpu, &reuse, seed)),
+        run: Box::new(move |gpu, _tuning, seed| run_reuse(gpu, &reuse, seed)),
     });
     let mut inv = base(spec(1, 2, 128, 1, 64, vec![2500]));
     inv.options = DecodeOptions {
@@ -405,7 +405,7 @@ pub fn cases() -> Vec<Case> {
     cases.push(Case {
         name: "decode_dense/bf16/batch_invariance".into(),
         quick: true,
-        run: Box::new(move |gpu, seed| run_invariance(gpu, &inv, seed)),
+        run: Box::new(move |gpu, _tuning, seed| run_invariance(gpu, &inv, seed)),
     });
     cases
 }

@@ -148,7 +148,7 @@ pub fn cases() -> Vec<Case> {
                     v.push(Case {
                         name,
                         quick,
-                        run: Box::new(move |gpu, seed| run_case(gpu, &shape, seed)),
+                        run: Box::new(move |gpu, _tuning, seed| run_case(gpu, &shape, seed)),
                     });
                 }
             }

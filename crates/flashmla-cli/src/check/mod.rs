@@ -7,6 +7,7 @@ mod sparse_bwd;
 mod sparse_fwd;
 
 use crate::report::{progress, table, LogProgress};
+use crate::tuning::Tuning;
 use crate::{meta, signals, write_json, EXIT_FAILED};
 use flashmla::cuda::Gpu;
 use serde::Serialize;
@@ -131,7 +132,8 @@ impl Outcome {
     }
 }
 
-type CaseFn = Box<dyn Fn(&Gpu, u64) -> flashmla::Result<Outcome>>;
+/// Runs a case on a GPU with the launch choices and a seed.
+type CaseFn = Box<dyn Fn(&Gpu, &Tuning, u64) -> flashmla::Result<Outcome>>;
 
 /// One correctness case.
 pub struct Case {
@@ -139,7 +141,7 @@ pub struct Case {
     pub name: String,
     /// Part of the quick suite.
     pub quick: bool,
-    /// Runs the case with a seed.
+    /// Runs the case with launch choices and a seed.
     pub run: CaseFn,
 }
 
@@ -220,6 +222,7 @@ pub fn run(args: &CheckArgs) -> Result<u8, String> {
         }
         return Ok(0);
     }
+    let tuning = Tuning::from_env()?;
     let gpu = Gpu::new(args.device).map_err(|e| e.to_string())?;
     let info = gpu.info();
     println!(
@@ -231,6 +234,9 @@ pub fn run(args: &CheckArgs) -> Result<u8, String> {
         info.driver_version,
         meta::COMMIT
     );
+    if let Some(label) = tuning.label() {
+        println!("launch choices from the environment: {label}");
+    }
     let bar = progress(cases.len() as u64, "check");
     // A line every 10 s where the bar is hidden; the JSON is rewritten after each case, so a run that
     // is stopped keeps the verdicts it reached.
@@ -243,7 +249,7 @@ pub fn run(args: &CheckArgs) -> Result<u8, String> {
         bar.set_message(case.name.clone());
         let seed = case_seed(args.seed, &case.name);
         let t0 = Instant::now();
-        let outcome = (case.run)(&gpu, seed).unwrap_or_else(|e| Outcome {
+        let outcome = (case.run)(&gpu, &tuning, seed).unwrap_or_else(|e| Outcome {
             passed: false,
             detail: format!("error: {e}"),
         });

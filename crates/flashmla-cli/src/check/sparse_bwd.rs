@@ -5,6 +5,7 @@
 
 use super::{check, check_net, Case, Outcome, GRID_PAIRS};
 use crate::device_ops::SparseBwdOnGpu;
+use crate::tuning::Tuning;
 use flashmla::cuda::Gpu;
 use flashmla::ops::sparse_bwd::SparseBwdOptions;
 use flashmla::ops::sparse_fwd::D_V;
@@ -65,7 +66,7 @@ fn widen(r: SparseBwdResult<f32>) -> SparseBwdResult<f64> {
     }
 }
 
-fn run_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
+fn run_case(gpu: &Gpu, tuning: &Tuning, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
     let c = &spec.case;
     let inp = c.generate(seed)?;
     let d_out_values = peer_bf16(&mut rng(seed ^ 0xd0d0), c.s_q * c.h_q * D_V);
@@ -82,6 +83,7 @@ fn run_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
     }
     let options = SparseBwdOptions {
         deterministic: spec.deterministic,
+        tuning: tuning.bwd,
         ..SparseBwdOptions::default()
     };
     dev.run(gpu, &options)?;
@@ -179,7 +181,7 @@ fn push(v: &mut Vec<Case>, name: String, quick: bool, spec: Spec) {
     v.push(Case {
         name,
         quick,
-        run: Box::new(move |gpu, seed| run_case(gpu, &spec, seed)),
+        run: Box::new(move |gpu, tuning, seed| run_case(gpu, tuning, &spec, seed)),
     });
 }
 

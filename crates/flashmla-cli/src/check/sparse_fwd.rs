@@ -3,6 +3,7 @@
 
 use super::{check, Case, Outcome, GRID_PAIRS};
 use crate::device_ops::SparseFwdOnGpu;
+use crate::tuning::Tuning;
 use flashmla::cuda::Gpu;
 use flashmla::ops::sparse_fwd::D_V;
 use flashmla::reference::compare::{PREFILL_LSE, PREFILL_MAX_LOGITS, PREFILL_OUT};
@@ -36,7 +37,7 @@ fn gather_rows(all: &[f32], width: usize, rows: &[usize]) -> Vec<f32> {
         .collect()
 }
 
-fn run_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
+fn run_case(gpu: &Gpu, tuning: &Tuning, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
     let c = &spec.case;
     let inp = c.generate(seed)?;
     let dev = SparseFwdOnGpu::new(
@@ -48,7 +49,7 @@ fn run_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
         },
         true,
     )?;
-    dev.run(gpu)?;
+    dev.run(gpu, &tuning.fwd)?;
     let got = dev.download(gpu)?;
     let values = inp.values()?;
     let rows = rows_to_check(c.s_q, spec.sample);
@@ -109,7 +110,7 @@ fn push(v: &mut Vec<Case>, name: String, quick: bool, spec: Spec) {
     v.push(Case {
         name,
         quick,
-        run: Box::new(move |gpu, seed| run_case(gpu, &spec, seed)),
+        run: Box::new(move |gpu, tuning, seed| run_case(gpu, tuning, &spec, seed)),
     });
 }
 

@@ -29,17 +29,9 @@ struct MBarrier {
         asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
     }
 
-    // Makes the barrier track every cp.async this thread issued so far: the pending count is raised by one now
-    // and an arrival is triggered when those copies have landed (the form without .noinc: net effect zero, so
-    // the thread still arrives itself with `arrive`, after which the phase can complete only once the copies
-    // are in shared memory).
-    static __device__ __forceinline__ void arrive_on_cp_async(uint64_t* bar) {
-        asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
-    }
-
-    // The same tracking with .noinc: the pending count is not raised, so the asynchronous arrival triggered when
-    // this thread's earlier cp.async copies have landed is one of the barrier's expected arrivals (init the
-    // barrier with the number of threads that do this, and do not `arrive` on it as well).
+    // Makes the barrier track every cp.async this thread issued so far, with .noinc: the pending count is not
+    // raised, so the asynchronous arrival triggered when those copies have landed is one of the barrier's expected
+    // arrivals (init the barrier with the number of threads that do this, and do not `arrive` on it as well).
     static __device__ __forceinline__ void arrive_on_cp_async_noinc(uint64_t* bar) {
         asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
     }

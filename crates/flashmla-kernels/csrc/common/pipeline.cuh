@@ -26,17 +26,11 @@ struct RingPos {
     }
 };
 
-// Named hardware barriers (bar.sync id, count). Id 0 is __syncthreads(); kernels name the others with an enum
-// (`enum class Bar : uint32_t { ... }`) so every use says what it waits for.
-template <class Id>
-__device__ __forceinline__ void named_barrier_sync(Id id, uint32_t num_threads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(static_cast<uint32_t>(id)), "r"(num_threads) : "memory");
-}
-
-// The same, for a barrier whose participants reach it from different static code paths (e.g. one call site per
-// warpgroup role). bar.sync is barrier.sync.aligned, which promises that every blocking participant of a barrier
-// generation executes the same instruction (compute-sanitizer synccheck reports a divergent barrier otherwise);
-// this is the unaligned barrier.sync.
+// Named hardware barriers (barrier.sync id, count). Id 0 is __syncthreads(); kernels name the others with an enum
+// (`enum class Bar : uint32_t { ... }`) so every use says what it waits for. This is the unaligned barrier.sync,
+// for participants that reach a barrier from different static code paths (e.g. one call site per warpgroup role):
+// bar.sync is barrier.sync.aligned, which promises that every blocking participant of a barrier generation executes
+// the same instruction (compute-sanitizer synccheck reports a divergent barrier otherwise).
 template <class Id>
 __device__ __forceinline__ void named_barrier_sync_unaligned(Id id, uint32_t num_threads) {
     asm volatile("barrier.sync %0, %1;" ::"r"(static_cast<uint32_t>(id)), "r"(num_threads) : "memory");

@@ -31,12 +31,6 @@ __device__ __forceinline__ float2 ld_shared_v2_f32(uint32_t addr) {
     return v;
 }
 
-__device__ __forceinline__ uint2 ld_shared_v2_u32(uint32_t addr) {
-    uint2 v;
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
-    return v;
-}
-
 __device__ __forceinline__ void st_shared_v2_f32(uint32_t addr, float a, float b) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }

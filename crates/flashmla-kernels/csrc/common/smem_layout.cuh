@@ -63,11 +63,6 @@ struct Sw128CopyThread {
     }
 };
 
-// Byte offset, inside a slab, of bf16 element (row, col), col in [0, 64).
-__host__ __device__ constexpr uint32_t sw128_elem_offset(int row, int col) {
-    return sw128_chunk_offset(row, col / 8) + static_cast<uint32_t>((col % 8) * 2);
-}
-
 // Accumulator fragment coordinates (see the header comment): the two rows a thread owns, and the first of the
 // two adjacent columns it owns in n8 block j.
 struct AccFrag {

@@ -4,6 +4,7 @@
 use super::device::Gpu;
 use super::driver::{check, cuda_error};
 use super::module::{Kernel, DEFAULT_DYNAMIC_SMEM_BYTES};
+use super::params::DeviceParams;
 use crate::error::{Error, Result};
 use cudarc::driver::sys;
 use std::ffi::c_void;
@@ -109,18 +110,32 @@ impl Gpu {
     /// [`Gpu::sync_launches`] is on, the stream is synchronised after the launch so that a fault of this kernel
     /// is reported here, naming it.
     ///
+    /// `P`'s layout is checked against its C++ struct at compile time ([`DeviceParams`]), and its family
+    /// against the kernel's here ([`Error::InvalidArgument`] naming `params`).
+    ///
     /// # Safety
-    /// `P` must be exactly the `#[repr(C)]` mirror of the kernel's parameter struct (same size, field order and
-    /// types), and every device pointer in `params` must be valid for every access the kernel makes with the
-    /// given geometry, for as long as the kernel runs (until the stream passes it), without aliasing the kernel
-    /// does not expect.
-    pub unsafe fn launch<P: Copy>(&self, k: &Kernel, cfg: &LaunchConfig, params: &P) -> Result<()> {
+    /// `P` must be the parameter struct this kernel takes (one of its family's `params.h`), and every device
+    /// pointer in `params` must be valid for every access the kernel makes with the given geometry, for as long
+    /// as the kernel runs (until the stream passes it), without aliasing the kernel does not expect.
+    pub unsafe fn launch<P: DeviceParams>(
+        &self,
+        k: &Kernel,
+        cfg: &LaunchConfig,
+        params: &P,
+    ) -> Result<()> {
         let kernel = &k.inner;
         if kernel.cache_id != self.inner.modules.id {
             return Err(Error::invalid(
                 "kernel",
                 "a kernel looked up through this Gpu or one sharing its context (Gpu::kernel)",
                 format!("{}::{} from another Gpu handle", kernel.family, kernel.name),
+            ));
+        }
+        if kernel.family != P::FAMILY {
+            return Err(Error::invalid(
+                "params",
+                format!("the parameter struct of family `{}`", kernel.family),
+                format!("{} of family `{}`", P::RUST_NAME, P::FAMILY),
             ));
         }
         let params_bytes = std::mem::size_of::<P>();

@@ -13,17 +13,22 @@
 //! [`Error::Cuda`]: crate::Error::Cuda
 //! [`Error::NoGpu`]: crate::Error::NoGpu
 
+mod cubin;
 mod device;
 mod driver;
 mod event;
 mod launch;
 mod memory;
 mod module;
+pub mod params;
 
+pub use cubin::kernel_symbols;
 pub use device::{DeviceInfo, Gpu, SYNC_LAUNCHES_ENV};
 pub use launch::{LaunchConfig, MAX_PARAMS_BYTES, STATIC_SMEM_LIMIT_BYTES};
 pub use memory::DeviceTensor;
 pub use module::{Kernel, KernelAttributes};
+pub(crate) use params::device_params;
+pub use params::{DeviceParams, FieldLayout};
 
 /// The nvcc release line that built the embedded cubins (empty when the build found no nvcc).
 pub const NVCC_VERSION: &str = flashmla_kernels::NVCC_VERSION;

@@ -1,6 +1,7 @@
 //! Public operations. Each family validates its arguments once (shared by both backends), then runs on the
 //! CPU reference (host tensors) or a CUDA kernel (device views).
 
+pub mod contract;
 pub mod decode;
 pub mod kv_quant;
 mod layout;

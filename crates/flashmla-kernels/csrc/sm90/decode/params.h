@@ -1,6 +1,6 @@
 // Parameters of the dense MLA decode family (docs/spec.md section 4): the schedule, split and combine kernels share
-// one struct. Mirrored field by field by `crates/flashmla/src/ops/decode/launch.rs` (`DenseDecodeParams`,
-// #[repr(C)]); the static_asserts below and the Rust const asserts pin the same size and offsets.
+// one struct. Mirrored field by field by `crates/flashmla/src/ops/decode/launch.rs` (`DenseDecodeParams`, declared
+// with `device_params!`, which build.rs checks against this header's layout as the compiler sees it).
 //
 // Strides are in elements (bytes for nothing here), last dimensions are contiguous (stride 1, not stored). The host
 // checked that every reachable offset fits i64, that q and k_cache rows are 16-byte aligned, and that the schedule's
@@ -71,17 +71,5 @@ struct DenseDecodeParams {
     float sm_scale_log2;            // softmax_scale * log2(e)
     int32_t reserved;               // keeps the size a multiple of 8; always 0
 };
-
-inline constexpr size_t kDenseDecodeParamsBytes = 272;
-static_assert(sizeof(DenseDecodeParams) == kDenseDecodeParamsBytes, "mirror of launch.rs DenseDecodeParams");
-static_assert(offsetof(DenseDecodeParams, q) == 0, "mirror of launch.rs");
-static_assert(offsetof(DenseDecodeParams, part_lse) == 72, "mirror of launch.rs");
-static_assert(offsetof(DenseDecodeParams, q_stride_b) == 80, "mirror of launch.rs");
-static_assert(offsetof(DenseDecodeParams, lse_stride_s) == 192, "mirror of launch.rs");
-static_assert(offsetof(DenseDecodeParams, batch) == 200, "mirror of launch.rs");
-static_assert(offsetof(DenseDecodeParams, fixed_budget) == 256, "mirror of launch.rs");
-static_assert(offsetof(DenseDecodeParams, flags) == 260, "mirror of launch.rs");
-static_assert(offsetof(DenseDecodeParams, sm_scale_log2) == 264, "mirror of launch.rs");
-static_assert(offsetof(DenseDecodeParams, reserved) == 268, "mirror of launch.rs");
 
 }  // namespace flashmla::decode

@@ -1,6 +1,8 @@
 // Parameters of the FP8 KV-cache quantise / dequantise kernels (docs/spec.md section 3).
-// Mirrors `KvQuantParams` in crates/flashmla/src/ops/kv_quant/launch.rs (#[repr(C)]): same fields, order and types;
-// both sides assert the size and offsets.
+// Mirrors `KvQuantParams` in crates/flashmla/src/ops/kv_quant/launch.rs (#[repr(C)]): same fields, order and types.
+// The layout is checked by machine: build.rs lays out every struct of this header with the host compiler, and the
+// Rust mirror (`device_params!`) fails to compile unless every field has the same name, offset and size and the
+// struct the same size (docs/gpu-plumbing.md, "Host/device contract").
 #pragma once
 
 #include <cstddef>
@@ -23,12 +25,5 @@ struct Params {
     int32_t num_tokens;  // num_blocks * page_size
     int32_t reserved;    // keeps the size a multiple of 8 on both sides; 0
 };
-
-static_assert(sizeof(Params) == 56, "Params must match the Rust KvQuantParams");
-static_assert(offsetof(Params, kv_block_stride) == 16, "Params layout");
-static_assert(offsetof(Params, cache_block_stride) == 32, "Params layout");
-static_assert(offsetof(Params, num_blocks) == 40, "Params layout");
-static_assert(offsetof(Params, num_tokens) == 48, "Params layout");
-static_assert(offsetof(Params, reserved) == 52, "Params layout");
 
 }  // namespace flashmla::kv_quant

@@ -1,7 +1,9 @@
 // Parameters of the sparse MLA prefill backward family (docs/spec.md section 2). ONE struct for every kernel of the family
 // (accumulator zeroing, main kernel, d_kv finalisation, sink gradient); each kernel reads the
 // fields it needs. Mirrored field by field by `crates/flashmla/src/ops/sparse_bwd/launch.rs` (`SparseBwdParams`,
-// #[repr(C)]); the static_asserts below and the Rust `const` asserts pin the same size and offsets.
+// #[repr(C)]). The layout is checked by machine: build.rs lays out every struct of this header with the host
+// compiler, and the Rust mirror (`device_params!`) fails to compile unless every field has the same name, offset and
+// size and the struct the same size (docs/gpu-plumbing.md, "Host/device contract").
 //
 // Shapes use spec names. Strides are in elements, last dimensions are contiguous (stride 1, not stored). All
 // strides are i64: the host checked that every reachable offset fits. q, kv and d_out rows are 16-byte aligned
@@ -80,21 +82,5 @@ struct SparseBwdParams {
     int32_t kv_buckets_descending;  // main kernel, bucketed order: 1 = walk the buckets from the last one (the host
                                     // alternates the direction between waves); 0 = ascending
 };
-
-inline constexpr size_t kSparseBwdParamsBytes = 304;
-static_assert(sizeof(SparseBwdParams) == kSparseBwdParamsBytes, "mirror of launch.rs SparseBwdParams");
-static_assert(offsetof(SparseBwdParams, q) == 0, "mirror of launch.rs");
-static_assert(offsetof(SparseBwdParams, lse) == 56, "mirror of launch.rs");
-static_assert(offsetof(SparseBwdParams, dkv_acc) == 88, "mirror of launch.rs");
-static_assert(offsetof(SparseBwdParams, d_kv) == 96, "mirror of launch.rs");
-static_assert(offsetof(SparseBwdParams, q_stride_t) == 104, "mirror of launch.rs");
-static_assert(offsetof(SparseBwdParams, d_kv_stride) == 248, "mirror of launch.rs");
-static_assert(offsetof(SparseBwdParams, s_q) == 256, "mirror of launch.rs");
-static_assert(offsetof(SparseBwdParams, flags) == 280, "mirror of launch.rs");
-static_assert(offsetof(SparseBwdParams, sm_scale) == 284, "mirror of launch.rs");
-static_assert(offsetof(SparseBwdParams, sm_scale_log2) == 288, "mirror of launch.rs");
-static_assert(offsetof(SparseBwdParams, kv_buckets) == 292, "mirror of launch.rs");
-static_assert(offsetof(SparseBwdParams, token0) == 296, "mirror of launch.rs");
-static_assert(offsetof(SparseBwdParams, kv_buckets_descending) == 300, "mirror of launch.rs");
 
 }  // namespace flashmla::sparse_bwd

@@ -1,6 +1,8 @@
 // Parameters of the sparse MLA prefill forward kernels. Mirrored field by field by
-// `crates/flashmla/src/ops/sparse_fwd/launch.rs` (`SparseFwdParams`, #[repr(C)]); the static_asserts below and
-// the Rust `const` asserts pin the same size and offsets, so a change on one side breaks the build of the other.
+// `crates/flashmla/src/ops/sparse_fwd/launch.rs` (`SparseFwdParams`, #[repr(C)]). The layout is checked by machine:
+// build.rs lays out every struct of this header with the host compiler, and the Rust mirror (`device_params!`) fails
+// to compile unless every field has the same name, offset and size and the struct the same size
+// (docs/gpu-plumbing.md, "Host/device contract").
 //
 // Shapes use spec names. Strides are in elements (not bytes), last dimensions are contiguous (stride 1, not
 // stored). All strides are i64: the host checked that every reachable offset fits. q, kv rows and (when
@@ -51,16 +53,5 @@ struct SparseFwdParams {
     float sm_scale_log2;          // sm_scale * log2(e): logits are kept in base 2 inside the kernel
     int32_t reserved;             // keeps the size a multiple of 8; always 0
 };
-
-inline constexpr size_t kSparseFwdParamsBytes = 192;
-static_assert(sizeof(SparseFwdParams) == kSparseFwdParamsBytes, "mirror of launch.rs SparseFwdParams");
-static_assert(offsetof(SparseFwdParams, q) == 0, "mirror of launch.rs");
-static_assert(offsetof(SparseFwdParams, lse) == 56, "mirror of launch.rs");
-static_assert(offsetof(SparseFwdParams, q_stride_t) == 64, "mirror of launch.rs");
-static_assert(offsetof(SparseFwdParams, lse_stride_h) == 152, "mirror of launch.rs");
-static_assert(offsetof(SparseFwdParams, s_q) == 160, "mirror of launch.rs");
-static_assert(offsetof(SparseFwdParams, flags) == 180, "mirror of launch.rs");
-static_assert(offsetof(SparseFwdParams, sm_scale_log2) == 184, "mirror of launch.rs");
-static_assert(offsetof(SparseFwdParams, reserved) == 188, "mirror of launch.rs");
 
 }  // namespace flashmla::sparse_fwd

@@ -20,13 +20,12 @@
 //! page_size` in batch-invariant mode). Nothing else is allocated.
 
 use super::{DecodeOptions, DenseDecodeArgs, DenseDecodeDims, DecodeOutput};
-use crate::cuda::{Gpu, LaunchConfig};
+use crate::cuda::{device_params, Gpu, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::ops::layout::{rows_aligned, stride_param};
 use crate::reference::decode::CHUNK_OVERHEAD_TILES;
 use crate::tensor::{DType, DeviceView, Location, TensorMeta};
 use crate::validate::{expect_location, expect_offsets_fit, to_i32};
-use std::mem::{offset_of, size_of};
 
 /// Kernel family (`csrc/sm90/decode/`).
 pub const FAMILY: &str = "decode";
@@ -63,119 +62,136 @@ const MAX_LINE: usize = (i32::MAX / 4) as usize;
 /// log2(e): the kernel keeps logits in base 2.
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
 
-/// Mirror of `flashmla::decode::DenseDecodeParams` (params.h): same field order, types and size, asserted below
-/// and by `static_assert`s on the C++ side. Pointers are device addresses; strides are in elements.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct DenseDecodeParams {
-    /// `[b, s_q, h_q, d_qk]`.
-    pub q: u64,
-    /// `[num_blocks, page_size, h_kv, d_qk]`.
-    pub k_cache: u64,
-    /// `[b, max_blocks]` i32.
-    pub block_table: u64,
-    /// `[b]` i32.
-    pub cache_seqlens: u64,
-    /// `[h_q]` f32; 0 when absent.
-    pub attn_sink: u64,
-    /// `[b, s_q, h_q, 512]`, q's dtype.
-    pub out: u64,
-    /// `[b, h_q, s_q]` f32.
-    pub lse: u64,
-    /// Workspace: `batch + 1 + SCHEDULE_TAIL` i32.
-    pub schedule: u64,
-    /// Workspace: `[2 * max_parts][head_tiles][64][512]` f32.
-    pub part_o: u64,
-    /// Workspace: `[2 * max_parts][head_tiles][64]` f32.
-    pub part_lse: u64,
-    /// Elements between `q` requests.
-    pub q_stride_b: i64,
-    /// Elements between `q` tokens.
-    pub q_stride_s: i64,
-    /// Elements between `q` heads.
-    pub q_stride_h: i64,
-    /// Elements between cache blocks.
-    pub k_stride_block: i64,
-    /// Elements between tokens of a block.
-    pub k_stride_tok: i64,
-    /// Elements between key heads.
-    pub k_stride_head: i64,
-    /// Elements between block-table rows.
-    pub block_table_stride_b: i64,
-    /// Elements between `cache_seqlens` entries.
-    pub cache_seqlens_stride: i64,
-    /// Elements between `attn_sink` entries.
-    pub attn_sink_stride: i64,
-    /// Elements between `out` requests.
-    pub out_stride_b: i64,
-    /// Elements between `out` tokens.
-    pub out_stride_s: i64,
-    /// Elements between `out` heads.
-    pub out_stride_h: i64,
-    /// Elements between `lse` requests.
-    pub lse_stride_b: i64,
-    /// Elements between `lse` heads.
-    pub lse_stride_h: i64,
-    /// Elements between `lse` tokens.
-    pub lse_stride_s: i64,
-    /// Requests.
-    pub batch: i32,
-    /// Query tokens per request.
-    pub s_q: i32,
-    /// Query heads.
-    pub h_q: i32,
-    /// Key heads.
-    pub h_kv: i32,
-    /// `h_q / h_kv`.
-    pub heads_per_kv: i32,
-    /// `s_q * heads_per_kv`: query rows per (request, key head).
-    pub rows: i32,
-    /// `ceil(rows / 64)`.
-    pub row_tiles: i32,
-    /// `h_kv * row_tiles`.
-    pub head_tiles: i32,
-    /// Blocks in the cache.
-    pub num_blocks: i32,
-    /// Tokens per block.
-    pub page_size: i32,
-    /// Columns of the block table.
-    pub max_blocks: i32,
-    /// Parts of the balanced schedule (grid y of the split kernel).
-    pub grid_parts: i32,
-    /// Bound on the schedule's parts (sizes the partials).
-    pub max_parts: i32,
-    /// Line units a request costs beyond its tiles.
-    pub chunk_overhead: i32,
-    /// 0: balanced schedule; > 0: batch-invariant with this budget.
-    pub fixed_budget: i32,
-    /// `FLAG_*` bits.
-    pub flags: u32,
-    /// `softmax_scale * log2(e)`.
-    pub sm_scale_log2: f32,
-    /// Always 0.
-    pub reserved: i32,
+device_params! {
+    family = "decode", cxx = "DenseDecodeParams";
+    /// Mirror of `flashmla::decode::DenseDecodeParams` (params.h), checked against it at compile time
+    /// ([`crate::cuda::params`]). Pointers are device addresses; strides are in elements.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    pub struct DenseDecodeParams {
+        /// `[b, s_q, h_q, d_qk]`.
+        pub q: u64,
+        /// `[num_blocks, page_size, h_kv, d_qk]`.
+        pub k_cache: u64,
+        /// `[b, max_blocks]` i32.
+        pub block_table: u64,
+        /// `[b]` i32.
+        pub cache_seqlens: u64,
+        /// `[h_q]` f32; 0 when absent.
+        pub attn_sink: u64,
+        /// `[b, s_q, h_q, 512]`, q's dtype.
+        pub out: u64,
+        /// `[b, h_q, s_q]` f32.
+        pub lse: u64,
+        /// Workspace: `batch + 1 + SCHEDULE_TAIL` i32.
+        pub schedule: u64,
+        /// Workspace: `[2 * max_parts][head_tiles][64][512]` f32.
+        pub part_o: u64,
+        /// Workspace: `[2 * max_parts][head_tiles][64]` f32.
+        pub part_lse: u64,
+        /// Elements between `q` requests.
+        pub q_stride_b: i64,
+        /// Elements between `q` tokens.
+        pub q_stride_s: i64,
+        /// Elements between `q` heads.
+        pub q_stride_h: i64,
+        /// Elements between cache blocks.
+        pub k_stride_block: i64,
+        /// Elements between tokens of a block.
+        pub k_stride_tok: i64,
+        /// Elements between key heads.
+        pub k_stride_head: i64,
+        /// Elements between block-table rows.
+        pub block_table_stride_b: i64,
+        /// Elements between `cache_seqlens` entries.
+        pub cache_seqlens_stride: i64,
+        /// Elements between `attn_sink` entries.
+        pub attn_sink_stride: i64,
+        /// Elements between `out` requests.
+        pub out_stride_b: i64,
+        /// Elements between `out` tokens.
+        pub out_stride_s: i64,
+        /// Elements between `out` heads.
+        pub out_stride_h: i64,
+        /// Elements between `lse` requests.
+        pub lse_stride_b: i64,
+        /// Elements between `lse` heads.
+        pub lse_stride_h: i64,
+        /// Elements between `lse` tokens.
+        pub lse_stride_s: i64,
+        /// Requests.
+        pub batch: i32,
+        /// Query tokens per request.
+        pub s_q: i32,
+        /// Query heads.
+        pub h_q: i32,
+        /// Key heads.
+        pub h_kv: i32,
+        /// `h_q / h_kv`.
+        pub heads_per_kv: i32,
+        /// `s_q * heads_per_kv`: query rows per (request, key head).
+        pub rows: i32,
+        /// `ceil(rows / 64)`.
+        pub row_tiles: i32,
+        /// `h_kv * row_tiles`.
+        pub head_tiles: i32,
+        /// Blocks in the cache.
+        pub num_blocks: i32,
+        /// Tokens per block.
+        pub page_size: i32,
+        /// Columns of the block table.
+        pub max_blocks: i32,
+        /// Parts of the balanced schedule (grid y of the split kernel).
+        pub grid_parts: i32,
+        /// Bound on the schedule's parts (sizes the partials).
+        pub max_parts: i32,
+        /// Line units a request costs beyond its tiles.
+        pub chunk_overhead: i32,
+        /// 0: balanced schedule; > 0: batch-invariant with this budget.
+        pub fixed_budget: i32,
+        /// `FLAG_*` bits.
+        pub flags: u32,
+        /// `softmax_scale * log2(e)`.
+        pub sm_scale_log2: f32,
+        /// Always 0.
+        pub reserved: i32,
+    }
 }
 
-const _: () = {
-    assert!(size_of::<DenseDecodeParams>() == 272);
-    assert!(offset_of!(DenseDecodeParams, q) == 0);
-    assert!(offset_of!(DenseDecodeParams, part_lse) == 72);
-    assert!(offset_of!(DenseDecodeParams, q_stride_b) == 80);
-    assert!(offset_of!(DenseDecodeParams, lse_stride_s) == 192);
-    assert!(offset_of!(DenseDecodeParams, batch) == 200);
-    assert!(offset_of!(DenseDecodeParams, fixed_budget) == 256);
-    assert!(offset_of!(DenseDecodeParams, flags) == 260);
-    assert!(offset_of!(DenseDecodeParams, sm_scale_log2) == 264);
-    assert!(offset_of!(DenseDecodeParams, reserved) == 268);
-};
+/// The family's kernel symbols, spelled once (the launcher and the contract test use these).
+pub mod kernels {
+    /// The schedule.
+    pub const SCHEDULE: &str = "decode_schedule";
+    /// Split kernel, bf16, d_qk 576.
+    pub const SPLIT_BF16_D576: &str = "decode_split_bf16_d576";
+    /// Split kernel, bf16, d_qk 512.
+    pub const SPLIT_BF16_D512: &str = "decode_split_bf16_d512";
+    /// Split kernel, f16, d_qk 576.
+    pub const SPLIT_F16_D576: &str = "decode_split_f16_d576";
+    /// Split kernel, f16, d_qk 512.
+    pub const SPLIT_F16_D512: &str = "decode_split_f16_d512";
+    /// Combine, bf16 output.
+    pub const COMBINE_BF16: &str = "decode_combine_bf16";
+    /// Combine, f16 output.
+    pub const COMBINE_F16: &str = "decode_combine_f16";
+    /// Every kernel of the family.
+    pub const ALL: &[&str] = &[
+        SCHEDULE,
+        SPLIT_BF16_D576,
+        SPLIT_BF16_D512,
+        SPLIT_F16_D576,
+        SPLIT_F16_D512,
+        COMBINE_BF16,
+        COMBINE_F16,
+    ];
+}
 
 /// Split-kernel symbol and dynamic shared memory for a dtype and `d_qk`.
 pub fn split_kernel_for(dtype: DType, d_qk: usize) -> Result<(&'static str, u32)> {
     match (dtype, d_qk) {
-        (DType::Bf16, 576) => Ok(("decode_split_bf16_d576", SMEM_BYTES_D576)),
-        (DType::Bf16, 512) => Ok(("decode_split_bf16_d512", SMEM_BYTES_D512)),
-        (DType::F16, 576) => Ok(("decode_split_f16_d576", SMEM_BYTES_D576)),
-        (DType::F16, 512) => Ok(("decode_split_f16_d512", SMEM_BYTES_D512)),
+        (DType::Bf16, 576) => Ok((kernels::SPLIT_BF16_D576, SMEM_BYTES_D576)),
+        (DType::Bf16, 512) => Ok((kernels::SPLIT_BF16_D512, SMEM_BYTES_D512)),
+        (DType::F16, 576) => Ok((kernels::SPLIT_F16_D576, SMEM_BYTES_D576)),
+        (DType::F16, 512) => Ok((kernels::SPLIT_F16_D512, SMEM_BYTES_D512)),
         _ => Err(Error::unsupported(
             format!("decode kernel for {dtype} with d_qk = {d_qk}"),
             "the sm_90a kernels are built for bf16 and f16 with d_qk 512 and 576",
@@ -186,22 +202,12 @@ pub fn split_kernel_for(dtype: DType, d_qk: usize) -> Result<(&'static str, u32)
 /// Combine-kernel symbol for a dtype.
 pub fn combine_kernel_for(dtype: DType) -> &'static str {
     if dtype == DType::F16 {
-        "decode_combine_f16"
+        kernels::COMBINE_F16
     } else {
-        "decode_combine_bf16"
+        kernels::COMBINE_BF16
     }
 }
 
-/// Every kernel symbol the launcher can ask for.
-pub const KERNELS: [&str; 7] = [
-    "decode_schedule",
-    "decode_split_bf16_d576",
-    "decode_split_bf16_d512",
-    "decode_split_f16_d576",
-    "decode_split_f16_d512",
-    "decode_combine_bf16",
-    "decode_combine_f16",
-];
 
 /// The schedule's shape-only parameters for a call: how the line is cut and how many partial slots it may need.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -503,7 +509,7 @@ pub fn lower(
         params,
         geometry,
         launches: [
-            ("decode_schedule", schedule),
+            (kernels::SCHEDULE, schedule),
             (split_kernel, split),
             (combine_kernel_for(dims.dtype), combine),
         ],

@@ -7,15 +7,14 @@ use super::validate::{
     KvQuantDims,
 };
 use super::{DequantizeArgs, DequantizeOutput, QuantizeArgs, QuantizeOutput};
-use crate::cuda::{Gpu, LaunchConfig};
+use crate::cuda::{device_params, DeviceParams, Gpu, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::fp8::KvFormat;
 use crate::tensor::{DType, DeviceView, Location, TensorMeta};
 use crate::validate::{expect_location, to_i32, to_i64};
-use std::mem::{offset_of, size_of};
 
 /// Kernel family (`csrc/sm90/kv_quant/`).
-pub const FAMILY: &str = "kv_quant";
+pub const FAMILY: &str = <KvQuantParams as DeviceParams>::FAMILY;
 /// Tokens per CTA: one warp per token (`kWarpsPerCta` in kernel.cuh).
 pub const WARPS_PER_CTA: u32 = 8;
 /// Threads per warp.
@@ -28,40 +27,33 @@ pub const VEC_KV_ALIGN_BYTES: u64 = 16;
 /// offset inside a block is a multiple of 8 in both formats).
 pub const VEC_CACHE_ALIGN_BYTES: u64 = 8;
 
-/// Mirror of `flashmla::kv_quant::Params` (params.h). Field order, types and size must match; asserted below
-/// and by `static_assert`s on the C++ side.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KvQuantParams {
-    /// bf16 `[num_blocks, page_size, 1, d_qk]`, element `(b, t, 0, i)` at `kv + 2 * (b * kv_block_stride +
-    /// t * kv_token_stride + i)` bytes. Read by quantise, written by dequantise.
-    pub kv: u64,
-    /// u8 `[num_blocks, page_size, 1, bytes_per_token]`, block `b` at `cache + b * cache_block_stride`.
-    pub cache: u64,
-    /// Elements between `kv` blocks.
-    pub kv_block_stride: i64,
-    /// Elements between `kv` tokens.
-    pub kv_token_stride: i64,
-    /// Bytes between cache blocks.
-    pub cache_block_stride: i64,
-    /// Blocks.
-    pub num_blocks: i32,
-    /// Tokens per block.
-    pub page_size: i32,
-    /// `num_blocks * page_size`.
-    pub num_tokens: i32,
-    /// Always 0 (keeps the size a multiple of 8 on both sides).
-    pub reserved: i32,
+device_params! {
+    family = "kv_quant", cxx = "Params";
+    /// Mirror of `flashmla::kv_quant::Params` (params.h), checked against it at compile time
+    /// ([`crate::cuda::params`]).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct KvQuantParams {
+        /// bf16 `[num_blocks, page_size, 1, d_qk]`, element `(b, t, 0, i)` at `kv + 2 * (b * kv_block_stride +
+        /// t * kv_token_stride + i)` bytes. Read by quantise, written by dequantise.
+        pub kv: u64,
+        /// u8 `[num_blocks, page_size, 1, bytes_per_token]`, block `b` at `cache + b * cache_block_stride`.
+        pub cache: u64,
+        /// Elements between `kv` blocks.
+        pub kv_block_stride: i64,
+        /// Elements between `kv` tokens.
+        pub kv_token_stride: i64,
+        /// Bytes between cache blocks.
+        pub cache_block_stride: i64,
+        /// Blocks.
+        pub num_blocks: i32,
+        /// Tokens per block.
+        pub page_size: i32,
+        /// `num_blocks * page_size`.
+        pub num_tokens: i32,
+        /// Always 0 (keeps the size a multiple of 8 on both sides).
+        pub reserved: i32,
+    }
 }
-
-const _: () = {
-    assert!(size_of::<KvQuantParams>() == 56);
-    assert!(offset_of!(KvQuantParams, kv_block_stride) == 16);
-    assert!(offset_of!(KvQuantParams, cache_block_stride) == 32);
-    assert!(offset_of!(KvQuantParams, num_blocks) == 40);
-    assert!(offset_of!(KvQuantParams, num_tokens) == 48);
-    assert!(offset_of!(KvQuantParams, reserved) == 52);
-};
 
 /// Which way the bytes go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,19 +62,52 @@ enum Direction {
     Dequantize,
 }
 
-/// The kernel symbol for a direction, format and access path (entry points in kv_quant.cu).
+/// The family's kernel symbols (entry points in `csrc/sm90/kv_quant/kv_quant.cu`): the only place they
+/// are spelled on the host; a CPU test checks each against the embedded cubin.
+pub mod kernels {
+    /// Quantise, V3.2 format, vector accesses.
+    pub const QUANTIZE_V32_VEC: &str = "kv_quant_quantize_v32_vec";
+    /// Quantise, V3.2 format, scalar accesses.
+    pub const QUANTIZE_V32_SCALAR: &str = "kv_quant_quantize_v32_scalar";
+    /// Quantise, MODEL1 format, vector accesses.
+    pub const QUANTIZE_MODEL1_VEC: &str = "kv_quant_quantize_model1_vec";
+    /// Quantise, MODEL1 format, scalar accesses.
+    pub const QUANTIZE_MODEL1_SCALAR: &str = "kv_quant_quantize_model1_scalar";
+    /// Dequantise, V3.2 format, vector accesses.
+    pub const DEQUANTIZE_V32_VEC: &str = "kv_quant_dequantize_v32_vec";
+    /// Dequantise, V3.2 format, scalar accesses.
+    pub const DEQUANTIZE_V32_SCALAR: &str = "kv_quant_dequantize_v32_scalar";
+    /// Dequantise, MODEL1 format, vector accesses.
+    pub const DEQUANTIZE_MODEL1_VEC: &str = "kv_quant_dequantize_model1_vec";
+    /// Dequantise, MODEL1 format, scalar accesses.
+    pub const DEQUANTIZE_MODEL1_SCALAR: &str = "kv_quant_dequantize_model1_scalar";
+    /// Every kernel of the family.
+    pub const ALL: &[&str] = &[
+        QUANTIZE_V32_VEC,
+        QUANTIZE_V32_SCALAR,
+        QUANTIZE_MODEL1_VEC,
+        QUANTIZE_MODEL1_SCALAR,
+        DEQUANTIZE_V32_VEC,
+        DEQUANTIZE_V32_SCALAR,
+        DEQUANTIZE_MODEL1_VEC,
+        DEQUANTIZE_MODEL1_SCALAR,
+    ];
+}
+
+/// The kernel symbol for a direction, format and access path.
 fn kernel_name(direction: Direction, format: KvFormat, vec: bool) -> &'static str {
+    use kernels::*;
     use Direction::*;
     use KvFormat::*;
     match (direction, format, vec) {
-        (Quantize, V32, true) => "kv_quant_quantize_v32_vec",
-        (Quantize, V32, false) => "kv_quant_quantize_v32_scalar",
-        (Quantize, Model1, true) => "kv_quant_quantize_model1_vec",
-        (Quantize, Model1, false) => "kv_quant_quantize_model1_scalar",
-        (Dequantize, V32, true) => "kv_quant_dequantize_v32_vec",
-        (Dequantize, V32, false) => "kv_quant_dequantize_v32_scalar",
-        (Dequantize, Model1, true) => "kv_quant_dequantize_model1_vec",
-        (Dequantize, Model1, false) => "kv_quant_dequantize_model1_scalar",
+        (Quantize, V32, true) => QUANTIZE_V32_VEC,
+        (Quantize, V32, false) => QUANTIZE_V32_SCALAR,
+        (Quantize, Model1, true) => QUANTIZE_MODEL1_VEC,
+        (Quantize, Model1, false) => QUANTIZE_MODEL1_SCALAR,
+        (Dequantize, V32, true) => DEQUANTIZE_V32_VEC,
+        (Dequantize, V32, false) => DEQUANTIZE_V32_SCALAR,
+        (Dequantize, Model1, true) => DEQUANTIZE_MODEL1_VEC,
+        (Dequantize, Model1, false) => DEQUANTIZE_MODEL1_SCALAR,
     }
 }
 
@@ -148,7 +173,7 @@ fn launch(
     let kernel = gpu.kernel(FAMILY, kernel_name(direction, dims.format, vec))?;
     let ctas = (num_tokens as u32).div_ceil(WARPS_PER_CTA);
     let cfg = LaunchConfig::linear(ctas, THREADS_PER_CTA);
-    // SAFETY: `KvQuantParams` mirrors the kernel's Params (asserted on both sides). Validation established that
+    // SAFETY: `KvQuantParams` mirrors the kernel's Params (checked at compile time). Validation established that
     // `kv` and `cache` have the shapes and strides the params describe; the DeviceView contract makes every
     // element they reach valid device memory that outputs do not alias inputs. Each warp touches only its token's
     // row and bytes.
@@ -263,5 +288,9 @@ mod tests {
         names.sort();
         names.dedup();
         assert_eq!(names.len(), n);
+        // ... and `kernels::ALL` (what the cubin test checks) lists exactly these.
+        let mut all = kernels::ALL.to_vec();
+        all.sort();
+        assert_eq!(names, all);
     }
 }

@@ -42,24 +42,20 @@
 //! waiting for its last one; with one head group it signals just before it exits, which only hides
 //! the launch gap (the entry signal measured slower there). Either way it waits for its
 //! predecessor's completion just before it exits, so the waves complete in order and the launches
-//! after them see every wave's reductions. Experiment aids: the environment
-//! variable `FLASHMLA_SPARSE_BWD_KV_BUCKETS=n` ([`KV_BUCKETS_ENV`]) replaces the host's choice for
-//! every call of the process (1 = index order in one launch, clamped to 1..=[`MAX_KV_BUCKETS`]);
-//! `FLASHMLA_SPARSE_BWD_KV_BUCKET_ORDER=ascending` ([`KV_BUCKET_ORDER_ENV`]) makes every wave walk
-//! them upwards; `FLASHMLA_SPARSE_BWD_PDL=off` ([`PDL_ENV`]) launches the waves one after the other;
-//! `FLASHMLA_SPARSE_BWD_DRAIN_FIRST=on|off` ([`DRAIN_FIRST_ENV`]) replaces the host's choice of
-//! [`FLAG_DRAIN_FIRST`]. Results are the same up to the f32 reduction order.
+//! after them see every wave's reductions. [`SparseBwdTuning`] (a field of [`SparseBwdOptions`])
+//! replaces any of these choices for a call: the number of buckets (1 = index order in one launch),
+//! the bucket direction of the waves, the programmatic launches, [`FLAG_DRAIN_FIRST`] and
+//! [`FLAG_DEFER_LAST_REDUCE`]. Results are the same up to the f32 reduction order.
 
 use super::{SparseBwdArgs, SparseBwdDims, SparseBwdOutput};
-use crate::cuda::{Gpu, LaunchConfig};
+use crate::cuda::{device_params, DeviceParams, Gpu, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::ops::layout::{rows_aligned, stride_param};
 use crate::tensor::{DType, DeviceView, Location, TensorMeta};
 use crate::validate::{expect_location, expect_offsets_fit, expect_shape, to_i32, to_i64};
-use std::mem::{offset_of, size_of};
 
 /// Kernel family (`csrc/sm90/sparse_bwd/`).
-pub const FAMILY: &str = "sparse_bwd";
+pub const FAMILY: &str = <SparseBwdParams as DeviceParams>::FAMILY;
 /// Heads per CTA of the main kernel (`kHeadsPerCta`).
 pub const HEADS_PER_CTA: usize = 64;
 /// Largest `h_q` the kernels serve (`kMaxHeads`): two head groups per token.
@@ -105,7 +101,7 @@ pub const FLAG_DRAIN_FIRST: u32 = 1 << 6;
 /// consumer 0's at `d_qk` 512) during the next tile's dP instead of before it
 /// (`kFlagDeferLastReduce`). Measured on H100 in one process, V3.2 h_q 128, full clock, 5 rounds
 /// (every round faster): +1.2% at s_kv 8K, +0.9% at 32K, equal at 64K. Set unless
-/// [`DEFER_ENV`] is `off`.
+/// [`SparseBwdTuning::defer_last_reduce`] is `Some(false)`.
 pub const FLAG_DEFER_LAST_REDUCE: u32 = 1 << 7;
 /// Accumulator (f32) plus KV (bf16) bytes above which `FLAG_DRAIN_FIRST` is set: most of the H100's 50 MB L2.
 const DRAIN_FIRST_MIN_BYTES: usize = 40 << 20;
@@ -151,19 +147,6 @@ pub const KV_BUCKET_BYTES: usize = 12 << 20;
 pub const KV_BUCKETS_COARSE_BYTES: usize = 128 << 20;
 /// Bytes per bucket above [`KV_BUCKETS_COARSE_BYTES`].
 pub const KV_BUCKET_BYTES_COARSE: usize = 32 << 20;
-/// Environment variable that overrides [`kv_buckets`] (an experiment aid; module docs).
-pub const KV_BUCKETS_ENV: &str = "FLASHMLA_SPARSE_BWD_KV_BUCKETS";
-/// Environment variable that, set to `ascending`, makes every wave walk its buckets in ascending
-/// order instead of alternating the direction between waves (an experiment aid; module docs).
-pub const KV_BUCKET_ORDER_ENV: &str = "FLASHMLA_SPARSE_BWD_KV_BUCKET_ORDER";
-/// Environment variable that, set to `off`, launches the waves without programmatic dependent
-/// launch (an experiment aid; module docs).
-pub const PDL_ENV: &str = "FLASHMLA_SPARSE_BWD_PDL";
-/// Environment variable that, set to `off`, clears [`FLAG_DEFER_LAST_REDUCE`] (an experiment aid).
-pub const DEFER_ENV: &str = "FLASHMLA_SPARSE_BWD_DEFER";
-/// Environment variable that, set to `on` or `off`, replaces the host's choice of [`FLAG_DRAIN_FIRST`]
-/// (an experiment aid).
-pub const DRAIN_FIRST_ENV: &str = "FLASHMLA_SPARSE_BWD_DRAIN_FIRST";
 /// 4-byte words per accumulator value in deterministic mode (int64 fixed point).
 const FIXED_POINT_WORDS: usize = 2;
 /// Largest `blockIdx.x` + 1 the driver accepts.
@@ -177,121 +160,106 @@ const FINALIZE_VALUES_PER_ITEM: usize = 8;
 /// log2(e): the kernel keeps logits in base 2, so the host folds it into the scale.
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
 
-/// Mirror of `flashmla::sparse_bwd::SparseBwdParams` (params.h): same field order, types and size,
-/// asserted below and by `static_assert`s on the C++ side. Pointers are device addresses (0 when
-/// absent); strides are in elements; last dimensions are contiguous and have no stride field.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SparseBwdParams {
-    /// `[s_q, h_q, d_qk]` bf16.
-    pub q: u64,
-    /// `[s_kv, 1, d_qk]` bf16.
-    pub kv: u64,
-    /// `[s_q, 1, topk]` i32.
-    pub indices: u64,
-    /// `[s_q]` i32 or 0.
-    pub topk_length: u64,
-    /// `[h_q]` f32 or 0.
-    pub attn_sink: u64,
-    /// Forward output `[s_q, h_q, d_v]` bf16.
-    pub out: u64,
-    /// `[s_q, h_q, d_v]` bf16.
-    pub d_out: u64,
-    /// `[s_q, h_q]` f32.
-    pub lse: u64,
-    /// `[s_q, h_q, d_qk]` bf16 output.
-    pub d_q: u64,
-    /// `[s_q, h_q]` f32 output.
-    pub delta: u64,
-    /// `[h_q]` f32 output or 0.
-    pub d_attn_sink: u64,
-    /// f32 accumulator `[s_kv, d_qk]`, row stride `dkv_acc_stride` (the f32 `d_kv` or the workspace).
-    pub dkv_acc: u64,
-    /// `[s_kv, 1, d_qk]` bf16 or f32 output.
-    pub d_kv: u64,
-    /// Elements between `q` tokens.
-    pub q_stride_t: i64,
-    /// Elements between `q` heads.
-    pub q_stride_h: i64,
-    /// Elements between `kv` rows.
-    pub kv_stride_t: i64,
-    /// Elements between `indices` tokens.
-    pub indices_stride_t: i64,
-    /// Elements between `topk_length` entries.
-    pub topk_length_stride: i64,
-    /// Elements between `attn_sink` entries.
-    pub attn_sink_stride: i64,
-    /// Elements between `out` tokens.
-    pub out_stride_t: i64,
-    /// Elements between `out` heads.
-    pub out_stride_h: i64,
-    /// Elements between `d_out` tokens.
-    pub d_out_stride_t: i64,
-    /// Elements between `d_out` heads.
-    pub d_out_stride_h: i64,
-    /// Elements between `lse` tokens.
-    pub lse_stride_t: i64,
-    /// Elements between `lse` heads.
-    pub lse_stride_h: i64,
-    /// Elements between `d_q` tokens.
-    pub d_q_stride_t: i64,
-    /// Elements between `d_q` heads.
-    pub d_q_stride_h: i64,
-    /// Elements between `delta` tokens.
-    pub delta_stride_t: i64,
-    /// Elements between `delta` heads.
-    pub delta_stride_h: i64,
-    /// Elements between `d_attn_sink` entries.
-    pub d_attn_sink_stride: i64,
-    /// Elements between accumulator rows.
-    pub dkv_acc_stride: i64,
-    /// Elements between `d_kv` rows.
-    pub d_kv_stride: i64,
-    /// Query tokens.
-    pub s_q: i32,
-    /// KV rows, clamped to `i32::MAX` (every i32 index >= 0 is then below it, as it is below the
-    /// true `s_kv`).
-    pub s_kv: i32,
-    /// Query heads, 1..=128.
-    pub h_q: i32,
-    /// Index entries per token.
-    pub topk: i32,
-    /// 512 or 576.
-    pub d_qk: i32,
-    /// `ceil(h_q / 64)`.
-    pub num_head_groups: i32,
-    /// `FLAG_*` bits.
-    pub flags: u32,
-    /// The forward's scale.
-    pub sm_scale: f32,
-    /// `sm_scale * log2(e)`.
-    pub sm_scale_log2: f32,
-    /// Entry order of the main kernel: 1 = index order, 2..=[`MAX_KV_BUCKETS`] = ascending KV-row
-    /// buckets ([`kv_buckets`]).
-    pub kv_buckets: i32,
-    /// First token of a main-kernel launch (set per launch: [`Launch::token0`]).
-    pub token0: i32,
-    /// Bucketed order: 1 = the main kernel walks the buckets from the last one down (set per launch:
-    /// [`Launch::descending`]); 0 = ascending.
-    pub kv_buckets_descending: i32,
+device_params! {
+    family = "sparse_bwd", cxx = "SparseBwdParams";
+    /// Mirror of `flashmla::sparse_bwd::SparseBwdParams` (params.h), checked against it at compile
+    /// time ([`crate::cuda::params`]). Pointers are device addresses (0 when absent); strides are in
+    /// elements; last dimensions are contiguous and have no stride field.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    pub struct SparseBwdParams {
+        /// `[s_q, h_q, d_qk]` bf16.
+        pub q: u64,
+        /// `[s_kv, 1, d_qk]` bf16.
+        pub kv: u64,
+        /// `[s_q, 1, topk]` i32.
+        pub indices: u64,
+        /// `[s_q]` i32 or 0.
+        pub topk_length: u64,
+        /// `[h_q]` f32 or 0.
+        pub attn_sink: u64,
+        /// Forward output `[s_q, h_q, d_v]` bf16.
+        pub out: u64,
+        /// `[s_q, h_q, d_v]` bf16.
+        pub d_out: u64,
+        /// `[s_q, h_q]` f32.
+        pub lse: u64,
+        /// `[s_q, h_q, d_qk]` bf16 output.
+        pub d_q: u64,
+        /// `[s_q, h_q]` f32 output.
+        pub delta: u64,
+        /// `[h_q]` f32 output or 0.
+        pub d_attn_sink: u64,
+        /// f32 accumulator `[s_kv, d_qk]`, row stride `dkv_acc_stride` (the f32 `d_kv` or the workspace).
+        pub dkv_acc: u64,
+        /// `[s_kv, 1, d_qk]` bf16 or f32 output.
+        pub d_kv: u64,
+        /// Elements between `q` tokens.
+        pub q_stride_t: i64,
+        /// Elements between `q` heads.
+        pub q_stride_h: i64,
+        /// Elements between `kv` rows.
+        pub kv_stride_t: i64,
+        /// Elements between `indices` tokens.
+        pub indices_stride_t: i64,
+        /// Elements between `topk_length` entries.
+        pub topk_length_stride: i64,
+        /// Elements between `attn_sink` entries.
+        pub attn_sink_stride: i64,
+        /// Elements between `out` tokens.
+        pub out_stride_t: i64,
+        /// Elements between `out` heads.
+        pub out_stride_h: i64,
+        /// Elements between `d_out` tokens.
+        pub d_out_stride_t: i64,
+        /// Elements between `d_out` heads.
+        pub d_out_stride_h: i64,
+        /// Elements between `lse` tokens.
+        pub lse_stride_t: i64,
+        /// Elements between `lse` heads.
+        pub lse_stride_h: i64,
+        /// Elements between `d_q` tokens.
+        pub d_q_stride_t: i64,
+        /// Elements between `d_q` heads.
+        pub d_q_stride_h: i64,
+        /// Elements between `delta` tokens.
+        pub delta_stride_t: i64,
+        /// Elements between `delta` heads.
+        pub delta_stride_h: i64,
+        /// Elements between `d_attn_sink` entries.
+        pub d_attn_sink_stride: i64,
+        /// Elements between accumulator rows.
+        pub dkv_acc_stride: i64,
+        /// Elements between `d_kv` rows.
+        pub d_kv_stride: i64,
+        /// Query tokens.
+        pub s_q: i32,
+        /// KV rows, clamped to `i32::MAX` (every i32 index >= 0 is then below it, as it is below the
+        /// true `s_kv`).
+        pub s_kv: i32,
+        /// Query heads, 1..=128.
+        pub h_q: i32,
+        /// Index entries per token.
+        pub topk: i32,
+        /// 512 or 576.
+        pub d_qk: i32,
+        /// `ceil(h_q / 64)`.
+        pub num_head_groups: i32,
+        /// `FLAG_*` bits.
+        pub flags: u32,
+        /// The forward's scale.
+        pub sm_scale: f32,
+        /// `sm_scale * log2(e)`.
+        pub sm_scale_log2: f32,
+        /// Entry order of the main kernel: 1 = index order, 2..=[`MAX_KV_BUCKETS`] = ascending KV-row
+        /// buckets ([`kv_buckets`]).
+        pub kv_buckets: i32,
+        /// First token of a main-kernel launch (set per launch: [`Launch::token0`]).
+        pub token0: i32,
+        /// Bucketed order: 1 = the main kernel walks the buckets from the last one down (set per launch:
+        /// [`Launch::descending`]); 0 = ascending.
+        pub kv_buckets_descending: i32,
+    }
 }
-
-const _: () = {
-    assert!(size_of::<SparseBwdParams>() == 304);
-    assert!(offset_of!(SparseBwdParams, q) == 0);
-    assert!(offset_of!(SparseBwdParams, lse) == 56);
-    assert!(offset_of!(SparseBwdParams, dkv_acc) == 88);
-    assert!(offset_of!(SparseBwdParams, d_kv) == 96);
-    assert!(offset_of!(SparseBwdParams, q_stride_t) == 104);
-    assert!(offset_of!(SparseBwdParams, d_kv_stride) == 248);
-    assert!(offset_of!(SparseBwdParams, s_q) == 256);
-    assert!(offset_of!(SparseBwdParams, flags) == 280);
-    assert!(offset_of!(SparseBwdParams, sm_scale) == 284);
-    assert!(offset_of!(SparseBwdParams, sm_scale_log2) == 288);
-    assert!(offset_of!(SparseBwdParams, kv_buckets) == 292);
-    assert!(offset_of!(SparseBwdParams, token0) == 296);
-    assert!(offset_of!(SparseBwdParams, kv_buckets_descending) == 300);
-};
 
 /// Choices of a GPU backward call that the arguments do not carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -304,6 +272,39 @@ pub struct SparseBwdOptions {
     /// converted. Costs about twice the reduction traffic (8 bytes per value, 4x the instructions).
     /// Non-finite contributions are not propagated (NaN adds 0, +-inf saturates).
     pub deterministic: bool,
+    /// Launch choices that change the speed, not the result (default: the measured heuristics).
+    pub tuning: SparseBwdTuning,
+}
+
+/// The direction in which the waves of a bucketed launch walk their KV-row buckets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvBucketOrder {
+    /// Odd waves walk the buckets backwards, starting on those the previous wave ended on (the
+    /// heuristic's choice).
+    Alternating,
+    /// Every wave walks them upwards.
+    Ascending,
+}
+
+/// Launch choices of the backward that change its speed, not what it computes (up to the order of
+/// the f32 reductions of `d_kv`). Each `None` takes the measured heuristic (module docs); the default
+/// is all `None`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SparseBwdTuning {
+    /// KV-row buckets of the main kernel's entry order, 1..=[`MAX_KV_BUCKETS`] (1: index order in one
+    /// launch); `None`: [`kv_buckets`]. Rows longer than [`MAX_BUCKETED_TOPK`] keep the index order
+    /// whatever the count.
+    pub kv_buckets: Option<usize>,
+    /// Bucket direction of the waves; `None`: [`KvBucketOrder::Alternating`].
+    pub bucket_order: Option<KvBucketOrder>,
+    /// `Some(false)` launches the waves one after the other instead of as programmatic dependent
+    /// launches; `None` and `Some(true)`: programmatic after the first wave.
+    pub pdl: Option<bool>,
+    /// Whether [`FLAG_DRAIN_FIRST`] is set; `None`: when the accumulator and the KV rows exceed L2.
+    pub drain_first: Option<bool>,
+    /// `Some(false)` clears [`FLAG_DEFER_LAST_REDUCE`]; `None` and `Some(true)`: set for the kernels
+    /// that read it.
+    pub defer_last_reduce: Option<bool>,
 }
 
 /// The kernels of the family, in launch order.
@@ -353,6 +354,10 @@ pub struct SparseBwdPlan {
     pub params: SparseBwdParams,
     /// The launches, in stream order.
     pub launches: Vec<Launch>,
+    /// How [`SparseBwdPlan::split_main_in_waves`] orders the buckets of successive waves.
+    pub bucket_order: KvBucketOrder,
+    /// Whether waves after the first are programmatic dependent launches.
+    pub programmatic_waves: bool,
     /// Where `d_kv` is accumulated.
     pub accumulator: Accumulator,
     /// Shape (as f32) the workspace must have ([`workspace_shape`]).
@@ -415,11 +420,75 @@ pub fn kv_buckets(dims: &SparseBwdDims, options: &SparseBwdOptions) -> i32 {
     bytes.div_ceil(per_bucket).clamp(2, cap.max(2)) as i32
 }
 
-/// [`KV_BUCKETS_ENV`], if set to a number: clamped to 1..=[`MAX_KV_BUCKETS`].
-fn kv_buckets_override() -> Option<i32> {
-    let v = std::env::var(KV_BUCKETS_ENV).ok()?;
-    let n: usize = v.trim().parse().ok()?;
-    Some(n.clamp(1, MAX_KV_BUCKETS) as i32)
+/// The entry order a call uses: [`SparseBwdTuning::kv_buckets`] when set (checked against
+/// 1..=[`MAX_KV_BUCKETS`]), else [`kv_buckets`].
+pub fn kv_buckets_with(dims: &SparseBwdDims, options: &SparseBwdOptions) -> Result<i32> {
+    match options.tuning.kv_buckets {
+        None => Ok(kv_buckets(dims, options)),
+        // <= MAX_KV_BUCKETS: fits i32.
+        Some(n) if (1..=MAX_KV_BUCKETS).contains(&n) => Ok(n as i32),
+        Some(n) => Err(Error::invalid(
+            "tuning.kv_buckets",
+            format!("1..={MAX_KV_BUCKETS} (the kernel's bucket ids are 6 bits wide)"),
+            n,
+        )),
+    }
+}
+
+/// Whether [`FLAG_DRAIN_FIRST`] is set: [`SparseBwdTuning::drain_first`], else when the f32
+/// accumulator plus the bf16 KV rows (`s_kv * d_qk * 6` bytes) exceed [`DRAIN_FIRST_MIN_BYTES`].
+pub fn drain_first_for(dims: &SparseBwdDims, tuning: &SparseBwdTuning) -> bool {
+    let f = &dims.fwd;
+    tuning
+        .drain_first
+        .unwrap_or_else(|| f.s_kv.saturating_mul(f.d_qk).saturating_mul(6) > DRAIN_FIRST_MIN_BYTES)
+}
+
+/// The family's kernel symbols (entry points in `csrc/sm90/sparse_bwd/sparse_bwd.cu`): the only place
+/// they are spelled on the host; a CPU test checks each against the embedded cubin.
+pub mod kernels {
+    /// Zeroes the accumulator ([`super::Stage::ZeroAcc`]).
+    pub const ZERO_ACC: &str = "sparse_bwd_zero_acc";
+    /// Accumulator -> `d_kv` ([`super::Stage::Finalize`]).
+    pub const FINALIZE: &str = "sparse_bwd_finalize";
+    /// `d_attn_sink` ([`super::Stage::SinkGrad`]).
+    pub const SINK_GRAD: &str = "sparse_bwd_sink_grad";
+    /// Main kernel, one head group per token, f32 reduction, `d_qk` 576.
+    pub const MAIN_D576: &str = "sparse_bwd_main_d576";
+    /// The same at `d_qk` 512.
+    pub const MAIN_D512: &str = "sparse_bwd_main_d512";
+    /// One head group, fixed-point (deterministic) reduction, `d_qk` 576.
+    pub const MAIN_DET_D576: &str = "sparse_bwd_main_det_d576";
+    /// The same at `d_qk` 512.
+    pub const MAIN_DET_D512: &str = "sparse_bwd_main_det_d512";
+    /// Two head groups as a 2-CTA cluster, f32 reduction, `d_qk` 576.
+    pub const MAIN_PAIR_D576: &str = "sparse_bwd_main_pair_d576";
+    /// The same at `d_qk` 512.
+    pub const MAIN_PAIR_D512: &str = "sparse_bwd_main_pair_d512";
+    /// Two head groups exchanging the peer's half of `d_kv` as bf16, `d_qk` 576.
+    pub const MAIN_PAIR_XB_D576: &str = "sparse_bwd_main_pair_xb_d576";
+    /// The same at `d_qk` 512.
+    pub const MAIN_PAIR_XB_D512: &str = "sparse_bwd_main_pair_xb_d512";
+    /// Two head groups, fixed-point reduction, `d_qk` 576.
+    pub const MAIN_PAIR_DET_D576: &str = "sparse_bwd_main_pair_det_d576";
+    /// The same at `d_qk` 512.
+    pub const MAIN_PAIR_DET_D512: &str = "sparse_bwd_main_pair_det_d512";
+    /// Every kernel a plan can name.
+    pub const ALL: &[&str] = &[
+        ZERO_ACC,
+        FINALIZE,
+        SINK_GRAD,
+        MAIN_D576,
+        MAIN_D512,
+        MAIN_DET_D576,
+        MAIN_DET_D512,
+        MAIN_PAIR_D576,
+        MAIN_PAIR_D512,
+        MAIN_PAIR_XB_D576,
+        MAIN_PAIR_XB_D512,
+        MAIN_PAIR_DET_D576,
+        MAIN_PAIR_DET_D512,
+    ];
 }
 
 /// Main kernel symbol and dynamic shared memory for a `d_qk` (f32 or fixed-point reduction; `pair`:
@@ -432,18 +501,19 @@ pub fn main_kernel_for(
     pair: bool,
     bf16_exchange: bool,
 ) -> Result<(&'static str, u32)> {
+    use kernels::*;
     let xb = bf16_exchange && pair && !deterministic;
     let name = match (d_qk, deterministic, pair, xb) {
-        (576, false, false, _) => "sparse_bwd_main_d576",
-        (512, false, false, _) => "sparse_bwd_main_d512",
-        (576, true, false, _) => "sparse_bwd_main_det_d576",
-        (512, true, false, _) => "sparse_bwd_main_det_d512",
-        (576, false, true, false) => "sparse_bwd_main_pair_d576",
-        (512, false, true, false) => "sparse_bwd_main_pair_d512",
-        (576, false, true, true) => "sparse_bwd_main_pair_xb_d576",
-        (512, false, true, true) => "sparse_bwd_main_pair_xb_d512",
-        (576, true, true, _) => "sparse_bwd_main_pair_det_d576",
-        (512, true, true, _) => "sparse_bwd_main_pair_det_d512",
+        (576, false, false, _) => MAIN_D576,
+        (512, false, false, _) => MAIN_D512,
+        (576, true, false, _) => MAIN_DET_D576,
+        (512, true, false, _) => MAIN_DET_D512,
+        (576, false, true, false) => MAIN_PAIR_D576,
+        (512, false, true, false) => MAIN_PAIR_D512,
+        (576, false, true, true) => MAIN_PAIR_XB_D576,
+        (512, false, true, true) => MAIN_PAIR_XB_D512,
+        (576, true, true, _) => MAIN_PAIR_DET_D576,
+        (512, true, true, _) => MAIN_PAIR_DET_D512,
         _ => {
             return Err(Error::unsupported(
                 format!("sparse_bwd kernel for d_qk = {d_qk}"),
@@ -585,20 +655,13 @@ pub fn lower(
         (FLAG_DKV_F32, d_kv_f32),
         (FLAG_ACCUMULATE, options.accumulate_d_kv),
         (FLAG_FIXED_POINT, options.deterministic),
-        (
-            FLAG_DRAIN_FIRST,
-            match std::env::var(DRAIN_FIRST_ENV).as_deref().map(str::trim) {
-                Ok("on") => true,
-                Ok("off") => false,
-                _ => f.s_kv.saturating_mul(f.d_qk).saturating_mul(6) > DRAIN_FIRST_MIN_BYTES,
-            },
-        ),
+        (FLAG_DRAIN_FIRST, drain_first_for(dims, &options.tuning)),
         (
             FLAG_DEFER_LAST_REDUCE,
             // Only the `_pair_xb` kernels read it.
             pair && bf16_exchange
                 && !options.deterministic
-                && !std::env::var(DEFER_ENV).is_ok_and(|v| v.trim() == "off"),
+                && options.tuning.defer_last_reduce != Some(false),
         ),
     ] {
         if on {
@@ -651,7 +714,7 @@ pub fn lower(
         flags,
         sm_scale: args.sm_scale,
         sm_scale_log2,
-        kv_buckets: kv_buckets(dims, options),
+        kv_buckets: kv_buckets_with(dims, options)?,
         token0: 0,
         kv_buckets_descending: 0,
     };
@@ -667,7 +730,7 @@ pub fn lower(
     if acc_values > 0 && zero_needed {
         launches.push(Launch {
             stage: Stage::ZeroAcc,
-            kernel: "sparse_bwd_zero_acc",
+            kernel: kernels::ZERO_ACC,
             cfg: linear(
                 stream_ctas(acc_values / ZERO_VALUES_PER_ITEM),
                 SMALL_THREADS,
@@ -708,7 +771,7 @@ pub fn lower(
     if acc_values > 0 && accumulator == Accumulator::Workspace {
         launches.push(Launch {
             stage: Stage::Finalize,
-            kernel: "sparse_bwd_finalize",
+            kernel: kernels::FINALIZE,
             cfg: linear(
                 stream_ctas(acc_values / FINALIZE_VALUES_PER_ITEM),
                 SMALL_THREADS,
@@ -720,7 +783,7 @@ pub fn lower(
     if args.attn_sink.is_some() {
         launches.push(Launch {
             stage: Stage::SinkGrad,
-            kernel: "sparse_bwd_sink_grad",
+            kernel: kernels::SINK_GRAD,
             cfg: linear(f.h_q, SMALL_THREADS)?,
             token0: 0,
             descending: false,
@@ -729,6 +792,11 @@ pub fn lower(
     Ok(SparseBwdPlan {
         params,
         launches,
+        bucket_order: options
+            .tuning
+            .bucket_order
+            .unwrap_or(KvBucketOrder::Alternating),
+        programmatic_waves: options.tuning.pdl != Some(false),
         accumulator,
         workspace_shape: workspace_shape(dims, options),
     })
@@ -738,7 +806,9 @@ impl SparseBwdPlan {
     /// With a bucketed entry order (`params.kv_buckets > 1`), replaces the main-kernel launch by
     /// launches of at most `sm_count / num_head_groups` tokens each (one CTA per SM: the tokens the
     /// GPU runs at once), in token order, so that the CTAs of each launch start together and walk
-    /// their buckets in step. Does nothing in index order.
+    /// their buckets in step: odd waves backwards unless [`Self::bucket_order`] is ascending, every
+    /// wave after the first programmatic if [`Self::programmatic_waves`]. Does nothing in index
+    /// order.
     pub fn split_main_in_waves(&mut self, sm_count: usize) {
         if self.params.kv_buckets <= 1 {
             return;
@@ -758,13 +828,13 @@ impl SparseBwdPlan {
                 // <= the single launch's grid, which fits u32.
                 cfg.grid.0 = (tokens * groups) as u32;
                 // Waves after the first are programmatic launches (module docs).
-                cfg.programmatic = k > 0;
+                cfg.programmatic = k > 0 && self.programmatic_waves;
                 Launch {
                     token0,
                     cfg,
                     // Odd waves walk the buckets backwards: they start on the buckets the previous wave
                     // ended on, which L2 still holds.
-                    descending: k % 2 == 1,
+                    descending: k % 2 == 1 && self.bucket_order == KvBucketOrder::Alternating,
                     ..main
                 }
             })
@@ -834,20 +904,7 @@ pub(crate) fn launch(
     let device = Location::Cuda(gpu.ordinal());
     expect_location("q", args.q, device)?;
     let mut plan = lower(dims, args, out, options)?;
-    if let Some(nb) = kv_buckets_override() {
-        plan.params.kv_buckets = nb;
-    }
     plan.split_main_in_waves(gpu.info().sm_count as usize);
-    if std::env::var(KV_BUCKET_ORDER_ENV).is_ok_and(|v| v.trim() == "ascending") {
-        for l in &mut plan.launches {
-            l.descending = false;
-        }
-    }
-    if std::env::var(PDL_ENV).is_ok_and(|v| v.trim() == "off") {
-        for l in &mut plan.launches {
-            l.cfg.programmatic = false;
-        }
-    }
     // Owned workspace, if any: dropped (freed in stream order, after the launches) on return.
     let mut _owned = None;
     if plan.needs_workspace() {
@@ -867,8 +924,8 @@ pub(crate) fn launch(
     }
     for l in &plan.launches {
         let kernel = gpu.kernel(FAMILY, l.kernel)?;
-        // SAFETY: `SparseBwdParams` mirrors the kernels' parameter struct (asserted on both
-        // sides). `validate`/`validate_output` established the shapes and dtypes the params
+        // SAFETY: `SparseBwdParams` is the kernels' parameter struct (its layout checked at
+        // compile time). `validate`/`validate_output` established the shapes and dtypes the params
         // describe and that every tensor lives on this device; `lower` checked alignment and that
         // every offset fits i64; the accumulator is d_kv itself (f32, rows 16-byte aligned) or a
         // checked workspace that lives until this function returns, after the launches were queued
@@ -1102,6 +1159,7 @@ mod tests {
         let det = SparseBwdOptions {
             deterministic: true,
             accumulate_d_kv: true,
+            ..Default::default()
         };
         let mut p = plan(&c, &det).unwrap();
         use Stage::*;
@@ -1292,6 +1350,173 @@ mod tests {
         let one = p.clone();
         p.split_main_in_waves(132);
         assert_eq!(p, one);
+    }
+
+    #[test]
+    fn plans_name_exactly_the_listed_kernels() {
+        let mut named = vec![kernels::ZERO_ACC, kernels::FINALIZE, kernels::SINK_GRAD];
+        for d_qk in [512, 576] {
+            for det in [false, true] {
+                for pair in [false, true] {
+                    for xb in [false, true] {
+                        named.push(main_kernel_for(d_qk, det, pair, xb).unwrap().0);
+                    }
+                }
+            }
+        }
+        named.sort();
+        named.dedup();
+        let mut all = kernels::ALL.to_vec();
+        all.sort();
+        assert_eq!(named, all);
+        assert!(main_kernel_for(448, false, false, false).is_err());
+    }
+
+    fn tuned(t: SparseBwdTuning) -> SparseBwdOptions {
+        SparseBwdOptions {
+            tuning: t,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn each_tuning_field_replaces_its_heuristic_alone() {
+        // V3.2 at s_kv 32K, h_q 128, bf16 d_kv: 9 buckets, drain first, deferred last reductions.
+        let c = case(200, 128, 576, 32768, 2048, DType::Bf16);
+        let with = |t: SparseBwdTuning| plan(&c, &tuned(t)).unwrap();
+        let auto = with(SparseBwdTuning::default());
+        let both = FLAG_DRAIN_FIRST | FLAG_DEFER_LAST_REDUCE;
+        assert_eq!(auto.params.kv_buckets, 9);
+        assert_eq!(auto.params.flags & both, both);
+        assert_eq!(
+            (auto.bucket_order, auto.programmatic_waves),
+            (KvBucketOrder::Alternating, true)
+        );
+        for (n, want) in [(1, 1), (4, 4), (MAX_KV_BUCKETS, MAX_KV_BUCKETS as i32)] {
+            let p = with(SparseBwdTuning {
+                kv_buckets: Some(n),
+                ..Default::default()
+            });
+            assert_eq!(p.params.kv_buckets, want);
+            assert_eq!(p.params.flags, auto.params.flags);
+        }
+        for bad in [0, MAX_KV_BUCKETS + 1] {
+            let o = tuned(SparseBwdTuning {
+                kv_buckets: Some(bad),
+                ..Default::default()
+            });
+            assert_eq!(
+                plan(&c, &o).unwrap_err().arg(),
+                Some("tuning.kv_buckets"),
+                "{bad}"
+            );
+        }
+        let no_drain = with(SparseBwdTuning {
+            drain_first: Some(false),
+            ..Default::default()
+        });
+        assert_eq!(no_drain.params.flags, auto.params.flags & !FLAG_DRAIN_FIRST);
+        assert_eq!(no_drain.params.kv_buckets, 9);
+        let no_defer = with(SparseBwdTuning {
+            defer_last_reduce: Some(false),
+            ..Default::default()
+        });
+        assert_eq!(
+            no_defer.params.flags,
+            auto.params.flags & !FLAG_DEFER_LAST_REDUCE
+        );
+        let order = with(SparseBwdTuning {
+            bucket_order: Some(KvBucketOrder::Ascending),
+            pdl: Some(false),
+            ..Default::default()
+        });
+        assert_eq!(order.params, auto.params);
+        assert_eq!(
+            (order.bucket_order, order.programmatic_waves),
+            (KvBucketOrder::Ascending, false)
+        );
+        // At s_kv 4K (14 MB) the drain goes last unless asked; the defer flag is only ever set for
+        // the kernels that read it (not with an f32 d_kv).
+        let small = case(8, 128, 576, 4096, 64, DType::Bf16);
+        let drain = tuned(SparseBwdTuning {
+            drain_first: Some(true),
+            ..Default::default()
+        });
+        assert_eq!(
+            plan(&small, &Default::default()).unwrap().params.flags & FLAG_DRAIN_FIRST,
+            0
+        );
+        assert_ne!(
+            plan(&small, &drain).unwrap().params.flags & FLAG_DRAIN_FIRST,
+            0
+        );
+        let f32 = case(8, 128, 576, 4096, 64, DType::F32);
+        let defer = tuned(SparseBwdTuning {
+            defer_last_reduce: Some(true),
+            ..Default::default()
+        });
+        assert_eq!(
+            plan(&f32, &defer).unwrap().params.flags & FLAG_DEFER_LAST_REDUCE,
+            0
+        );
+    }
+
+    #[test]
+    fn wave_direction_and_overlap_follow_the_tuning() {
+        let c = case(200, 128, 576, 32768, 2048, DType::Bf16);
+        let waves = |t: SparseBwdTuning| {
+            let mut p = plan(&c, &tuned(t)).unwrap();
+            p.split_main_in_waves(132);
+            p.launches
+                .iter()
+                .filter(|l| l.stage == Stage::Main)
+                .map(|l| (l.descending, l.cfg.programmatic))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            waves(SparseBwdTuning::default()),
+            [(false, false), (true, true), (false, true), (true, true)]
+        );
+        let ascending = SparseBwdTuning {
+            bucket_order: Some(KvBucketOrder::Ascending),
+            ..Default::default()
+        };
+        assert_eq!(
+            waves(ascending),
+            [(false, false), (false, true), (false, true), (false, true)]
+        );
+        let sequential = SparseBwdTuning {
+            pdl: Some(false),
+            ..Default::default()
+        };
+        assert_eq!(
+            waves(sequential),
+            [(false, false), (true, false), (false, false), (true, false)]
+        );
+        // One bucket is the index order: one launch whatever else is asked.
+        let one = SparseBwdTuning {
+            kv_buckets: Some(1),
+            bucket_order: Some(KvBucketOrder::Alternating),
+            pdl: Some(true),
+            ..Default::default()
+        };
+        assert_eq!(waves(one), [(false, false)]);
+        // Buckets forced onto an L2-resident shape split it in waves like the heuristic's would.
+        let small = case(200, 128, 576, 4096, 2048, DType::Bf16);
+        let mut p = plan(
+            &small,
+            &tuned(SparseBwdTuning {
+                kv_buckets: Some(4),
+                ..Default::default()
+            }),
+        )
+        .unwrap();
+        p.split_main_in_waves(132);
+        assert_eq!(p.params.kv_buckets, 4);
+        assert_eq!(
+            p.launches.iter().filter(|l| l.stage == Stage::Main).count(),
+            4
+        );
     }
 
     #[test]

@@ -21,7 +21,7 @@
 pub mod launch;
 pub mod validate;
 
-pub use launch::{workspace_shape, SparseBwdOptions};
+pub use launch::{workspace_shape, KvBucketOrder, SparseBwdOptions, SparseBwdTuning};
 pub use validate::{validate, validate_output};
 
 use crate::alloc::try_filled;
@@ -212,8 +212,9 @@ pub fn sparse_bwd_cuda(
     sparse_bwd_cuda_with(gpu, args, out, &SparseBwdOptions::default(), None)
 }
 
-/// Runs the backward on the GPU. `options` selects accumulation into an existing f32 `d_kv`, the 2-CTA pairing
-/// and the deterministic (fixed-point) reduction; `workspace` is an optional caller-owned f32 buffer of
+/// Runs the backward on the GPU. `options` selects accumulation into an existing f32 `d_kv` and the
+/// deterministic (fixed-point) reduction, and may replace the measured launch choices
+/// ([`SparseBwdTuning`]); `workspace` is an optional caller-owned f32 buffer of
 /// [`workspace_shape`] (otherwise the op allocates it when needed: `s_kv * d_qk` f32, or twice that in
 /// deterministic mode, and nothing of size `s_q * topk`).
 pub fn sparse_bwd_cuda_with(

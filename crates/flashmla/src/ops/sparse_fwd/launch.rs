@@ -3,7 +3,8 @@
 //! [`SparseFwdParams`] and launches one CTA of 384 threads per (query token, group of 64 heads;
 //! the two groups of a token as one 2-CTA cluster, [`token_cluster_for`]):
 //! a producer warpgroup gathering KV tiles and two consumer warpgroups, each owning half of the
-//! output columns. Two pipelines ([`SparseFwdPipeline`], chosen per call by [`pipeline_for`]):
+//! output columns. Two pipelines ([`SparseFwdPipeline`], chosen per call by [`choose`]: the
+//! [`SparseFwdTuning`] the caller passes, else [`pipeline_for`]):
 //! "split" (a score warpgroup runs Q K^T and the softmax for every tile, a value warpgroup the other
 //! half of P V) for long contexts, and "alternating" (the consumers take alternate tiles, each
 //! running Q K^T, the softmax and its P V half, and exchange P) where the gathered KV fits in L2.
@@ -15,15 +16,14 @@
 //! and 2-byte stores otherwise.
 
 use super::{SparseFwdArgs, SparseFwdDims, SparseFwdOutput};
-use crate::cuda::{Gpu, LaunchConfig};
+use crate::cuda::{device_params, DeviceParams, Gpu, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::ops::layout::{rows_aligned, stride_param};
 use crate::tensor::{DType, DeviceView, Location, TensorMeta};
 use crate::validate::{expect_location, expect_offsets_fit, to_i32};
-use std::mem::{offset_of, size_of};
 
 /// Kernel family (`csrc/sm90/sparse_fwd/`).
-pub const FAMILY: &str = "sparse_fwd";
+pub const FAMILY: &str = <SparseFwdParams as DeviceParams>::FAMILY;
 /// Heads per CTA (`kHeadsPerCta`, the wgmma M).
 pub const HEADS_PER_CTA: usize = 64;
 /// Largest `h_q` the kernel serves (`kMaxHeads`): two head groups per token.
@@ -48,91 +48,96 @@ const MAX_GRID_X: usize = i32::MAX as usize;
 /// log2(e): the kernel keeps logits in base 2, so the host folds it into the scale.
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
 
-/// Mirror of `flashmla::sparse_fwd::SparseFwdParams` (params.h): same field order, types and size,
-/// asserted below and by `static_assert`s on the C++ side. Pointers are device addresses; strides
-/// are in elements; last dimensions are contiguous and have no stride field.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SparseFwdParams {
-    /// `[s_q, h_q, d_qk]` bf16, strides `(q_stride_t, q_stride_h, 1)`.
-    pub q: u64,
-    /// `[s_kv, 1, d_qk]` bf16, row stride `kv_stride_t`.
-    pub kv: u64,
-    /// `[s_q, 1, topk]` i32, token stride `indices_stride_t`.
-    pub indices: u64,
-    /// `[s_q]` i32, stride `topk_length_stride`; 0 when absent.
-    pub topk_length: u64,
-    /// `[h_q]` f32, stride `attn_sink_stride`; 0 when absent.
-    pub attn_sink: u64,
-    /// `[s_q, h_q, d_v]` bf16, strides `(out_stride_t, out_stride_h, 1)`.
-    pub out: u64,
-    /// `[s_q, h_q]` f32, strides `(max_logits_stride_t, max_logits_stride_h)`.
-    pub max_logits: u64,
-    /// `[s_q, h_q]` f32, strides `(lse_stride_t, lse_stride_h)`.
-    pub lse: u64,
-    /// Elements between `q` tokens.
-    pub q_stride_t: i64,
-    /// Elements between `q` heads.
-    pub q_stride_h: i64,
-    /// Elements between `kv` rows.
-    pub kv_stride_t: i64,
-    /// Elements between `indices` tokens.
-    pub indices_stride_t: i64,
-    /// Elements between `topk_length` entries.
-    pub topk_length_stride: i64,
-    /// Elements between `attn_sink` entries.
-    pub attn_sink_stride: i64,
-    /// Elements between `out` tokens.
-    pub out_stride_t: i64,
-    /// Elements between `out` heads.
-    pub out_stride_h: i64,
-    /// Elements between `max_logits` tokens.
-    pub max_logits_stride_t: i64,
-    /// Elements between `max_logits` heads.
-    pub max_logits_stride_h: i64,
-    /// Elements between `lse` tokens.
-    pub lse_stride_t: i64,
-    /// Elements between `lse` heads.
-    pub lse_stride_h: i64,
-    /// Query tokens.
-    pub s_q: i32,
-    /// KV rows, clamped to `i32::MAX` (every i32 index >= 0 is then below it, as it is below the
-    /// true `s_kv`).
-    pub s_kv: i32,
-    /// Query heads, 1..=128.
-    pub h_q: i32,
-    /// Index entries per token.
-    pub topk: i32,
-    /// `ceil(h_q / 64)`.
-    pub num_head_groups: i32,
-    /// `FLAG_*` bits.
-    pub flags: u32,
-    /// `sm_scale * log2(e)`.
-    pub sm_scale_log2: f32,
-    /// Always 0.
-    pub reserved: i32,
+device_params! {
+    family = "sparse_fwd", cxx = "SparseFwdParams";
+    /// Mirror of `flashmla::sparse_fwd::SparseFwdParams` (params.h), checked against it at compile
+    /// time ([`crate::cuda::params`]). Pointers are device addresses; strides are in elements; last
+    /// dimensions are contiguous and have no stride field.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    pub struct SparseFwdParams {
+        /// `[s_q, h_q, d_qk]` bf16, strides `(q_stride_t, q_stride_h, 1)`.
+        pub q: u64,
+        /// `[s_kv, 1, d_qk]` bf16, row stride `kv_stride_t`.
+        pub kv: u64,
+        /// `[s_q, 1, topk]` i32, token stride `indices_stride_t`.
+        pub indices: u64,
+        /// `[s_q]` i32, stride `topk_length_stride`; 0 when absent.
+        pub topk_length: u64,
+        /// `[h_q]` f32, stride `attn_sink_stride`; 0 when absent.
+        pub attn_sink: u64,
+        /// `[s_q, h_q, d_v]` bf16, strides `(out_stride_t, out_stride_h, 1)`.
+        pub out: u64,
+        /// `[s_q, h_q]` f32, strides `(max_logits_stride_t, max_logits_stride_h)`.
+        pub max_logits: u64,
+        /// `[s_q, h_q]` f32, strides `(lse_stride_t, lse_stride_h)`.
+        pub lse: u64,
+        /// Elements between `q` tokens.
+        pub q_stride_t: i64,
+        /// Elements between `q` heads.
+        pub q_stride_h: i64,
+        /// Elements between `kv` rows.
+        pub kv_stride_t: i64,
+        /// Elements between `indices` tokens.
+        pub indices_stride_t: i64,
+        /// Elements between `topk_length` entries.
+        pub topk_length_stride: i64,
+        /// Elements between `attn_sink` entries.
+        pub attn_sink_stride: i64,
+        /// Elements between `out` tokens.
+        pub out_stride_t: i64,
+        /// Elements between `out` heads.
+        pub out_stride_h: i64,
+        /// Elements between `max_logits` tokens.
+        pub max_logits_stride_t: i64,
+        /// Elements between `max_logits` heads.
+        pub max_logits_stride_h: i64,
+        /// Elements between `lse` tokens.
+        pub lse_stride_t: i64,
+        /// Elements between `lse` heads.
+        pub lse_stride_h: i64,
+        /// Query tokens.
+        pub s_q: i32,
+        /// KV rows, clamped to `i32::MAX` (every i32 index >= 0 is then below it, as it is below the
+        /// true `s_kv`).
+        pub s_kv: i32,
+        /// Query heads, 1..=128.
+        pub h_q: i32,
+        /// Index entries per token.
+        pub topk: i32,
+        /// `ceil(h_q / 64)`.
+        pub num_head_groups: i32,
+        /// `FLAG_*` bits.
+        pub flags: u32,
+        /// `sm_scale * log2(e)`.
+        pub sm_scale_log2: f32,
+        /// Always 0.
+        pub reserved: i32,
+    }
 }
 
-const _: () = {
-    assert!(size_of::<SparseFwdParams>() == 192);
-    assert!(offset_of!(SparseFwdParams, q) == 0);
-    assert!(offset_of!(SparseFwdParams, lse) == 56);
-    assert!(offset_of!(SparseFwdParams, q_stride_t) == 64);
-    assert!(offset_of!(SparseFwdParams, lse_stride_h) == 152);
-    assert!(offset_of!(SparseFwdParams, s_q) == 160);
-    assert!(offset_of!(SparseFwdParams, flags) == 180);
-    assert!(offset_of!(SparseFwdParams, sm_scale_log2) == 184);
-    assert!(offset_of!(SparseFwdParams, reserved) == 188);
-};
+/// The family's kernel symbols (entry points in `csrc/sm90/sparse_fwd/sparse_fwd.cu`): the only place
+/// they are spelled on the host; a CPU test checks each against the embedded cubin.
+pub mod kernels {
+    /// Split pipeline, `d_qk` 576.
+    pub const SPLIT_D576: &str = "sparse_fwd_d576";
+    /// Split pipeline, `d_qk` 512.
+    pub const SPLIT_D512: &str = "sparse_fwd_d512";
+    /// Alternating pipeline, `d_qk` 576.
+    pub const ALT_D576: &str = "sparse_fwd_alt_d576";
+    /// Alternating pipeline, `d_qk` 512.
+    pub const ALT_D512: &str = "sparse_fwd_alt_d512";
+    /// Every kernel [`super::kernel_for`] can name.
+    pub const ALL: &[&str] = &[SPLIT_D576, SPLIT_D512, ALT_D576, ALT_D512];
+}
 
-/// Kernel symbol and dynamic shared memory for a `d_qk`.
+/// Kernel symbol and dynamic shared memory for a `d_qk` and a pipeline.
 pub fn kernel_for(d_qk: usize, pipeline: SparseFwdPipeline) -> Result<(&'static str, u32)> {
     let alt = pipeline == SparseFwdPipeline::Alternating;
     match (d_qk, alt) {
-        (576, false) => Ok(("sparse_fwd_d576", SMEM_BYTES_D576)),
-        (576, true) => Ok(("sparse_fwd_alt_d576", SMEM_BYTES_D576)),
-        (512, false) => Ok(("sparse_fwd_d512", SMEM_BYTES_D512)),
-        (512, true) => Ok(("sparse_fwd_alt_d512", SMEM_BYTES_D512)),
+        (576, false) => Ok((kernels::SPLIT_D576, SMEM_BYTES_D576)),
+        (576, true) => Ok((kernels::ALT_D576, SMEM_BYTES_D576)),
+        (512, false) => Ok((kernels::SPLIT_D512, SMEM_BYTES_D512)),
+        (512, true) => Ok((kernels::ALT_D512, SMEM_BYTES_D512)),
         _ => Err(Error::unsupported(
             format!("sparse_fwd kernel for d_qk = {d_qk}"),
             "the sm_90a kernel is built for d_qk 512 and 576",
@@ -147,6 +152,42 @@ pub enum SparseFwdPipeline {
     Split,
     /// Consumers alternate tiles: more overlap, needs fast (L2-resident) gathers.
     Alternating,
+}
+
+/// What the alternating pipeline's producer prefetches into L2 ahead of its gathers (the split pipeline
+/// ignores it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SparseFwdPrefetch {
+    /// Nothing.
+    Off,
+    /// The value columns of every row of the next tile ([`FLAG_PREFETCH_ROWS`]).
+    Rows,
+}
+
+/// Launch choices of the forward that change its speed, not what it computes (up to the order of the
+/// online softmax's f32 additions). Each `None` takes the measured heuristic ([`choose`]); the default
+/// is all `None`, which is what [`super::sparse_fwd_cuda`] uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SparseFwdTuning {
+    /// The kernel pipeline; `None`: [`pipeline_for`] (by KV size and head count).
+    pub pipeline: Option<SparseFwdPipeline>,
+    /// The alternating pipeline's L2 prefetch; `None`: [`prefetch_rows_for`] (by KV size).
+    pub prefetch: Option<SparseFwdPrefetch>,
+    /// `Some(false)` launches the CTAs of a token's two head groups independently instead of as a 2-CTA
+    /// cluster; `None` and `Some(true)`: [`token_cluster_for`] (a cluster exactly when there are two head
+    /// groups: with one, a cluster would not pair the CTAs of a token).
+    pub cluster: Option<bool>,
+}
+
+/// The launch choices of one call ([`choose`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SparseFwdChoice {
+    /// The kernel pipeline.
+    pub pipeline: SparseFwdPipeline,
+    /// Whether [`FLAG_PREFETCH_ROWS`] is set.
+    pub prefetch_rows: bool,
+    /// Cluster dimensions of the launch, if any.
+    pub cluster: Option<(u32, u32, u32)>,
 }
 
 /// Largest KV tensor (`s_kv * d_qk * 2` bytes) for which [`pipeline_for`] picks the alternating
@@ -166,14 +207,6 @@ pub const ALTERNATING_MAX_KV_BYTES_D576: u64 = 64 << 20;
 /// 16K (18 MiB at `d_qk` 576), -1.5% at 20K / 24K, -2.7% at 32K.
 pub const PREFETCH_ROWS_MIN_KV_BYTES: u64 = 16 << 20;
 
-/// Environment variable that forces a pipeline (`split` or `alternating`) for tests and
-/// benchmarks; any other value, or none, leaves the choice to the KV size.
-pub const PIPELINE_ENV: &str = "FLASHMLA_SPARSE_FWD_PIPELINE";
-
-/// Environment variable that turns off (`off`) the 2-CTA cluster launch of the two head groups of
-/// a token ([`token_cluster_for`]) for benchmarks; any other value, or none, keeps it.
-pub const CLUSTER_ENV: &str = "FLASHMLA_SPARSE_FWD_CLUSTER";
-
 /// Cluster dimensions of the launch: with two head groups per token (`h_q > 64`), the token's two
 /// CTAs (adjacent block indices) form a 2-CTA cluster, so the hardware starts them together on one
 /// GPC and the second gather of each KV row finds the line the first one brought into L2 nearby.
@@ -181,28 +214,17 @@ pub const CLUSTER_ENV: &str = "FLASHMLA_SPARSE_FWD_CLUSTER";
 /// barrier). Measured on H100 in one process, V3.2 random, full clock: +0.2% at s_kv 8K, +1.0% at
 /// 32K, +1.1% at 64K, +1.6% at 128K (`docs/perf-log.md`, 2026-11-25).
 pub fn token_cluster_for(num_head_groups: usize) -> Option<(u32, u32, u32)> {
-    if num_head_groups != 2 || std::env::var(CLUSTER_ENV).as_deref() == Ok("off") {
-        return None;
-    }
-    Some((2, 1, 1))
+    (num_head_groups == 2).then_some((2, 1, 1))
 }
-
-/// Environment variable that forces the alternating pipeline's L2 prefetch (`rows`: whole rows,
-/// `off`: none) for benchmarks; any other value, or none, leaves the choice to the KV size.
-pub const PREFETCH_ENV: &str = "FLASHMLA_SPARSE_FWD_PREFETCH";
 
 fn kv_bytes(s_kv: usize, d_qk: usize) -> u64 {
     (s_kv as u64).saturating_mul(d_qk as u64 * 2)
 }
 
-/// The pipeline a call uses (see [`ALTERNATING_MAX_KV_BYTES`], [`ALTERNATING_MAX_KV_BYTES_D576`],
-/// [`PIPELINE_ENV`]).
+/// The pipeline the heuristic picks (see [`ALTERNATING_MAX_KV_BYTES`],
+/// [`ALTERNATING_MAX_KV_BYTES_D576`]). Example: V3.2 (`d_qk` 576, `h_q` 128) at s_kv 32768: 36 MiB of
+/// KV, at most 64 MiB, so alternating; at s_kv 65536 (72 MiB) split.
 pub fn pipeline_for(s_kv: usize, d_qk: usize, h_q: usize) -> SparseFwdPipeline {
-    match std::env::var(PIPELINE_ENV).as_deref() {
-        Ok("split") => return SparseFwdPipeline::Split,
-        Ok("alternating") => return SparseFwdPipeline::Alternating,
-        _ => {}
-    }
     let max = if d_qk == 576 {
         ALTERNATING_MAX_KV_BYTES_D576
     } else {
@@ -215,24 +237,41 @@ pub fn pipeline_for(s_kv: usize, d_qk: usize, h_q: usize) -> SparseFwdPipeline {
     }
 }
 
-/// Whether the alternating pipeline prefetches whole rows (see [`PREFETCH_ROWS_MIN_KV_BYTES`],
-/// [`PREFETCH_ENV`]); the split pipeline ignores the flag.
+/// Whether the heuristic makes the alternating pipeline prefetch whole rows (see
+/// [`PREFETCH_ROWS_MIN_KV_BYTES`]); the split pipeline ignores the flag.
 pub fn prefetch_rows_for(s_kv: usize, d_qk: usize) -> bool {
-    match std::env::var(PREFETCH_ENV).as_deref() {
-        Ok("rows") => true,
-        Ok("off") => false,
-        _ => kv_bytes(s_kv, d_qk) > PREFETCH_ROWS_MIN_KV_BYTES,
+    kv_bytes(s_kv, d_qk) > PREFETCH_ROWS_MIN_KV_BYTES
+}
+
+/// The launch choices for a call (pure): each field of `tuning` that is set, else the heuristic.
+pub fn choose(dims: &SparseFwdDims, tuning: &SparseFwdTuning) -> SparseFwdChoice {
+    let num_head_groups = dims.h_q.div_ceil(HEADS_PER_CTA);
+    SparseFwdChoice {
+        pipeline: tuning
+            .pipeline
+            .unwrap_or_else(|| pipeline_for(dims.s_kv, dims.d_qk, dims.h_q)),
+        prefetch_rows: match tuning.prefetch {
+            Some(SparseFwdPrefetch::Rows) => true,
+            Some(SparseFwdPrefetch::Off) => false,
+            None => prefetch_rows_for(dims.s_kv, dims.d_qk),
+        },
+        cluster: match tuning.cluster {
+            Some(false) => None,
+            Some(true) | None => token_cluster_for(num_head_groups),
+        },
     }
 }
 
-/// Checks the kernel's limits and builds its parameters and launch geometry (pure: no GPU needed).
-/// Returns `None` when there is nothing to launch (`s_q = 0`).
+/// Checks the kernel's limits and builds its parameters and launch geometry with the choices of
+/// [`choose`] (pure: no GPU needed). Returns `None` when there is nothing to launch (`s_q = 0`).
 pub fn lower(
     dims: &SparseFwdDims,
     args: &SparseFwdArgs<'_, DeviceView>,
     out: &SparseFwdOutput<DeviceView>,
+    tuning: &SparseFwdTuning,
 ) -> Result<Option<(&'static str, LaunchConfig, SparseFwdParams)>> {
-    let (kernel, smem) = kernel_for(dims.d_qk, pipeline_for(dims.s_kv, dims.d_qk, dims.h_q))?;
+    let choice = choose(dims, tuning);
+    let (kernel, smem) = kernel_for(dims.d_qk, choice.pipeline)?;
     if dims.h_q > MAX_HEADS {
         return Err(Error::unsupported(
             format!("sparse_fwd on the GPU with h_q = {}", dims.h_q),
@@ -349,7 +388,7 @@ pub fn lower(
             FLAG_OUT_VEC16
         } else {
             0
-        }) | if prefetch_rows_for(dims.s_kv, dims.d_qk) {
+        }) | if choice.prefetch_rows {
             FLAG_PREFETCH_ROWS
         } else {
             0
@@ -361,7 +400,7 @@ pub fn lower(
         grid: (ctas as u32, 1, 1),
         block: (THREADS_PER_CTA, 1, 1),
         shared_mem_bytes: smem,
-        cluster: token_cluster_for(num_head_groups),
+        cluster: choice.cluster,
         programmatic: false,
     };
     Ok(Some((kernel, cfg, params)))
@@ -377,15 +416,16 @@ pub(crate) fn launch(
     dims: &SparseFwdDims,
     args: &SparseFwdArgs<'_, DeviceView>,
     out: &SparseFwdOutput<DeviceView>,
+    tuning: &SparseFwdTuning,
 ) -> Result<()> {
     let device = Location::Cuda(gpu.ordinal());
     expect_location("q", args.q, device)?;
-    let Some((name, cfg, params)) = lower(dims, args, out)? else {
+    let Some((name, cfg, params)) = lower(dims, args, out, tuning)? else {
         return Ok(());
     };
     debug_assert_eq!(args.q.dtype(), DType::Bf16);
     let kernel = gpu.kernel(FAMILY, name)?;
-    // SAFETY: `SparseFwdParams` mirrors the kernel's parameter struct (asserted on both sides).
+    // SAFETY: `SparseFwdParams` mirrors the kernel's parameter struct (checked at compile time).
     // `validate`/`validate_output` established the shapes and dtypes the params describe and that
     // every tensor lives on this device; `lower` checked alignment and that every offset fits i64.
     // The kernel reads q rows of its token and head group, kv rows only at indices in 0..s_kv,
@@ -401,6 +441,11 @@ mod tests {
     use crate::tensor::Layout;
 
     const BASE: u64 = 0x7f00_0000_0000;
+    const DEFAULT: SparseFwdTuning = SparseFwdTuning {
+        pipeline: None,
+        prefetch: None,
+        cluster: None,
+    };
 
     fn view(ptr: u64, dtype: DType, shape: &[usize], strides: Option<&[usize]>) -> DeviceView {
         let layout = match strides {
@@ -456,14 +501,10 @@ mod tests {
 
     #[test]
     fn lowers_the_v32_shape() {
-        if std::env::var_os(PIPELINE_ENV).is_some()
-            || std::env::var_os(PREFETCH_ENV).is_some()
-            || std::env::var_os(CLUSTER_ENV).is_some()
-        {
-            return;
-        }
         let c = case(4096, 128, 576, 32768, 2048);
-        let (name, cfg, p) = lower(&c.dims, &args(&c), &c.out).unwrap().unwrap();
+        let (name, cfg, p) = lower(&c.dims, &args(&c), &c.out, &DEFAULT)
+            .unwrap()
+            .unwrap();
         assert_eq!(name, "sparse_fwd_alt_d576");
         assert_eq!(cfg.grid, (8192, 1, 1));
         assert_eq!(cfg.cluster, Some((2, 1, 1)));
@@ -483,14 +524,13 @@ mod tests {
 
     #[test]
     fn only_two_head_groups_launch_as_clusters() {
-        if std::env::var_os(CLUSTER_ENV).is_some() {
-            return;
-        }
         assert_eq!(token_cluster_for(1), None);
         assert_eq!(token_cluster_for(2), Some((2, 1, 1)));
         for h_q in [1, 64, 65, 100, 128] {
             let c = case(3, h_q, 512, 300, 100);
-            let (_, cfg, _) = lower(&c.dims, &args(&c), &c.out).unwrap().unwrap();
+            let (_, cfg, _) = lower(&c.dims, &args(&c), &c.out, &DEFAULT)
+                .unwrap()
+                .unwrap();
             let groups = h_q.div_ceil(HEADS_PER_CTA) as u32;
             assert_eq!(cfg.grid, (3 * groups, 1, 1), "h_q {h_q}");
             // A cluster must divide the grid: two head groups make every grid even.
@@ -500,9 +540,6 @@ mod tests {
 
     #[test]
     fn row_prefetch_starts_beyond_16_mib_of_kv() {
-        if std::env::var_os(PREFETCH_ENV).is_some() {
-            return;
-        }
         assert!(!prefetch_rows_for(14563, 576));
         assert!(prefetch_rows_for(14564, 576));
         assert!(!prefetch_rows_for(16384, 512));
@@ -512,10 +549,6 @@ mod tests {
 
     #[test]
     fn short_contexts_take_the_alternating_pipeline() {
-        // The KV size decides unless the environment forces a pipeline (not set in these tests).
-        if std::env::var_os(PIPELINE_ENV).is_some() {
-            return;
-        }
         use SparseFwdPipeline::{Alternating, Split};
         assert_eq!(pipeline_for(8192, 576, 128), Alternating);
         assert_eq!(pipeline_for(49152, 576, 65), Alternating);
@@ -527,7 +560,9 @@ mod tests {
         assert_eq!(pipeline_for(8192, 512, 64), Split);
         assert_eq!(pipeline_for(usize::MAX, 512, 128), Split);
         let c = case(4096, 128, 576, 8192, 2048);
-        let (name, cfg, _) = lower(&c.dims, &args(&c), &c.out).unwrap().unwrap();
+        let (name, cfg, _) = lower(&c.dims, &args(&c), &c.out, &DEFAULT)
+            .unwrap()
+            .unwrap();
         assert_eq!(
             (name, cfg.shared_mem_bytes),
             ("sparse_fwd_alt_d576", SMEM_BYTES_D576)
@@ -539,10 +574,132 @@ mod tests {
     }
 
     #[test]
+    fn each_tuning_field_replaces_its_heuristic_alone() {
+        use SparseFwdPipeline::{Alternating, Split};
+        // V3.2 at s_kv 32K: the heuristic takes the alternating pipeline, prefetches rows (36 MiB of KV)
+        // and clusters the two head groups.
+        let d = case(4, 128, 576, 32768, 64).dims;
+        let auto = choose(&d, &DEFAULT);
+        assert_eq!(
+            auto,
+            SparseFwdChoice {
+                pipeline: Alternating,
+                prefetch_rows: true,
+                cluster: Some((2, 1, 1)),
+            }
+        );
+        let with = |t: SparseFwdTuning| choose(&d, &t);
+        let split = with(SparseFwdTuning {
+            pipeline: Some(Split),
+            ..DEFAULT
+        });
+        assert_eq!(
+            split,
+            SparseFwdChoice {
+                pipeline: Split,
+                ..auto
+            }
+        );
+        let no_prefetch = with(SparseFwdTuning {
+            prefetch: Some(SparseFwdPrefetch::Off),
+            ..DEFAULT
+        });
+        assert_eq!(
+            no_prefetch,
+            SparseFwdChoice {
+                prefetch_rows: false,
+                ..auto
+            }
+        );
+        let no_cluster = with(SparseFwdTuning {
+            cluster: Some(false),
+            ..DEFAULT
+        });
+        assert_eq!(
+            no_cluster,
+            SparseFwdChoice {
+                cluster: None,
+                ..auto
+            }
+        );
+        // Settings equal to the heuristic's choice change nothing.
+        let same = SparseFwdTuning {
+            pipeline: Some(Alternating),
+            prefetch: Some(SparseFwdPrefetch::Rows),
+            cluster: Some(true),
+        };
+        assert_eq!(with(same), auto);
+        // One head group at s_kv 8K: the heuristic takes split, no prefetch, no cluster; forcing the
+        // alternating pipeline and row prefetch works, a cluster cannot be forced.
+        let d = case(4, 64, 576, 8192, 64).dims;
+        assert_eq!(
+            choose(&d, &DEFAULT),
+            SparseFwdChoice {
+                pipeline: Split,
+                prefetch_rows: false,
+                cluster: None,
+            }
+        );
+        let forced = SparseFwdTuning {
+            pipeline: Some(Alternating),
+            prefetch: Some(SparseFwdPrefetch::Rows),
+            cluster: Some(true),
+        };
+        assert_eq!(
+            choose(&d, &forced),
+            SparseFwdChoice {
+                pipeline: Alternating,
+                prefetch_rows: true,
+                cluster: None,
+            }
+        );
+    }
+
+    #[test]
+    fn lower_applies_the_tuning() {
+        let c = case(4096, 128, 576, 131072, 2048);
+        let (name, cfg, p) = lower(&c.dims, &args(&c), &c.out, &DEFAULT)
+            .unwrap()
+            .unwrap();
+        assert_eq!(name, kernels::SPLIT_D576);
+        assert_eq!(cfg.cluster, Some((2, 1, 1)));
+        assert_eq!(p.flags, FLAG_OUT_VEC16 | FLAG_PREFETCH_ROWS);
+        let tuning = SparseFwdTuning {
+            pipeline: Some(SparseFwdPipeline::Alternating),
+            prefetch: Some(SparseFwdPrefetch::Off),
+            cluster: Some(false),
+        };
+        let (name, cfg, p) = lower(&c.dims, &args(&c), &c.out, &tuning).unwrap().unwrap();
+        assert_eq!(name, kernels::ALT_D576);
+        assert_eq!(cfg.cluster, None);
+        assert_eq!(p.flags, FLAG_OUT_VEC16);
+        // The grid and the shared memory do not depend on the choices.
+        assert_eq!(cfg.grid, (8192, 1, 1));
+        assert_eq!(cfg.shared_mem_bytes, SMEM_BYTES_D576);
+    }
+
+    #[test]
+    fn kernel_for_names_exactly_the_listed_kernels() {
+        let mut named = Vec::new();
+        for d_qk in [512, 576] {
+            for pipeline in [SparseFwdPipeline::Split, SparseFwdPipeline::Alternating] {
+                named.push(kernel_for(d_qk, pipeline).unwrap().0);
+            }
+        }
+        named.sort();
+        let mut all = kernels::ALL.to_vec();
+        all.sort();
+        assert_eq!(named, all);
+        assert!(kernel_for(448, SparseFwdPipeline::Split).is_err());
+    }
+
+    #[test]
     fn odd_head_counts_round_up_to_groups_of_64() {
         for (h_q, groups) in [(1, 1), (64, 1), (65, 2), (100, 2), (128, 2)] {
             let c = case(3, h_q, 512, 10, 7);
-            let (name, cfg, p) = lower(&c.dims, &args(&c), &c.out).unwrap().unwrap();
+            let (name, cfg, p) = lower(&c.dims, &args(&c), &c.out, &DEFAULT)
+                .unwrap()
+                .unwrap();
             let want = if h_q > 64 {
                 "sparse_fwd_alt_d512"
             } else {
@@ -557,7 +714,7 @@ mod tests {
         }
         let c = case(3, 129, 576, 10, 7);
         assert!(matches!(
-            lower(&c.dims, &args(&c), &c.out),
+            lower(&c.dims, &args(&c), &c.out, &DEFAULT),
             Err(Error::Unsupported { .. })
         ));
     }
@@ -565,9 +722,13 @@ mod tests {
     #[test]
     fn empty_query_launches_nothing_and_long_sequences_stay_on_grid_x() {
         let c = case(0, 128, 576, 10, 7);
-        assert!(lower(&c.dims, &args(&c), &c.out).unwrap().is_none());
+        assert!(lower(&c.dims, &args(&c), &c.out, &DEFAULT)
+            .unwrap()
+            .is_none());
         let c = case(200_000, 128, 576, 10, 7);
-        let (_, cfg, _) = lower(&c.dims, &args(&c), &c.out).unwrap().unwrap();
+        let (_, cfg, _) = lower(&c.dims, &args(&c), &c.out, &DEFAULT)
+            .unwrap()
+            .unwrap();
         assert_eq!(cfg.grid, (400_000, 1, 1));
     }
 
@@ -589,7 +750,9 @@ mod tests {
             &[5, 64, 512],
             Some(&[65 * 640, 640, 1]),
         );
-        let (_, _, p) = lower(&c.dims, &args(&c), &c.out).unwrap().unwrap();
+        let (_, _, p) = lower(&c.dims, &args(&c), &c.out, &DEFAULT)
+            .unwrap()
+            .unwrap();
         assert_eq!(
             (p.q_stride_t, p.q_stride_h, p.kv_stride_t),
             (65 * 704, 704, 1408)
@@ -603,7 +766,7 @@ mod tests {
             &[100, 1, 576],
             Some(&[577, 577, 1]),
         );
-        let err = lower(&bad.dims, &args(&bad), &bad.out).unwrap_err();
+        let err = lower(&bad.dims, &args(&bad), &bad.out, &DEFAULT).unwrap_err();
         assert!(
             matches!(err, Error::Unsupported { ref what, .. } if what.contains("`kv`")),
             "{err:?}"
@@ -611,7 +774,7 @@ mod tests {
         let mut bad = case(5, 64, 576, 100, 64);
         bad.q = view(BASE + 2, DType::Bf16, &[5, 64, 576], None);
         assert!(matches!(
-            lower(&bad.dims, &args(&bad), &bad.out),
+            lower(&bad.dims, &args(&bad), &bad.out, &DEFAULT),
             Err(Error::Unsupported { .. })
         ));
         // An odd output stride only disables the vector stores.
@@ -622,7 +785,9 @@ mod tests {
             &[5, 64, 512],
             Some(&[64 * 513, 513, 1]),
         );
-        let (_, _, p) = lower(&odd.dims, &args(&odd), &odd.out).unwrap().unwrap();
+        let (_, _, p) = lower(&odd.dims, &args(&odd), &odd.out, &DEFAULT)
+            .unwrap()
+            .unwrap();
         assert_eq!(p.flags, 0);
         // Size-1 dimensions may carry any stride.
         let mut one = case(1, 64, 576, 1, 64);
@@ -632,7 +797,7 @@ mod tests {
             &[1, 1, 576],
             Some(&[3, 5, 1]),
         );
-        assert!(lower(&one.dims, &args(&one), &one.out).is_ok());
+        assert!(lower(&one.dims, &args(&one), &one.out, &DEFAULT).is_ok());
     }
 
     #[test]
@@ -643,13 +808,13 @@ mod tests {
         let mut a = args(&c);
         a.attn_sink = Some(&sink);
         a.topk_length = Some(&len);
-        let (_, _, p) = lower(&c.dims, &a, &c.out).unwrap().unwrap();
+        let (_, _, p) = lower(&c.dims, &a, &c.out, &DEFAULT).unwrap().unwrap();
         assert_eq!((p.attn_sink, p.attn_sink_stride), (BASE + (6 << 32), 2));
         assert_eq!((p.topk_length, p.topk_length_stride), (BASE + (7 << 32), 3));
         let misaligned = view(BASE + (6 << 32) + 2, DType::F32, &[128], None);
         a.attn_sink = Some(&misaligned);
         assert_eq!(
-            lower(&c.dims, &a, &c.out).unwrap_err().arg(),
+            lower(&c.dims, &a, &c.out, &DEFAULT).unwrap_err().arg(),
             Some("attn_sink.data_ptr")
         );
     }
@@ -657,12 +822,16 @@ mod tests {
     #[test]
     fn huge_s_kv_is_clamped_and_huge_topk_rejected() {
         let c = case(2, 64, 512, 3_000_000_000, 64);
-        let (_, _, p) = lower(&c.dims, &args(&c), &c.out).unwrap().unwrap();
+        let (_, _, p) = lower(&c.dims, &args(&c), &c.out, &DEFAULT)
+            .unwrap()
+            .unwrap();
         assert_eq!(p.s_kv, i32::MAX);
         let mut big = case(2, 64, 512, 10, 64);
         big.dims.topk = i32::MAX as usize;
         assert_eq!(
-            lower(&big.dims, &args(&big), &big.out).unwrap_err().arg(),
+            lower(&big.dims, &args(&big), &big.out, &DEFAULT)
+                .unwrap_err()
+                .arg(),
             Some("indices.shape[2]")
         );
     }

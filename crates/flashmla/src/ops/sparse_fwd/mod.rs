@@ -26,11 +26,13 @@
 //! the outputs plus f32 copies of `q` and of the referenced rows, reports an allocation that fails as
 //! [`crate::Error::OutOfHostMemory`], and [`sparse_fwd_cpu_with`] stops with [`crate::Error::Interrupted`]
 //! when its [`CancelToken`] is cancelled.
-//! GPU path: [`sparse_fwd_cuda`] launches the sm_90a kernel ([`launch`]) into caller-provided outputs.
+//! GPU path: [`sparse_fwd_cuda`] launches the sm_90a kernel ([`launch`]) into caller-provided outputs;
+//! [`sparse_fwd_cuda_with`] takes launch choices ([`SparseFwdTuning`]) instead of the heuristics.
 
 pub mod launch;
 pub mod validate;
 
+pub use launch::{SparseFwdPipeline, SparseFwdPrefetch, SparseFwdTuning};
 pub use validate::{validate, validate_output};
 
 use crate::alloc::try_with_capacity;
@@ -149,16 +151,29 @@ pub fn sparse_fwd_cpu_with(
 
 /// Runs the forward on the GPU: validates the arguments and the caller-provided outputs (shapes and
 /// dtypes per the [module docs](self), everything on `gpu`'s device), checks the kernel's own limits
-/// (see [`launch`]) and enqueues the kernel on `gpu`'s stream. Asynchronous: the outputs are ready
-/// once the stream is synchronised.
+/// (see [`launch`]) and enqueues the kernel on `gpu`'s stream, with the measured launch choices
+/// ([`SparseFwdTuning::default`]). Asynchronous: the outputs are ready once the stream is
+/// synchronised.
 pub fn sparse_fwd_cuda(
     gpu: &Gpu,
     args: &SparseFwdArgs<'_, DeviceView>,
     out: &SparseFwdOutput<DeviceView>,
 ) -> Result<()> {
+    sparse_fwd_cuda_with(gpu, args, out, &SparseFwdTuning::default())
+}
+
+/// [`sparse_fwd_cuda`] with launch choices of the caller's (pipeline, L2 prefetch, cluster launch):
+/// each `None` field of `tuning` keeps the measured heuristic. The results are the same up to the
+/// order of f32 additions; the speed is not.
+pub fn sparse_fwd_cuda_with(
+    gpu: &Gpu,
+    args: &SparseFwdArgs<'_, DeviceView>,
+    out: &SparseFwdOutput<DeviceView>,
+    tuning: &SparseFwdTuning,
+) -> Result<()> {
     let dims = validate(args)?;
     validate_output(&dims, args.q.location(), out)?;
-    launch::launch(gpu, &dims, args, out)
+    launch::launch(gpu, &dims, args, out, tuning)
 }
 
 /// The forward's inputs gathered into contiguous host vectors (shared with the backward's CPU path).
