@@ -231,6 +231,8 @@ def _decode_dense_op(
     batch_invariant: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """Dense decode over a paged bf16/fp16 cache (docs/spec.md section 4): ``(out [b, s_q, h_q, 512], lse [b, h_q, s_q])``."""
+    if q.is_cuda and (q.data_ptr() % 16 or any(s % 8 for s, n in zip(q.stride()[:-1], q.shape[:-1]) if n > 1)):
+        q = q.contiguous()  # the kernel gathers q rows in 16-byte chunks
     ins = (
         _glue.desc(q, "q"),
         _glue.desc(k_cache, "k_cache"),
@@ -478,8 +480,6 @@ def decode_dense(
         dict(q=q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens), dict(attn_sink=attn_sink)
     )
     scale = None if softmax_scale is None else float(softmax_scale)
-    if q.is_cuda and (q.data_ptr() % 16 or any(s % 8 for s in q.stride()[:-1])):
-        q = q.contiguous()  # the kernel gathers q rows in 16-byte chunks
     return _decode_dense_op(q, k_cache, block_table, cache_seqlens, scale, bool(causal), attn_sink, bool(batch_invariant))
 
 

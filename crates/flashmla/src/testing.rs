@@ -2,8 +2,8 @@
 //! (docs/spec.md section 6) in one place, seeded so every failure can be replayed.
 
 use crate::error::Result;
-use crate::reference::decode::{DenseDecodeInputs, DenseDecodeProblem};
 use crate::fp8::KvFormat;
+use crate::reference::decode::{DenseDecodeInputs, DenseDecodeProblem};
 use crate::tensor::{HostTensor, TensorMeta};
 use half::bf16;
 use rand::rngs::StdRng;
@@ -735,7 +735,12 @@ pub fn dense_case(rng: &mut StdRng, spec: &DenseSpec) -> DenseCase {
         }
     }
     let offset_q = rng.random_range(-0.2f32..0.2);
-    let q = randn_bf16(rng, spec.batch * spec.s_q * spec.h_q * spec.d_qk, 0.1, offset_q);
+    let q = randn_bf16(
+        rng,
+        spec.batch * spec.s_q * spec.h_q * spec.d_qk,
+        0.1,
+        offset_q,
+    );
     let sink = spec.sink.then(|| {
         (0..spec.h_q)
             .map(|_| rng.sample::<f32, _>(StandardNormal))
@@ -762,4 +767,3 @@ pub fn dense_case(rng: &mut StdRng, spec: &DenseSpec) -> DenseCase {
         sink,
     }
 }
-

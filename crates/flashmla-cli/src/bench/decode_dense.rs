@@ -199,7 +199,11 @@ fn setup(gpu: &flashmla::cuda::Gpu, s: &Shape) -> flashmla::Result<super::Timed>
     })?;
     let ws = gpu.alloc(
         DType::F32,
-        &[dense_workspace_words(&dims, &options, gpu.info().sm_count as usize)?],
+        &[dense_workspace_words(
+            &dims,
+            &options,
+            gpu.info().sm_count as usize,
+        )?],
     )?;
     let gpu = gpu.clone();
     let causal = s.causal;

@@ -84,7 +84,10 @@ fn host_case(c: &DenseCheck, seed: u64) -> flashmla::Result<HostCase> {
         .transpose()?;
     let (q, k_cache) = if c.strided {
         // Padding keeps rows 16-byte aligned (the gather's requirement); out and lse get odd strides.
-        (q.to_padded(&[0, 1, 1, 8])?, k_cache.to_padded(&[1, 1, 1, 0])?)
+        (
+            q.to_padded(&[0, 1, 1, 8])?,
+            k_cache.to_padded(&[1, 1, 1, 0])?,
+        )
     } else {
         (q, k_cache)
     };
@@ -306,7 +309,15 @@ pub fn cases() -> Vec<Case> {
         strided: false,
     };
     // Head ratios and query lengths, default schedule and forced splits.
-    for (h_q, h_kv) in [(128usize, 1usize), (64, 1), (16, 1), (1, 1), (8, 2), (128, 2), (3, 3)] {
+    for (h_q, h_kv) in [
+        (128usize, 1usize),
+        (64, 1),
+        (16, 1),
+        (1, 1),
+        (8, 2),
+        (128, 2),
+        (3, 3),
+    ] {
         for s_q in [1usize, 2, 5] {
             for (oname, options) in [("default", DecodeOptions::default()), ("split7", forced)] {
                 let mut c = base(spec(6, s_q, h_q, h_kv, 64, lengths(6, h_q + s_q)));
@@ -341,13 +352,21 @@ pub fn cases() -> Vec<Case> {
         v.push((format!("decode_dense/f16/h{h_q}kv{h_kv}"), h_q == 128, c));
         v.push((format!("decode_dense/f16/h{h_q}kv{h_kv}/split7"), false, c2));
     }
-    for (name, sv) in [("sink", None), ("sink+inf", Some(f32::INFINITY)), ("sink-inf", Some(f32::NEG_INFINITY))] {
+    for (name, sv) in [
+        ("sink", None),
+        ("sink+inf", Some(f32::INFINITY)),
+        ("sink-inf", Some(f32::NEG_INFINITY)),
+    ] {
         for (oname, options) in [("default", DecodeOptions::default()), ("split7", forced)] {
             let mut c = base(spec(6, 1, 128, 1, 64, lengths(6, 7)));
             c.spec.sink = true;
             c.sink_value = sv;
             c.options = options;
-            v.push((format!("decode_dense/bf16/{name}/{oname}"), name == "sink", c));
+            v.push((
+                format!("decode_dense/bf16/{name}/{oname}"),
+                name == "sink",
+                c,
+            ));
         }
     }
     for (oname, options) in [("default", DecodeOptions::default()), ("split7", forced)] {
@@ -359,13 +378,21 @@ pub fn cases() -> Vec<Case> {
         s.strided = true;
         s.spec.sink = true;
         s.options = options;
-        v.push((format!("decode_dense/bf16/strided/{oname}"), oname == "default", s));
+        v.push((
+            format!("decode_dense/bf16/strided/{oname}"),
+            oname == "default",
+            s,
+        ));
     }
     for (h_q, s_q) in [(128usize, 1usize), (64, 2)] {
         let mut c = base(spec(9, s_q, h_q, 1, 64, lengths(9, 1)));
         c.options = invariant;
         c.spec.causal = s_q > 1;
-        v.push((format!("decode_dense/bf16/invariant/h{h_q}/s_q{s_q}"), true, c));
+        v.push((
+            format!("decode_dense/bf16/invariant/h{h_q}/s_q{s_q}"),
+            true,
+            c,
+        ));
     }
     // A skewed batch: one long request and many short ones.
     let mut skew = vec![20_000i32];

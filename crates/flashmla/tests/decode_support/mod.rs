@@ -10,7 +10,6 @@ use flashmla::reference::decode::{
 use flashmla::reference::kv_quant::{dequantize_cache, quantize_cache, CacheLayout};
 use half::bf16;
 use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_distr::StandardNormal;
 
@@ -128,6 +127,7 @@ fn dot(q: &[f32], k: &[f32]) -> f64 {
     q.iter().zip(k).map(|(&a, &b)| a as f64 * b as f64).sum()
 }
 
+#[allow(unused_imports)] // not every test file that includes this module draws dense cases
 pub use flashmla::testing::{dense_case, DenseCase, DenseSpec};
 
 /// Naive dense decode in f64: per request, gather its keys through the block table (a key whose block id is

@@ -19,7 +19,7 @@
 //! `sm_count / head_tiles` for the balanced schedule, about 34 MB on an H100, and grows with `batch * max_blocks *
 //! page_size` in batch-invariant mode). Nothing else is allocated.
 
-use super::{DecodeOptions, DenseDecodeArgs, DenseDecodeDims, DecodeOutput};
+use super::{DecodeOptions, DecodeOutput, DenseDecodeArgs, DenseDecodeDims};
 use crate::cuda::{device_params, Gpu, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::ops::layout::{rows_aligned, stride_param};
@@ -208,7 +208,6 @@ pub fn combine_kernel_for(dtype: DType) -> &'static str {
     }
 }
 
-
 /// The schedule's shape-only parameters for a call: how the line is cut and how many partial slots it may need.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ScheduleGeometry {
@@ -237,7 +236,9 @@ impl ScheduleGeometry {
         let head_tiles = dims.h_kv * rows.div_ceil(ROWS_PER_CTA);
         if head_tiles > MAX_GRID_YZ {
             return Err(Error::unsupported(
-                format!("decode with {head_tiles} query-row tiles (h_kv * ceil(s_q * h_q / h_kv / 64))"),
+                format!(
+                    "decode with {head_tiles} query-row tiles (h_kv * ceil(s_q * h_q / h_kv / 64))"
+                ),
                 format!("at most {MAX_GRID_YZ} (a grid dimension of the combine kernel)"),
             ));
         }
@@ -275,7 +276,9 @@ impl ScheduleGeometry {
                     dims.batch,
                     dims.max_blocks * dims.page_size
                 ),
-                format!("the schedule's line (batch * (tiles + overhead)) must stay below {MAX_LINE}"),
+                format!(
+                    "the schedule's line (batch * (tiles + overhead)) must stay below {MAX_LINE}"
+                ),
             ));
         }
         Ok(ScheduleGeometry {
@@ -503,7 +506,11 @@ pub fn lower(
         programmatic: false,
     };
     if dims.batch > i32::MAX as usize {
-        return Err(Error::invalid("q.shape[0]", format!("b <= {}", i32::MAX), dims.batch));
+        return Err(Error::invalid(
+            "q.shape[0]",
+            format!("b <= {}", i32::MAX),
+            dims.batch,
+        ));
     }
     Ok(DecodePlan {
         params,

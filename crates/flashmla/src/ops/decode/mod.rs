@@ -315,8 +315,18 @@ pub fn validate_dense_output<T: TensorMeta>(
     out: &DecodeOutput<T>,
 ) -> Result<()> {
     for (arg, t, dtype, shape) in [
-        ("out", &out.out, dims.dtype, vec![dims.batch, dims.s_q, dims.h_q, dims.d_v]),
-        ("lse", &out.lse, DType::F32, vec![dims.batch, dims.h_q, dims.s_q]),
+        (
+            "out",
+            &out.out,
+            dims.dtype,
+            vec![dims.batch, dims.s_q, dims.h_q, dims.d_v],
+        ),
+        (
+            "lse",
+            &out.lse,
+            DType::F32,
+            vec![dims.batch, dims.h_q, dims.s_q],
+        ),
     ] {
         expect_location(arg, t, loc)?;
         expect_dtype(arg, t, &[dtype])?;
