@@ -134,8 +134,38 @@ fn sparse_flop(r: &Record, qk_weight: f64, v_weight: f64) -> Result<f64, String>
     Ok(2.0 * s_q? * topk? * h_q? * (qk_weight * d_qk? + v_weight * d_v?))
 }
 
-/// A benchmark record of `flashmla bench` or `bench/gemm_ceiling.py`.
+/// A record of `bench/side_by_side.py` against the peer: `regime` short or sustained (then the record is also
+/// a benchmark record of its op, and `vs_peer` = `peer_time_us / time_us`), or `host` (op `host_cost`: CPU time
+/// per call of tiny calls, no clock).
+fn side_by_side(r: &Record) -> Result<bool, String> {
+    let Some(regime) = r.get("regime") else {
+        return Ok(false);
+    };
+    let regime = regime.as_str().unwrap_or("");
+    let time_us = positive(r, "time_us")?;
+    let peer_us = positive(r, "peer_time_us")?;
+    agrees("vs_peer", positive(r, "vs_peer")?, peer_us / time_us)?;
+    match regime {
+        "host" => {
+            if string(r, "op")? != "host_cost" {
+                return Err("a `host` regime record must have op `host_cost`".into());
+            }
+            count(r, "calls")?;
+            check_provenance(r)?;
+            Ok(true)
+        }
+        "short" | "sustained" => Ok(false),
+        other => Err(format!(
+            "`regime` must be short, sustained or host, got {other:?}"
+        )),
+    }
+}
+
+/// A benchmark record of `flashmla bench`, `bench/gemm_ceiling.py` or `bench/side_by_side.py`.
 fn bench_record(r: &Record) -> Result<(), String> {
+    if side_by_side(r)? {
+        return Ok(());
+    }
     let op = string(r, "op")?;
     let time_us = positive(r, "time_us")?;
     if op != "gemm_bf16" {
