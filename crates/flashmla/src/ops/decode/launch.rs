@@ -564,3 +564,182 @@ pub(crate) fn launch(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::Layout;
+
+    const BASE: u64 = 0x7f00_0000_0000;
+
+    fn view(ptr: u64, dtype: DType, shape: &[usize], strides: Option<&[usize]>) -> DeviceView {
+        let layout = match strides {
+            Some(s) => Layout::strided(shape, s).unwrap(),
+            None => Layout::contiguous(shape),
+        };
+        // SAFETY: never dereferenced; these tests only lower parameters.
+        unsafe { DeviceView::from_raw(ptr, dtype, layout, 0) }
+    }
+
+    fn dims(
+        batch: usize,
+        s_q: usize,
+        h_q: usize,
+        h_kv: usize,
+        max_blocks: usize,
+    ) -> DenseDecodeDims {
+        DenseDecodeDims {
+            batch,
+            s_q,
+            h_q,
+            h_kv,
+            d_qk: 576,
+            d_v: 512,
+            num_blocks: batch * max_blocks,
+            page_size: 64,
+            max_blocks,
+            softmax_scale: 0.04,
+            causal: true,
+            dtype: DType::Bf16,
+        }
+    }
+
+    #[test]
+    fn geometry_worked_example() {
+        // s_q 1, h_q 128, h_kv 1 on 132 SMs: two row tiles per chunk, 66 parts (the doc comment's example).
+        let g = ScheduleGeometry::of(&dims(128, 1, 128, 1, 64), &DecodeOptions::default(), 132)
+            .unwrap();
+        assert_eq!(
+            (g.head_tiles, g.grid_parts, g.max_parts, g.fixed_budget),
+            (2, 66, 66, 0)
+        );
+        // s_q 2, h_q 128: 256 rows, four tiles, 33 parts; h_q 16 with 2 key heads: 8 rows per head, one tile each.
+        let g = ScheduleGeometry::of(&dims(128, 2, 128, 1, 64), &DecodeOptions::default(), 132)
+            .unwrap();
+        assert_eq!((g.head_tiles, g.grid_parts), (4, 33));
+        let g =
+            ScheduleGeometry::of(&dims(4, 1, 16, 2, 64), &DecodeOptions::default(), 132).unwrap();
+        assert_eq!((g.head_tiles, g.grid_parts), (2, 66));
+        // Workspace: the schedule (b + 3 words, padded to 4) and 2 * 66 * 2 slots of 64 rows x (512 + 1) f32.
+        let g = ScheduleGeometry::of(&dims(128, 1, 128, 1, 64), &DecodeOptions::default(), 132)
+            .unwrap();
+        assert_eq!(g.workspace_words(128), 132 + 2 * 66 * 2 * 64 * 513);
+    }
+
+    #[test]
+    fn batch_invariant_geometry_bounds_every_request() {
+        let opts = DecodeOptions {
+            batch_invariant: true,
+            ..DecodeOptions::default()
+        };
+        // 64 blocks of 64 keys: t_cap = 64 tiles; budget max(4 + 64, ceil(68 / 4)) = 68: one part per request.
+        let g = ScheduleGeometry::of(&dims(10, 1, 64, 1, 64), &opts, 132).unwrap();
+        assert_eq!((g.fixed_budget, g.max_parts), (68, 10));
+        // A budget no larger than the overhead is refused, naming the option.
+        let bad = DecodeOptions {
+            chunk_tiles: Some(CHUNK_OVERHEAD_TILES),
+            ..opts
+        };
+        let e = ScheduleGeometry::of(&dims(10, 1, 64, 1, 64), &bad, 132).unwrap_err();
+        assert!(e.to_string().contains("options.chunk_tiles"), "{e}");
+        let zero = DecodeOptions {
+            num_parts: Some(0),
+            ..DecodeOptions::default()
+        };
+        assert!(ScheduleGeometry::of(&dims(10, 1, 64, 1, 64), &zero, 132).is_err());
+    }
+
+    #[test]
+    fn a_line_beyond_the_kernels_counters_is_an_error() {
+        let e = ScheduleGeometry::of(
+            &dims(1 << 20, 1, 64, 1, 1 << 12),
+            &DecodeOptions::default(),
+            132,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("line"), "{e}");
+    }
+
+    struct Case {
+        q: DeviceView,
+        k: DeviceView,
+        bt: DeviceView,
+        sl: DeviceView,
+        out: DecodeOutput<DeviceView>,
+    }
+
+    fn case(
+        d: &DenseDecodeDims,
+        q_strides: Option<&[usize]>,
+        out_strides: Option<&[usize]>,
+    ) -> Case {
+        let [b, s_q, h_q] = [d.batch, d.s_q, d.h_q];
+        Case {
+            q: view(BASE, DType::Bf16, &[b, s_q, h_q, 576], q_strides),
+            k: view(
+                BASE + (1 << 36),
+                DType::Bf16,
+                &[d.num_blocks, 64, d.h_kv, 576],
+                None,
+            ),
+            bt: view(BASE + (2 << 36), DType::I32, &[b, d.max_blocks], None),
+            sl: view(BASE + (3 << 36), DType::I32, &[b], None),
+            out: DecodeOutput {
+                out: view(
+                    BASE + (4 << 36),
+                    DType::Bf16,
+                    &[b, s_q, h_q, 512],
+                    out_strides,
+                ),
+                lse: view(BASE + (5 << 36), DType::F32, &[b, h_q, s_q], None),
+            },
+        }
+    }
+
+    fn lower_case(d: &DenseDecodeDims, c: &Case) -> Result<DecodePlan> {
+        let args = DenseDecodeArgs {
+            q: &c.q,
+            k_cache: &c.k,
+            block_table: &c.bt,
+            cache_seqlens: &c.sl,
+            softmax_scale: Some(d.softmax_scale),
+            causal: d.causal,
+            attn_sink: None,
+        };
+        lower(d, &args, &c.out, &DecodeOptions::default(), 132)
+    }
+
+    #[test]
+    fn lowers_three_launches_with_flags() {
+        let d = dims(3, 2, 64, 1, 5);
+        let c = case(&d, None, None);
+        let plan = lower_case(&d, &c).unwrap();
+        let names: Vec<&str> = plan.launches.iter().map(|l| l.0).collect();
+        assert_eq!(
+            names,
+            [
+                kernels::SCHEDULE,
+                kernels::SPLIT_BF16_D576,
+                kernels::COMBINE_BF16
+            ]
+        );
+        // 128 rows: two tiles, launched as 2-CTA clusters; 66 parts.
+        assert_eq!(plan.launches[1].1.grid, (2, 66, 1));
+        assert_eq!(plan.launches[1].1.cluster, Some((2, 1, 1)));
+        assert_eq!(plan.launches[2].1.grid, (3, 2, COMBINE_ROW_GROUPS));
+        assert_eq!(plan.params.flags, FLAG_CAUSAL | FLAG_OUT_VEC4);
+        assert_eq!((plan.params.rows, plan.params.row_tiles), (128, 2));
+        // One query token: the causal flag is dropped. Odd out strides: 2-byte stores.
+        let d1 = DenseDecodeDims { s_q: 1, ..d };
+        let odd = case(&d1, None, Some(&[64 * 513 + 1, 64 * 513 + 1, 513, 1]));
+        assert_eq!(lower_case(&d1, &odd).unwrap().params.flags, 0);
+    }
+
+    #[test]
+    fn misaligned_q_rows_are_refused() {
+        let d = dims(2, 1, 16, 1, 4);
+        let c = case(&d, Some(&[16 * 580 + 4, 16 * 580 + 4, 580, 1]), None);
+        let e = lower_case(&d, &c).unwrap_err();
+        assert!(e.to_string().contains("16-byte"), "{e}");
+    }
+}
