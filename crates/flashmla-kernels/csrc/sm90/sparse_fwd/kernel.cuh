@@ -503,7 +503,6 @@ __device__ __forceinline__ void score_consumer(const SparseFwdParams& p, SmemPla
 
     for (int i = 0; i < w.n_tiles; ++i) {
         const SplitTile tile = split_tile(sm, w, i);
-        const Ring pos = tile.pos;
         const bool has_next = tile.has_next;
         wait_scores<kDqk>(sm, th, tile, s, o);
 
@@ -524,22 +523,13 @@ __device__ __forceinline__ void score_consumer(const SparseFwdParams& p, SmemPla
         row_sum[1] = row_sum[1] * alpha[1] + psum[1];
         publish_p<kDqk>(sm, f, rows, tile, sc, pa);
 
-        // ---- PV(i) done: the left group and the P fragments are free. Release the group before queueing QK(i + 1):
-        // issuing QK's 36 wgmmas blocks this warpgroup for most of QK's execution (the tensor core accepts them
-        // only as fast as it runs them), so a release after the issue would come ~1100 cycles later. QK(i + 1)
-        // cannot start before PV(i) ends anyway (one in-order tensor pipe).
         if (has_next) {
             // Next tile's validity (indices loaded a tile ago); prefetch the one after. Done before the issue so
             // that nothing sits between the issue and the Handoff.
             mask = tile_mask_of(ix_next, p.s_kv);
             if (i + 2 < w.n_tiles) ix_next = TileIndices::load(idx_row, i + 2, w.topk_eff, lane);
         }
-        wgmma_wait<0>();
-        wgmma_fence_regs(pa[0]);
-        wgmma_fence_regs(pa[1]);
-        wgmma_fence_regs(pa[2]);
-        wgmma_fence_regs(pa[3]);
-        release_by_warp(&sm.kv_empty[pos.stage][kGroupLeft], lane);
+        release_left<kDqk>(sm, th, tile, pa);
 
         // ---- QK(i + 1), then the Handoff: the value warpgroup queues its PV(i) behind QK(i + 1), where it
         // overlaps the next softmax.
