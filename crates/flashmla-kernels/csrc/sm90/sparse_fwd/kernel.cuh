@@ -379,9 +379,9 @@ __device__ __forceinline__ void store_p_tile(uint32_t p_addr, const int (&rows)[
 // ---------------------------------------------------------------------------------------------------------------
 // Split pipeline: score warpgroup (WG 1). Per tile i (stage i % 2), with QK(i) issued one iteration earlier:
 //   wait_scores: wait QK(i), release the rope group -> tile_softmax: mask, online softmax (lazy rescale of O)
-//   -> p_and_pv: P, PV(i) on O[:, 0:256] (A = P from registers) -> publish_p: row sums, alpha(i) and P(i) for the
+//   -> p_and_pv: P, PV(i) on O[:, 0:256] (A = P from registers) -> row sums, publish_p: alpha(i) and P(i) for the
 //   value warpgroup -> release_left: wait PV(i), release the left group -> QK(i + 1) -> Handoff rendezvous (the
-//   value warpgroup then issues its PV(i), which runs during this warpgroup's next softmax). score_epilogue last.
+//   value warpgroup then issues its PV(i), which runs during this warpgroup's next softmax). Then the epilogue.
 
 // S(i) landed (PV(i - 1) was waited for last iteration). Rope columns are no longer needed.
 template <int kDqk>
