@@ -311,18 +311,164 @@ __device__ __forceinline__ void issue_qk(SmemPlan<kDqk>& sm, const Ring& pos, ui
     wgmma_commit();
 }
 
-// Score warpgroup (WG 1). Per tile i (stage i % 2), with QK(i) issued one iteration earlier:
-//   wait QK(i) -> release rope group -> mask, online softmax (lazy rescale), P -> issue PV(i) on O[:, 0:256]
-//   (A = P from registers) -> publish P(i) and alpha(i) -> wait PV(i) -> release the left group -> issue
-//   QK(i + 1) -> Handoff rendezvous (the value warpgroup then issues its PV(i), which runs during this
-//   warpgroup's next softmax).
+// ---- State the consumers' phases share. The phases take the thread's and the tile's state (ConsumerThread,
+// SplitTile, TileScale) by value: copies are values the compiler reasons about as it did about the locals of one
+// function. What a phase updates (S, O, P fragments, the online-softmax rows) it takes by reference.
+
+// A consumer thread's place in its warpgroup: its accumulator fragment and the two rows (heads) it owns.
+struct ConsumerThread {
+    int lane;
+    AccFrag f;
+    int rows[2];
+};
+
+__device__ __forceinline__ ConsumerThread consumer_thread(int warpgroup) {
+    ConsumerThread th;
+    const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * warpgroup;
+    th.lane = t % 32;
+    th.f = AccFrag::of_thread(t);
+    th.rows[0] = th.f.row0;
+    th.rows[1] = th.f.row1();
+    return th;
+}
+
+// One tile's rescale factor of O and l (alpha) and the reference max that P subtracts (m_exp).
+struct TileScale {
+    float alpha[2];
+    float m_exp[2];
+};
+
+// One tile of the split pipeline's loop.
+struct SplitTile {
+    int i;                // tile index
+    Ring pos;             // its stage and barrier parities
+    bool has_next;        // tile i + 1 exists
+    uint32_t stage_addr;  // its KV stage
+};
+
+template <int kDqk>
+__device__ __forceinline__ SplitTile split_tile(SmemPlan<kDqk>& sm, const CtaWork& w, int i) {
+    SplitTile tile;
+    tile.i = i;
+    tile.pos = Ring::of(i);
+    tile.has_next = i + 1 < w.n_tiles;
+    tile.stage_addr = smem_addr(sm.kv[tile.pos.stage]);
+    return tile;
+}
+
+template <int kDqk>
+__device__ __forceinline__ void zero_q_rope(uint32_t (&q_rope)[Config<kDqk>::kRopeFragSteps][4]) {
+#pragma unroll
+    for (int ks = 0; ks < Config<kDqk>::kRopeFragSteps; ++ks) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) q_rope[ks][e] = 0u;
+    }
+}
+
+// bf16 P(i) to a p tile for the other consumer's wgmma (A operand, K-major SW128): P column 8 j + 2 q is chunk j of
+// the 128-byte row, byte 4 q inside it.
+__device__ __forceinline__ void store_p_tile(uint32_t p_addr, const int (&rows)[2], const AccFrag& f,
+                                             const uint32_t (&pa)[kPvSteps][4]) {
+#pragma unroll
+    for (int j = 0; j < kSBlocks; ++j) {
+        st_shared_u32(p_addr + sw128_chunk_offset(rows[0], j) + 4 * f.quad, pa[j / 2][(j % 2) * 2 + 0]);
+        st_shared_u32(p_addr + sw128_chunk_offset(rows[1], j) + 4 * f.quad, pa[j / 2][(j % 2) * 2 + 1]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Split pipeline: score warpgroup (WG 1). Per tile i (stage i % 2), with QK(i) issued one iteration earlier:
+//   wait_scores: wait QK(i), release the rope group -> tile_softmax: mask, online softmax (lazy rescale of O)
+//   -> p_and_pv: P, PV(i) on O[:, 0:256] (A = P from registers) -> row sums, publish_p: alpha(i) and P(i) for the
+//   value warpgroup -> release_left: wait PV(i), release the left group -> QK(i + 1) -> Handoff rendezvous (the
+//   value warpgroup then issues its PV(i), which runs during this warpgroup's next softmax). Then the epilogue.
+
+// S(i) landed (PV(i - 1) was waited for last iteration). Rope columns are no longer needed.
+template <int kDqk>
+__device__ __forceinline__ void wait_scores(SmemPlan<kDqk>& sm, const ConsumerThread th, const SplitTile tile,
+                                            float (&s)[kSRegs], float (&o)[kORegs]) {
+    wgmma_wait<0>();
+    wgmma_fence_regs(s);
+    wgmma_fence_regs(o);
+    if constexpr (Config<kDqk>::kRopeSlabs > 0) release_by_warp(&sm.kv_empty[tile.pos.stage][kGroupRope], th.lane);
+}
+
+// Mask invalid rows, then the online softmax with a lazily raised reference max; O is brought to the new reference.
+__device__ __forceinline__ void tile_softmax(const ConsumerThread th, float scale, const TileMask& mask,
+                                                  float (&m_run)[2], float (&m_ref)[2], float (&s)[kSRegs], float (&o)[kORegs], TileScale& sc) {
+    mask_invalid_rows(s, mask, th.f);
+    update_row_max(s, scale, m_run, m_ref, sc.alpha, sc.m_exp);
+    if (__any_sync(kFullMask, sc.alpha[0] != 1.f || sc.alpha[1] != 1.f)) {  // PV(i - 1) has completed
+        scale_o_rows(o, sc.alpha[0], sc.alpha[1]);
+    }
+}
+
+// P = exp2(S - m) in two halves of 32 kv rows; each half's PV k-steps on O[:, 0:256] (A = P from registers, B = the
+// left group) are queued as soon as it is packed, so the tensor cores start while the second half is
+// exponentiated. One commit group for the whole PV(i).
+template <int kDqk>
+__device__ __forceinline__ void p_and_pv(const SplitTile tile, float scale, const TileScale sc, float (&s)[kSRegs],
+                                         uint32_t (&pa)[kPvSteps][4], float (&o)[kORegs]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int j = half * kSBlocks / 2; j < (half + 1) * kSBlocks / 2; ++j) {
+            s[4 * j + 0] = exp2f(fmaf(s[4 * j + 0], scale, -sc.m_exp[0]));
+            s[4 * j + 1] = exp2f(fmaf(s[4 * j + 1], scale, -sc.m_exp[0]));
+            s[4 * j + 2] = exp2f(fmaf(s[4 * j + 2], scale, -sc.m_exp[1]));
+            s[4 * j + 3] = exp2f(fmaf(s[4 * j + 3], scale, -sc.m_exp[1]));
+        }
+#pragma unroll
+        for (int kb = half * kPvSteps / 2; kb < (half + 1) * kPvSteps / 2; ++kb) {
+            pa[kb][0] = pack_bf16x2(s[8 * kb + 0], s[8 * kb + 1]);
+            pa[kb][1] = pack_bf16x2(s[8 * kb + 2], s[8 * kb + 3]);
+            pa[kb][2] = pack_bf16x2(s[8 * kb + 4], s[8 * kb + 5]);
+            pa[kb][3] = pack_bf16x2(s[8 * kb + 6], s[8 * kb + 7]);
+        }
+        wgmma_fence();  // o (rescale) and this half's P fragments were written by ordinary instructions
+#pragma unroll
+        for (int kb = half * kPvSteps / 2; kb < (half + 1) * kPvSteps / 2; ++kb) {
+            wgmma_m64n256k16_rs_mn(o, pa[kb], v_desc<kDqk>(tile.stage_addr, 0, kb), true);
+        }
+    }
+    wgmma_commit();
+}
+
+// Off the tensor cores' path: row-sum partials, then alpha(i) and P(i) (bf16) for the value warpgroup.
+template <int kDqk>
+__device__ __forceinline__ void publish_p(SmemPlan<kDqk>& sm, const AccFrag& f, const int (&rows)[2],
+                                          const SplitTile tile, const TileScale sc,
+                                          const uint32_t (&pa)[kPvSteps][4]) {
+    if (f.quad == 0) {
+        sm.row_scale[tile.pos.stage][rows[0]] = sc.alpha[0];
+        sm.row_scale[tile.pos.stage][rows[1]] = sc.alpha[1];
+    }
+    store_p_tile(smem_addr(sm.p[tile.pos.stage]), rows, f, pa);
+    fence_proxy_async_shared();  // generic P stores -> the value warpgroup's wgmma reads (async proxy)
+}
+
+// PV(i) done: the left group and the P fragments are free. The group is released before QK(i + 1) is queued:
+// issuing QK's 36 wgmmas blocks this warpgroup for most of QK's execution (the tensor core accepts them only as
+// fast as it runs them), so a release after the issue would come ~1100 cycles later. QK(i + 1) cannot start before
+// PV(i) ends anyway (one in-order tensor pipe).
+template <int kDqk>
+__device__ __forceinline__ void release_left(SmemPlan<kDqk>& sm, const ConsumerThread th, const SplitTile tile,
+                                             uint32_t (&pa)[kPvSteps][4]) {
+    wgmma_wait<0>();
+    wgmma_fence_regs(pa[0]);
+    wgmma_fence_regs(pa[1]);
+    wgmma_fence_regs(pa[2]);
+    wgmma_fence_regs(pa[3]);
+    release_by_warp(&sm.kv_empty[tile.pos.stage][kGroupLeft], th.lane);
+}
+
 template <int kDqk>
 __device__ __forceinline__ void score_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
-    const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Score);
-    const int lane = t % 32;
-    const AccFrag f = AccFrag::of_thread(t);
-    const int rows[2] = {f.row0, f.row1()};
+    const ConsumerThread th = consumer_thread(static_cast<int>(Role::Score));
+    const int lane = th.lane;
+    const AccFrag f = th.f;
+    const int rows[2] = {th.rows[0], th.rows[1]};
     const float scale = p.sm_scale_log2;  // > 0 (validated), so max and scaling commute
 
     const uint64_t desc_q = make_wgmma_desc_sw128(smem_addr(sm.q), kUnusedLbo, kSw128AtomBytes);
@@ -356,55 +502,17 @@ __device__ __forceinline__ void score_consumer(const SparseFwdParams& p, SmemPla
     }
 
     for (int i = 0; i < w.n_tiles; ++i) {
-        const Ring pos = Ring::of(i);
-        const bool has_next = i + 1 < w.n_tiles;
-        const uint32_t stage_addr = smem_addr(sm.kv[pos.stage]);
+        const SplitTile tile = split_tile(sm, w, i);
+        const bool has_next = tile.has_next;
+        wait_scores<kDqk>(sm, th, tile, s, o);
 
-        // ---- S(i) landed (PV(i - 1) was waited for last iteration). Rope columns are no longer needed.
-        wgmma_wait<0>();
-        wgmma_fence_regs(s);
-        wgmma_fence_regs(o);
-        if constexpr (C::kRopeSlabs > 0) release_by_warp(&sm.kv_empty[pos.stage][kGroupRope], lane);
+        TileScale sc;
+        tile_softmax(th, scale, mask, m_run, m_ref, s, o, sc);
+        const float (&alpha)[2] = sc.alpha;
 
-        // ---- Mask invalid rows, then the online softmax with a lazily raised reference max.
-        mask_invalid_rows(s, mask, f);
-        float alpha[2];
-        float m_exp[2];
-        update_row_max(s, scale, m_run, m_ref, alpha, m_exp);
-        if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) {  // PV(i - 1) has completed
-            scale_o_rows(o, alpha[0], alpha[1]);
-        }
-
-        // ---- P = exp2(S - m) in two halves of 32 kv rows; each half's PV k-steps on O[:, 0:256] (A = P from
-        // registers, B = the left group) are queued as soon as it is packed, so the tensor cores start while
-        // the second half is exponentiated. One commit group for the whole PV(i).
         uint32_t pa[kPvSteps][4];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-#pragma unroll
-            for (int j = half * kSBlocks / 2; j < (half + 1) * kSBlocks / 2; ++j) {
-                s[4 * j + 0] = exp2f(fmaf(s[4 * j + 0], scale, -m_exp[0]));
-                s[4 * j + 1] = exp2f(fmaf(s[4 * j + 1], scale, -m_exp[0]));
-                s[4 * j + 2] = exp2f(fmaf(s[4 * j + 2], scale, -m_exp[1]));
-                s[4 * j + 3] = exp2f(fmaf(s[4 * j + 3], scale, -m_exp[1]));
-            }
-#pragma unroll
-            for (int kb = half * kPvSteps / 2; kb < (half + 1) * kPvSteps / 2; ++kb) {
-                pa[kb][0] = pack_bf16x2(s[8 * kb + 0], s[8 * kb + 1]);
-                pa[kb][1] = pack_bf16x2(s[8 * kb + 2], s[8 * kb + 3]);
-                pa[kb][2] = pack_bf16x2(s[8 * kb + 4], s[8 * kb + 5]);
-                pa[kb][3] = pack_bf16x2(s[8 * kb + 6], s[8 * kb + 7]);
-            }
-            wgmma_fence();  // o (rescale) and this half's P fragments were written by ordinary instructions
-#pragma unroll
-            for (int kb = half * kPvSteps / 2; kb < (half + 1) * kPvSteps / 2; ++kb) {
-                wgmma_m64n256k16_rs_mn(o, pa[kb], v_desc<kDqk>(stage_addr, 0, kb), true);
-            }
-        }
-        wgmma_commit();
+        p_and_pv<kDqk>(tile, scale, sc, s, pa, o);
 
-        // ---- Off the tensor cores' path: row-sum partials, then alpha(i) and P(i) (bf16) for the value
-        // warpgroup.
         float psum[2] = {0.f, 0.f};
 #pragma unroll
         for (int j = 0; j < kSBlocks; ++j) {
@@ -413,35 +521,15 @@ __device__ __forceinline__ void score_consumer(const SparseFwdParams& p, SmemPla
         }
         row_sum[0] = row_sum[0] * alpha[0] + psum[0];
         row_sum[1] = row_sum[1] * alpha[1] + psum[1];
-        if (f.quad == 0) {
-            sm.row_scale[pos.stage][rows[0]] = alpha[0];
-            sm.row_scale[pos.stage][rows[1]] = alpha[1];
-        }
-        const uint32_t p_addr = smem_addr(sm.p[pos.stage]);
-#pragma unroll
-        for (int j = 0; j < kSBlocks; ++j) {
-            // P column 8 j + 2 q: chunk j of the 128-byte row, byte 4 q inside it.
-            st_shared_u32(p_addr + sw128_chunk_offset(rows[0], j) + 4 * f.quad, pa[j / 2][(j % 2) * 2 + 0]);
-            st_shared_u32(p_addr + sw128_chunk_offset(rows[1], j) + 4 * f.quad, pa[j / 2][(j % 2) * 2 + 1]);
-        }
-        fence_proxy_async_shared();  // generic P stores -> the value warpgroup's wgmma reads (async proxy)
+        publish_p<kDqk>(sm, f, rows, tile, sc, pa);
 
-        // ---- PV(i) done: the left group and the P fragments are free. Release the group before queueing QK(i + 1):
-        // issuing QK's 36 wgmmas blocks this warpgroup for most of QK's execution (the tensor core accepts them
-        // only as fast as it runs them), so a release after the issue would come ~1100 cycles later. QK(i + 1)
-        // cannot start before PV(i) ends anyway (one in-order tensor pipe).
         if (has_next) {
             // Next tile's validity (indices loaded a tile ago); prefetch the one after. Done before the issue so
             // that nothing sits between the issue and the Handoff.
             mask = tile_mask_of(ix_next, p.s_kv);
             if (i + 2 < w.n_tiles) ix_next = TileIndices::load(idx_row, i + 2, w.topk_eff, lane);
         }
-        wgmma_wait<0>();
-        wgmma_fence_regs(pa[0]);
-        wgmma_fence_regs(pa[1]);
-        wgmma_fence_regs(pa[2]);
-        wgmma_fence_regs(pa[3]);
-        release_by_warp(&sm.kv_empty[pos.stage][kGroupLeft], lane);
+        release_left<kDqk>(sm, th, tile, pa);
 
         // ---- QK(i + 1), then the Handoff: the value warpgroup queues its PV(i) behind QK(i + 1), where it
         // overlaps the next softmax.
@@ -479,8 +567,50 @@ __device__ __forceinline__ void score_consumer(const SparseFwdParams& p, SmemPla
     stage_and_store_output<kDqk>(p, sm, w, f, 0, o, inv);
 }
 
-// Value warpgroup (WG 2). Per tile i: wait for the right group -> Handoff rendezvous -> rescale O[:, 256:512] by
-// alpha(i) -> O += P(i) V (A = P from shared memory, B = the right group) -> wait -> release the right group.
+
+// ---------------------------------------------------------------------------------------------------------------
+// Split pipeline: value warpgroup (WG 2). Per tile i: value_handoff: wait for the right group, Handoff rendezvous
+// -> value_pv: rescale O[:, 256:512] by alpha(i), O += P(i) V (A = P from shared memory, B = the right group), wait
+// -> release the right group. value_epilogue last.
+
+// The right group of tile i landed before QK(i) read it, so this wait never blocks for long; it is done before the
+// Handoff so that PV(i) is queued as soon as P(i) is published.
+template <int kDqk>
+__device__ __forceinline__ void value_handoff(SmemPlan<kDqk>& sm, const SplitTile tile) {
+    MBarrier::wait(&sm.kv_full[tile.pos.stage][kGroupRight], tile.pos.full_parity);
+    fence_proxy_async_shared();
+    named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
+}
+
+template <int kDqk>
+__device__ __forceinline__ void value_pv(SmemPlan<kDqk>& sm, const ConsumerThread th, const SplitTile tile,
+                                         float (&o)[kORegs]) {
+    const float alpha[2] = {sm.row_scale[tile.pos.stage][th.rows[0]], sm.row_scale[tile.pos.stage][th.rows[1]]};
+    if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) {  // PV(i - 1) has completed
+        scale_o_rows(o, alpha[0], alpha[1]);
+    }
+    const uint32_t p_addr = smem_addr(sm.p[tile.pos.stage]);
+    wgmma_fence();
+#pragma unroll
+    for (int kb = 0; kb < kPvSteps; ++kb) {
+        // A = P[:, 16 kb .. 16 kb + 16): K-major, 32 bytes per 16-column step inside the 128-byte rows.
+        const uint64_t desc_p = make_wgmma_desc_sw128(p_addr + kb * 32, kUnusedLbo, kSw128AtomBytes);
+        wgmma_m64n256k16_ss_kmn(o, desc_p, v_desc<kDqk>(tile.stage_addr, kSlabsPerHalf, kb), true);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_regs(o);
+}
+
+// The score warpgroup's 1 / denominator, then the output.
+template <int kDqk>
+__device__ __forceinline__ void value_epilogue(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w,
+                                               const ConsumerThread th, const float (&o)[kORegs]) {
+    named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
+    const float inv[2] = {sm.row_inv[th.rows[0]], sm.row_inv[th.rows[1]]};
+    stage_and_store_output<kDqk>(p, sm, w, th.f, 1, o, inv);
+}
+
 template <int kDqk>
 __device__ __forceinline__ void value_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Value);
