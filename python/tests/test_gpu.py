@@ -502,3 +502,13 @@ def test_decode_dense_compile_fullgraph():
     got = step(q)
     want = flashmla.decode_dense(q, cache, bt, sl, causal=True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_stream_of_is_torchs_current_stream():
+    from flashmla import _glue
+
+    t = torch.empty(1, device="cuda")
+    assert _glue.stream_of(t) == torch.cuda.current_stream().cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert _glue.stream_of(t) == side.cuda_stream
