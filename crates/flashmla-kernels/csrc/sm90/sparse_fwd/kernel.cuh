@@ -697,10 +697,10 @@ __device__ __forceinline__ void alt_remote_pv(SmemPlan<kDqk>& sm, int j, const i
 template <int kDqk, int kC>
 __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
-    const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * (1 + kC);
-    const int lane = t % 32;
-    const AccFrag f = AccFrag::of_thread(t);
-    const int rows[2] = {f.row0, f.row1()};
+    const ConsumerThread th = consumer_thread(1 + kC);
+    const int lane = th.lane;
+    const AccFrag f = th.f;
+    const int rows[2] = {th.rows[0], th.rows[1]};
     const float scale = p.sm_scale_log2;
     const uint64_t desc_q = make_wgmma_desc_sw128(smem_addr(sm.q), kUnusedLbo, kSw128AtomBytes);
     const int32_t* idx_row = p.indices + static_cast<int64_t>(w.token) * p.indices_stride_t;
@@ -714,11 +714,7 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
     float m_ref[2] = {-kInf, -kInf};  // chain state after the latest tile this consumer saw
     float m_run[2] = {-kInf, -kInf};
     uint32_t q_rope[C::kRopeFragSteps][4];
-#pragma unroll
-    for (int ks = 0; ks < C::kRopeFragSteps; ++ks) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) q_rope[ks][e] = 0u;
-    }
+    zero_q_rope<kDqk>(q_rope);
     if (n > kC) load_q_rope<kDqk>(p, w, f, rows, q_rope);
     if (n > 0) MBarrier::wait(&sm.q_full, 0);
 
