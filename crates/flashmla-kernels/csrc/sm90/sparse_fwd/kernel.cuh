@@ -694,6 +694,19 @@ __device__ __forceinline__ void alt_remote_pv(SmemPlan<kDqk>& sm, int j, const i
     wgmma_commit();
 }
 
+// S(i) landed; the remote PV(i - 1), when queued behind QK(i), may still run. Rope columns are no longer needed.
+template <int kDqk>
+__device__ __forceinline__ void alt_wait_scores(SmemPlan<kDqk>& sm, const ConsumerThread th, const Ring pos,
+                                                bool remote_queued, float (&s)[kSRegs]) {
+    if (remote_queued) {
+        wgmma_wait<1>();
+    } else {
+        wgmma_wait<0>();
+    }
+    wgmma_fence_regs(s);
+    if constexpr (Config<kDqk>::kRopeSlabs > 0) release_by_warp(&sm.kv_empty[pos.stage][kGroupRope], th.lane);
+}
+
 template <int kDqk, int kC>
 __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
@@ -723,14 +736,8 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
         const TileMask mask = tile_mask_of(TileIndices::load(idx_row, i, w.topk_eff, lane), p.s_kv);
         issue_qk<kDqk, kC == 0 ? kGroupLeft : kGroupRight, kC == 0 ? kGroupRight : kGroupLeft>(sm, pos, desc_q,
                                                                                               q_rope, s);
-        if (i >= 1) {
-            alt_remote_pv<kDqk, kC>(sm, i - 1, rows, o, l);
-            wgmma_wait<1>();  // QK(i) done
-        } else {
-            wgmma_wait<0>();
-        }
-        wgmma_fence_regs(s);
-        if constexpr (C::kRopeSlabs > 0) release_by_warp(&sm.kv_empty[pos.stage][kGroupRope], lane);
+        if (i >= 1) alt_remote_pv<kDqk, kC>(sm, i - 1, rows, o, l);
+        alt_wait_scores<kDqk>(sm, th, pos, i >= 1, s);
 
         mask_invalid_rows(s, mask, f);
         // Chain: the state after tile i - 1 (published by the other consumer), then this tile.
