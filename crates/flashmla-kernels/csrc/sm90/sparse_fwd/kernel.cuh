@@ -707,6 +707,35 @@ __device__ __forceinline__ void alt_wait_scores(SmemPlan<kDqk>& sm, const Consum
     if constexpr (Config<kDqk>::kRopeSlabs > 0) release_by_warp(&sm.kv_empty[pos.stage][kGroupRope], th.lane);
 }
 
+// Mask invalid rows; the row max chained from tile i - 1: wait for the state the other consumer published after
+// it, update it with this tile (lazy reference), publish the new state and alpha(i) (for the other consumer's
+// remote PV(i)).
+template <int kDqk, int kC>
+__device__ __forceinline__ void alt_chain_max(SmemPlan<kDqk>& sm, const ConsumerThread th, int i, int n, float scale,
+                                              const TileMask& mask, float (&m_run)[2], float (&m_ref)[2],
+                                              float (&s)[kSRegs], TileScale& sc) {
+    mask_invalid_rows(s, mask, th.f);
+    if (i >= 1) {
+        MBarrier::wait(&sm.alt_bar[kAltM][1 - kC], alt_parity(i - 1, 1 - kC));
+        const int ps = (i - 1) % 2;
+        m_ref[0] = sm.chain_ref[ps][th.rows[0]];
+        m_ref[1] = sm.chain_ref[ps][th.rows[1]];
+        m_run[0] = sm.chain_run[ps][th.rows[0]];
+        m_run[1] = sm.chain_run[ps][th.rows[1]];
+    }
+    update_row_max(s, scale, m_run, m_ref, sc.alpha, sc.m_exp);
+    if (th.f.quad == 0) {
+        const int cs = i % 2;
+        sm.chain_ref[cs][th.rows[0]] = m_ref[0];
+        sm.chain_ref[cs][th.rows[1]] = m_ref[1];
+        sm.chain_run[cs][th.rows[0]] = m_run[0];
+        sm.chain_run[cs][th.rows[1]] = m_run[1];
+        sm.row_scale[cs][th.rows[0]] = sc.alpha[0];
+        sm.row_scale[cs][th.rows[1]] = sc.alpha[1];
+    }
+    if (i + 1 < n) MBarrier::arrive(&sm.alt_bar[kAltM][kC]);
+}
+
 template <int kDqk, int kC>
 __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
@@ -739,29 +768,10 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
         if (i >= 1) alt_remote_pv<kDqk, kC>(sm, i - 1, rows, o, l);
         alt_wait_scores<kDqk>(sm, th, pos, i >= 1, s);
 
-        mask_invalid_rows(s, mask, f);
-        // Chain: the state after tile i - 1 (published by the other consumer), then this tile.
-        if (i >= 1) {
-            MBarrier::wait(&sm.alt_bar[kAltM][1 - kC], alt_parity(i - 1, 1 - kC));
-            const int ps = (i - 1) % 2;
-            m_ref[0] = sm.chain_ref[ps][rows[0]];
-            m_ref[1] = sm.chain_ref[ps][rows[1]];
-            m_run[0] = sm.chain_run[ps][rows[0]];
-            m_run[1] = sm.chain_run[ps][rows[1]];
-        }
-        float alpha[2];
-        float m_exp[2];
-        update_row_max(s, scale, m_run, m_ref, alpha, m_exp);
-        if (f.quad == 0) {
-            const int cs = i % 2;
-            sm.chain_ref[cs][rows[0]] = m_ref[0];
-            sm.chain_ref[cs][rows[1]] = m_ref[1];
-            sm.chain_run[cs][rows[0]] = m_run[0];
-            sm.chain_run[cs][rows[1]] = m_run[1];
-            sm.row_scale[cs][rows[0]] = alpha[0];
-            sm.row_scale[cs][rows[1]] = alpha[1];
-        }
-        if (i + 1 < n) MBarrier::arrive(&sm.alt_bar[kAltM][kC]);
+        TileScale sc;
+        alt_chain_max<kDqk, kC>(sm, th, i, n, scale, mask, m_run, m_ref, s, sc);
+        const float (&alpha)[2] = sc.alpha;
+        const float (&m_exp)[2] = sc.m_exp;
 
         // P(i).
         uint32_t pa[kPvSteps][4];
