@@ -736,6 +736,27 @@ __device__ __forceinline__ void alt_chain_max(SmemPlan<kDqk>& sm, const Consumer
     if (i + 1 < n) MBarrier::arrive(&sm.alt_bar[kAltM][kC]);
 }
 
+// P(i) = exp2(S - m) with this thread's row-sum partials, packed to bf16 A fragments.
+__device__ __forceinline__ void alt_p(float scale, const TileScale sc, float (&s)[kSRegs], float (&psum)[2],
+                                      uint32_t (&pa)[kPvSteps][4]) {
+#pragma unroll
+    for (int j = 0; j < kSBlocks; ++j) {
+        s[4 * j + 0] = exp2f(fmaf(s[4 * j + 0], scale, -sc.m_exp[0]));
+        s[4 * j + 1] = exp2f(fmaf(s[4 * j + 1], scale, -sc.m_exp[0]));
+        s[4 * j + 2] = exp2f(fmaf(s[4 * j + 2], scale, -sc.m_exp[1]));
+        s[4 * j + 3] = exp2f(fmaf(s[4 * j + 3], scale, -sc.m_exp[1]));
+        psum[0] += s[4 * j + 0] + s[4 * j + 1];
+        psum[1] += s[4 * j + 2] + s[4 * j + 3];
+    }
+#pragma unroll
+    for (int kb = 0; kb < kPvSteps; ++kb) {
+        pa[kb][0] = pack_bf16x2(s[8 * kb + 0], s[8 * kb + 1]);
+        pa[kb][1] = pack_bf16x2(s[8 * kb + 2], s[8 * kb + 3]);
+        pa[kb][2] = pack_bf16x2(s[8 * kb + 4], s[8 * kb + 5]);
+        pa[kb][3] = pack_bf16x2(s[8 * kb + 6], s[8 * kb + 7]);
+    }
+}
+
 template <int kDqk, int kC>
 __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
@@ -773,25 +794,9 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
         const float (&alpha)[2] = sc.alpha;
         const float (&m_exp)[2] = sc.m_exp;
 
-        // P(i).
         uint32_t pa[kPvSteps][4];
         float psum[2] = {0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < kSBlocks; ++j) {
-            s[4 * j + 0] = exp2f(fmaf(s[4 * j + 0], scale, -m_exp[0]));
-            s[4 * j + 1] = exp2f(fmaf(s[4 * j + 1], scale, -m_exp[0]));
-            s[4 * j + 2] = exp2f(fmaf(s[4 * j + 2], scale, -m_exp[1]));
-            s[4 * j + 3] = exp2f(fmaf(s[4 * j + 3], scale, -m_exp[1]));
-            psum[0] += s[4 * j + 0] + s[4 * j + 1];
-            psum[1] += s[4 * j + 2] + s[4 * j + 3];
-        }
-#pragma unroll
-        for (int kb = 0; kb < kPvSteps; ++kb) {
-            pa[kb][0] = pack_bf16x2(s[8 * kb + 0], s[8 * kb + 1]);
-            pa[kb][1] = pack_bf16x2(s[8 * kb + 2], s[8 * kb + 3]);
-            pa[kb][2] = pack_bf16x2(s[8 * kb + 4], s[8 * kb + 5]);
-            pa[kb][3] = pack_bf16x2(s[8 * kb + 6], s[8 * kb + 7]);
-        }
+        alt_p(scale, sc, s, psum, pa);
         // Remote PV(i - 1) must be done before O is rescaled to tile i's reference.
         wgmma_wait<0>();
         wgmma_fence_regs(o);
