@@ -757,6 +757,19 @@ __device__ __forceinline__ void alt_p(float scale, const TileScale sc, float (&s
     }
 }
 
+// Remote PV(i - 1) must be done before O is rescaled to tile i's reference; then this consumer's V half of stage
+// 1 - c and p[1 - c] are free (the latter for P(i + 1)).
+template <int kDqk, int kC>
+__device__ __forceinline__ void alt_release_remote(SmemPlan<kDqk>& sm, const ConsumerThread th, int i, int n,
+                                                   float (&o)[kORegs]) {
+    wgmma_wait<0>();
+    wgmma_fence_regs(o);
+    if (i >= 1) {
+        release_by_warp(&sm.kv_empty[1 - kC][kC == 0 ? kGroupLeft : kGroupRight], th.lane);
+        if (i + 1 < n) MBarrier::arrive(&sm.alt_bar[kAltF][1 - kC]);
+    }
+}
+
 template <int kDqk, int kC>
 __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
@@ -797,13 +810,7 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
         uint32_t pa[kPvSteps][4];
         float psum[2] = {0.f, 0.f};
         alt_p(scale, sc, s, psum, pa);
-        // Remote PV(i - 1) must be done before O is rescaled to tile i's reference.
-        wgmma_wait<0>();
-        wgmma_fence_regs(o);
-        if (i >= 1) {
-            release_by_warp(&sm.kv_empty[1 - kC][kC == 0 ? kGroupLeft : kGroupRight], lane);
-            if (i + 1 < n) MBarrier::arrive(&sm.alt_bar[kAltF][1 - kC]);  // p[1 - c] free for P(i + 1)
-        }
+        alt_release_remote<kDqk, kC>(sm, th, i, n, o);
         l[0] = l[0] * alpha[0] + psum[0];
         l[1] = l[1] * alpha[1] + psum[1];
         if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) scale_o_rows(o, alpha[0], alpha[1]);
