@@ -770,6 +770,20 @@ __device__ __forceinline__ void alt_release_remote(SmemPlan<kDqk>& sm, const Con
     }
 }
 
+// O to tile i's reference, then O += P(i) V (A = P from registers, B = this consumer's V half of stage c). One
+// commit group.
+template <int kDqk, int kC>
+__device__ __forceinline__ void alt_local_pv(SmemPlan<kDqk>& sm, const TileScale sc,
+                                             const uint32_t (&pa)[kPvSteps][4], float (&o)[kORegs]) {
+    if (__any_sync(kFullMask, sc.alpha[0] != 1.f || sc.alpha[1] != 1.f)) scale_o_rows(o, sc.alpha[0], sc.alpha[1]);
+    wgmma_fence();
+#pragma unroll
+    for (int kb = 0; kb < kPvSteps; ++kb) {
+        wgmma_m64n256k16_rs_mn(o, pa[kb], v_desc<kDqk>(smem_addr(sm.kv[kC]), kC * kSlabsPerHalf, kb), true);
+    }
+    wgmma_commit();
+}
+
 template <int kDqk, int kC>
 __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
@@ -813,13 +827,7 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
         alt_release_remote<kDqk, kC>(sm, th, i, n, o);
         l[0] = l[0] * alpha[0] + psum[0];
         l[1] = l[1] * alpha[1] + psum[1];
-        if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) scale_o_rows(o, alpha[0], alpha[1]);
-        wgmma_fence();
-#pragma unroll
-        for (int kb = 0; kb < kPvSteps; ++kb) {
-            wgmma_m64n256k16_rs_mn(o, pa[kb], v_desc<kDqk>(smem_addr(sm.kv[kC]), kC * kSlabsPerHalf, kb), true);
-        }
-        wgmma_commit();
+        alt_local_pv<kDqk, kC>(sm, sc, pa, o);
         // Publish P(i) for the other consumer (p[c] was consumed by its PV(i - 2)).
         if (i >= 2) MBarrier::wait(&sm.alt_bar[kAltF][kC], alt_parity(i - 2, kC));
         const uint32_t p_addr = smem_addr(sm.p[kC]);
