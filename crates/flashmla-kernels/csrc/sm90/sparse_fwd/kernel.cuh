@@ -784,6 +784,16 @@ __device__ __forceinline__ void alt_local_pv(SmemPlan<kDqk>& sm, const TileScale
     wgmma_commit();
 }
 
+// P(i) to p[c] for the other consumer's remote PV(i) (p[c] was consumed by its PV(i - 2)).
+template <int kDqk, int kC>
+__device__ __forceinline__ void alt_publish_p(SmemPlan<kDqk>& sm, const AccFrag& f, const int (&rows)[2], int i,
+                                              const uint32_t (&pa)[kPvSteps][4]) {
+    if (i >= 2) MBarrier::wait(&sm.alt_bar[kAltF][kC], alt_parity(i - 2, kC));
+    store_p_tile(smem_addr(sm.p[kC]), rows, f, pa);
+    fence_proxy_async_shared();  // generic P stores -> the other consumer's wgmma reads (async proxy)
+    MBarrier::arrive(&sm.alt_bar[kAltP][kC]);
+}
+
 template <int kDqk, int kC>
 __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
@@ -828,16 +838,7 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
         l[0] = l[0] * alpha[0] + psum[0];
         l[1] = l[1] * alpha[1] + psum[1];
         alt_local_pv<kDqk, kC>(sm, sc, pa, o);
-        // Publish P(i) for the other consumer (p[c] was consumed by its PV(i - 2)).
-        if (i >= 2) MBarrier::wait(&sm.alt_bar[kAltF][kC], alt_parity(i - 2, kC));
-        const uint32_t p_addr = smem_addr(sm.p[kC]);
-#pragma unroll
-        for (int j = 0; j < kSBlocks; ++j) {
-            st_shared_u32(p_addr + sw128_chunk_offset(rows[0], j) + 4 * f.quad, pa[j / 2][(j % 2) * 2 + 0]);
-            st_shared_u32(p_addr + sw128_chunk_offset(rows[1], j) + 4 * f.quad, pa[j / 2][(j % 2) * 2 + 1]);
-        }
-        fence_proxy_async_shared();
-        MBarrier::arrive(&sm.alt_bar[kAltP][kC]);
+        alt_publish_p<kDqk, kC>(sm, f, rows, i, pa);
         wgmma_wait<0>();
         wgmma_fence_regs(o);
         wgmma_fence_regs(pa[0]);
