@@ -794,6 +794,19 @@ __device__ __forceinline__ void alt_publish_p(SmemPlan<kDqk>& sm, const AccFrag&
     MBarrier::arrive(&sm.alt_bar[kAltP][kC]);
 }
 
+// Local PV(i) done: this consumer's V half of stage c and the P fragments are free.
+template <int kDqk, int kC>
+__device__ __forceinline__ void alt_release_own(SmemPlan<kDqk>& sm, const ConsumerThread th,
+                                                uint32_t (&pa)[kPvSteps][4], float (&o)[kORegs]) {
+    wgmma_wait<0>();
+    wgmma_fence_regs(o);
+    wgmma_fence_regs(pa[0]);
+    wgmma_fence_regs(pa[1]);
+    wgmma_fence_regs(pa[2]);
+    wgmma_fence_regs(pa[3]);
+    release_by_warp(&sm.kv_empty[kC][kC == 0 ? kGroupLeft : kGroupRight], th.lane);
+}
+
 template <int kDqk, int kC>
 __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
@@ -839,13 +852,7 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
         l[1] = l[1] * alpha[1] + psum[1];
         alt_local_pv<kDqk, kC>(sm, sc, pa, o);
         alt_publish_p<kDqk, kC>(sm, f, rows, i, pa);
-        wgmma_wait<0>();
-        wgmma_fence_regs(o);
-        wgmma_fence_regs(pa[0]);
-        wgmma_fence_regs(pa[1]);
-        wgmma_fence_regs(pa[2]);
-        wgmma_fence_regs(pa[3]);
-        release_by_warp(&sm.kv_empty[kC][kC == 0 ? kGroupLeft : kGroupRight], lane);
+        alt_release_own<kDqk, kC>(sm, th, pa, o);
     }
     // The other consumer's last tile, when it is the final one.
     if (n >= 1 && (n - 1) % 2 != kC) {
