@@ -807,6 +807,18 @@ __device__ __forceinline__ void alt_release_own(SmemPlan<kDqk>& sm, const Consum
     release_by_warp(&sm.kv_empty[kC][kC == 0 ? kGroupLeft : kGroupRight], th.lane);
 }
 
+// When the final tile n - 1 is the other consumer's: its remote PV, waited for; then its V half is free.
+template <int kDqk, int kC>
+__device__ __forceinline__ void alt_last_remote_pv(SmemPlan<kDqk>& sm, const ConsumerThread th, int n,
+                                                   const int (&rows)[2], float (&o)[kORegs], float (&l)[2]) {
+    if (n >= 1 && (n - 1) % 2 != kC) {
+        alt_remote_pv<kDqk, kC>(sm, n - 1, rows, o, l);
+        wgmma_wait<0>();
+        wgmma_fence_regs(o);
+        release_by_warp(&sm.kv_empty[1 - kC][kC == 0 ? kGroupLeft : kGroupRight], th.lane);
+    }
+}
+
 template <int kDqk, int kC>
 __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
@@ -855,12 +867,7 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
         alt_release_own<kDqk, kC>(sm, th, pa, o);
     }
     // The other consumer's last tile, when it is the final one.
-    if (n >= 1 && (n - 1) % 2 != kC) {
-        alt_remote_pv<kDqk, kC>(sm, n - 1, rows, o, l);
-        wgmma_wait<0>();
-        wgmma_fence_regs(o);
-        release_by_warp(&sm.kv_empty[1 - kC][kC == 0 ? kGroupLeft : kGroupRight], lane);
-    }
+    alt_last_remote_pv<kDqk, kC>(sm, th, n, rows, o, l);
 
     // Epilogue: final chain state of tile n - 1; row sums of both consumers.
     named_barrier_sync_unaligned(AltBar::Epi, kConsumerThreads);
