@@ -819,6 +819,17 @@ __device__ __forceinline__ void alt_last_remote_pv(SmemPlan<kDqk>& sm, const Con
     }
 }
 
+// Consumer 1's row sums to consumer 0 (through `sums`, sm.row_inv).
+template <int kC>
+__device__ __forceinline__ void alt_share_sums(float* sums, const AccFrag& f, const int (&rows)[2],
+                                               const float (&lq)[2]) {
+    if (kC == 1 && f.quad == 0) {
+        sums[rows[0]] = lq[0];
+        sums[rows[1]] = lq[1];
+    }
+    named_barrier_sync_unaligned(AltBar::Sums, kConsumerThreads);
+}
+
 template <int kDqk, int kC>
 __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
@@ -883,11 +894,7 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
     }
     float lq[2] = {quad_sum(l[0]), quad_sum(l[1])};
     float* sums = &sm.row_inv[0];  // [64]: consumer 1's sums, then 1 / denominator
-    if (kC == 1 && f.quad == 0) {
-        sums[rows[0]] = lq[0];
-        sums[rows[1]] = lq[1];
-    }
-    named_barrier_sync_unaligned(AltBar::Sums, kConsumerThreads);
+    alt_share_sums<kC>(sums, f, rows, lq);
     float inv[2];
     if (kC == 0) {
 #pragma unroll
