@@ -830,6 +830,22 @@ __device__ __forceinline__ void alt_share_sums(float* sums, const AccFrag& f, co
     named_barrier_sync_unaligned(AltBar::Sums, kConsumerThreads);
 }
 
+// Consumer 0's 1 / denominator to consumer 1 (through `sums`). Consumer 1 has read its sums slot once both pass
+// Epi; consumer 0 may then overwrite it.
+template <int kC>
+__device__ __forceinline__ void alt_share_inv(float* sums, const AccFrag& f, const int (&rows)[2], float (&inv)[2]) {
+    named_barrier_sync_unaligned(AltBar::Epi, kConsumerThreads);
+    if (kC == 0 && f.quad == 0) {
+        sums[rows[0]] = inv[0];
+        sums[rows[1]] = inv[1];
+    }
+    named_barrier_sync_unaligned(AltBar::Sums, kConsumerThreads);
+    if (kC == 1) {
+        inv[0] = sums[rows[0]];
+        inv[1] = sums[rows[1]];
+    }
+}
+
 template <int kDqk, int kC>
 __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
@@ -917,17 +933,7 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
             }
         }
     }
-    // Consumer 1 has read its sums slot; consumer 0 may now overwrite it with 1 / denominator.
-    named_barrier_sync_unaligned(AltBar::Epi, kConsumerThreads);
-    if (kC == 0 && f.quad == 0) {
-        sums[rows[0]] = inv[0];
-        sums[rows[1]] = inv[1];
-    }
-    named_barrier_sync_unaligned(AltBar::Sums, kConsumerThreads);
-    if (kC == 1) {
-        inv[0] = sums[rows[0]];
-        inv[1] = sums[rows[1]];
-    }
+    alt_share_inv<kC>(sums, f, rows, inv);
     stage_and_store_output<kDqk>(p, sm, w, f, kC, o, inv);
 }
 
