@@ -846,6 +846,32 @@ __device__ __forceinline__ void alt_share_inv(float* sums, const AccFrag& f, con
     }
 }
 
+// Consumer 0: the denominators over both consumers' sums (and the sink), 1 / denominator, max_logits and lse.
+__device__ __forceinline__ void alt_denominators(const SparseFwdParams& p, const CtaWork& w, const float* sums,
+                                                 const AccFrag& f, const int (&rows)[2], const float (&lq)[2],
+                                                 const float (&fin_ref)[2], const float (&fin_run)[2],
+                                                 float (&inv)[2]) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const float ltot = lq[rr] + sums[rows[rr]];
+        const int head = w.head0 + rows[rr];
+        const bool exists = rows[rr] < w.heads;
+        const bool empty = fin_run[rr] == -kInf;
+        float denom = ltot;
+        if (p.attn_sink != nullptr && exists && !empty) {
+            const float sink = __ldg(p.attn_sink + static_cast<int64_t>(head) * p.attn_sink_stride);
+            denom += exp2f(sink * kLog2e - fin_ref[rr]);
+        }
+        inv[rr] = empty ? 0.f : 1.f / denom;
+        if (f.quad == 0 && exists) {
+            const int64_t tok = w.token;
+            p.max_logits[tok * p.max_logits_stride_t + head * p.max_logits_stride_h] =
+                empty ? -kInf : fin_run[rr] * kLn2;
+            p.lse[tok * p.lse_stride_t + head * p.lse_stride_h] = empty ? kInf : (fin_ref[rr] + log2f(ltot)) * kLn2;
+        }
+    }
+}
+
 template <int kDqk, int kC>
 __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
@@ -912,27 +938,7 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
     float* sums = &sm.row_inv[0];  // [64]: consumer 1's sums, then 1 / denominator
     alt_share_sums<kC>(sums, f, rows, lq);
     float inv[2];
-    if (kC == 0) {
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            const float ltot = lq[rr] + sums[rows[rr]];
-            const int head = w.head0 + rows[rr];
-            const bool exists = rows[rr] < w.heads;
-            const bool empty = fin_run[rr] == -kInf;
-            float denom = ltot;
-            if (p.attn_sink != nullptr && exists && !empty) {
-                const float sink = __ldg(p.attn_sink + static_cast<int64_t>(head) * p.attn_sink_stride);
-                denom += exp2f(sink * kLog2e - fin_ref[rr]);
-            }
-            inv[rr] = empty ? 0.f : 1.f / denom;
-            if (f.quad == 0 && exists) {
-                const int64_t tok = w.token;
-                p.max_logits[tok * p.max_logits_stride_t + head * p.max_logits_stride_h] =
-                    empty ? -kInf : fin_run[rr] * kLn2;
-                p.lse[tok * p.lse_stride_t + head * p.lse_stride_h] = empty ? kInf : (fin_ref[rr] + log2f(ltot)) * kLn2;
-            }
-        }
-    }
+    if (kC == 0) alt_denominators(p, w, sums, f, rows, lq, fin_ref, fin_run, inv);
     alt_share_inv<kC>(sums, f, rows, inv);
     stage_and_store_output<kDqk>(p, sm, w, f, kC, o, inv);
 }
