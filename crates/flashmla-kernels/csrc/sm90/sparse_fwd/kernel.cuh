@@ -907,7 +907,6 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
         TileScale sc;
         alt_chain_max<kDqk, kC>(sm, th, i, n, scale, mask, m_run, m_ref, s, sc);
         const float (&alpha)[2] = sc.alpha;
-        const float (&m_exp)[2] = sc.m_exp;
 
         uint32_t pa[kPvSteps][4];
         float psum[2] = {0.f, 0.f};
