@@ -671,6 +671,15 @@ enum class AltBar : uint32_t { Epi = 7, Sums = 9 };
 __device__ __forceinline__ uint32_t alt_parity(int i, int owner) { return static_cast<uint32_t>(((i - owner) / 2) & 1); }
 
 
+// QK(i) of an own tile: rope, then this consumer's half (the producer's fill order), then the other half.
+template <int kDqk, int kC>
+__device__ __forceinline__ void alt_qk(SmemPlan<kDqk>& sm, const Ring pos, uint64_t desc_q,
+                                       const uint32_t (&q_rope)[Config<kDqk>::kRopeFragSteps][4],
+                                       float (&s)[kSRegs]) {
+    issue_qk<kDqk, kC == 0 ? kGroupLeft : kGroupRight, kC == 0 ? kGroupRight : kGroupLeft>(sm, pos, desc_q, q_rope,
+                                                                                          s);
+}
+
 // Remote PV of tile j (the other consumer's): waits for P(j), brings O and l to tile j's reference, queues
 // O += P(j) V (A from p[1 - c], B = this consumer's V half of stage 1 - c). One commit group.
 template <int kDqk, int kC>
@@ -899,8 +908,7 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
     for (int i = kC; i < n; i += 2) {
         const Ring pos = Ring::of(i);
         const TileMask mask = tile_mask_of(TileIndices::load(idx_row, i, w.topk_eff, lane), p.s_kv);
-        issue_qk<kDqk, kC == 0 ? kGroupLeft : kGroupRight, kC == 0 ? kGroupRight : kGroupLeft>(sm, pos, desc_q,
-                                                                                              q_rope, s);
+        alt_qk<kDqk, kC>(sm, pos, desc_q, q_rope, s);
         if (i >= 1) alt_remote_pv<kDqk, kC>(sm, i - 1, rows, o, l);
         alt_wait_scores<kDqk>(sm, th, pos, i >= 1, s);
 
