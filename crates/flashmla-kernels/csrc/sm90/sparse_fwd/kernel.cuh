@@ -663,6 +663,9 @@ __device__ __forceinline__ void value_consumer(const SparseFwdParams& p, SmemPla
 // (the other consumer's P from shared memory, on this consumer's O half) -> mask, row max chained from tile i - 1
 // -> P(i) -> local PV(i) (P from registers) -> P(i) published for the other consumer. Each consumer's softmax
 // overlaps the other's QK; the running reference max is handed from tile to tile through shared memory.
+// As phases: alt_qk -> alt_remote_pv -> alt_wait_scores -> alt_chain_max -> alt_p -> alt_release_remote -> row
+// sums -> alt_local_pv -> alt_publish_p -> alt_release_own; after the loop alt_last_remote_pv, then the epilogue
+// (final chain state, alt_share_sums, alt_denominators, alt_share_inv, stage_and_store_output).
 // Hand-offs between the consumers go through mbarriers (SmemPlan::alt_bar; every thread of the sender arrives, so
 // each thread's shared-memory accesses are released by its own arrival); the epilogue uses full named barriers.
 inline constexpr int kAltP = 0, kAltM = 1, kAltF = 2;
