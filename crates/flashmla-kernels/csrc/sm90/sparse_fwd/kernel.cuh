@@ -663,6 +663,9 @@ __device__ __forceinline__ void value_consumer(const SparseFwdParams& p, SmemPla
 // (the other consumer's P from shared memory, on this consumer's O half) -> mask, row max chained from tile i - 1
 // -> P(i) -> local PV(i) (P from registers) -> P(i) published for the other consumer. Each consumer's softmax
 // overlaps the other's QK; the running reference max is handed from tile to tile through shared memory.
+// As phases: alt_qk -> alt_remote_pv -> alt_wait_scores -> alt_chain_max -> alt_p -> alt_release_remote -> row
+// sums -> alt_local_pv -> alt_publish_p -> alt_release_own; after the loop alt_last_remote_pv, then the epilogue
+// (final chain state, alt_share_sums, alt_denominators, alt_share_inv, stage_and_store_output).
 // Hand-offs between the consumers go through mbarriers (SmemPlan::alt_bar; every thread of the sender arrives, so
 // each thread's shared-memory accesses are released by its own arrival); the epilogue uses full named barriers.
 inline constexpr int kAltP = 0, kAltM = 1, kAltF = 2;
@@ -670,6 +673,15 @@ enum class AltBar : uint32_t { Epi = 7, Sums = 9 };
 // Parity of the phase that the arrival for tile i of consumer `owner` completes (its (i - owner) / 2-th).
 __device__ __forceinline__ uint32_t alt_parity(int i, int owner) { return static_cast<uint32_t>(((i - owner) / 2) & 1); }
 
+
+// QK(i) of an own tile: rope, then this consumer's half (the producer's fill order), then the other half.
+template <int kDqk, int kC>
+__device__ __forceinline__ void alt_qk(SmemPlan<kDqk>& sm, const Ring pos, uint64_t desc_q,
+                                       const uint32_t (&q_rope)[Config<kDqk>::kRopeFragSteps][4],
+                                       float (&s)[kSRegs]) {
+    issue_qk<kDqk, kC == 0 ? kGroupLeft : kGroupRight, kC == 0 ? kGroupRight : kGroupLeft>(sm, pos, desc_q, q_rope,
+                                                                                          s);
+}
 
 // Remote PV of tile j (the other consumer's): waits for P(j), brings O and l to tile j's reference, queues
 // O += P(j) V (A from p[1 - c], B = this consumer's V half of stage 1 - c). One commit group.
@@ -694,13 +706,191 @@ __device__ __forceinline__ void alt_remote_pv(SmemPlan<kDqk>& sm, int j, const i
     wgmma_commit();
 }
 
+// S(i) landed; the remote PV(i - 1), when queued behind QK(i), may still run. Rope columns are no longer needed.
+template <int kDqk>
+__device__ __forceinline__ void alt_wait_scores(SmemPlan<kDqk>& sm, const ConsumerThread th, const Ring pos,
+                                                bool remote_queued, float (&s)[kSRegs]) {
+    if (remote_queued) {
+        wgmma_wait<1>();
+    } else {
+        wgmma_wait<0>();
+    }
+    wgmma_fence_regs(s);
+    if constexpr (Config<kDqk>::kRopeSlabs > 0) release_by_warp(&sm.kv_empty[pos.stage][kGroupRope], th.lane);
+}
+
+// Mask invalid rows; the row max chained from tile i - 1: wait for the state the other consumer published after
+// it, update it with this tile (lazy reference), publish the new state and alpha(i) (for the other consumer's
+// remote PV(i)).
+template <int kDqk, int kC>
+__device__ __forceinline__ void alt_chain_max(SmemPlan<kDqk>& sm, const ConsumerThread th, int i, int n, float scale,
+                                              const TileMask& mask, float (&m_run)[2], float (&m_ref)[2],
+                                              float (&s)[kSRegs], TileScale& sc) {
+    mask_invalid_rows(s, mask, th.f);
+    if (i >= 1) {
+        MBarrier::wait(&sm.alt_bar[kAltM][1 - kC], alt_parity(i - 1, 1 - kC));
+        const int ps = (i - 1) % 2;
+        m_ref[0] = sm.chain_ref[ps][th.rows[0]];
+        m_ref[1] = sm.chain_ref[ps][th.rows[1]];
+        m_run[0] = sm.chain_run[ps][th.rows[0]];
+        m_run[1] = sm.chain_run[ps][th.rows[1]];
+    }
+    update_row_max(s, scale, m_run, m_ref, sc.alpha, sc.m_exp);
+    if (th.f.quad == 0) {
+        const int cs = i % 2;
+        sm.chain_ref[cs][th.rows[0]] = m_ref[0];
+        sm.chain_ref[cs][th.rows[1]] = m_ref[1];
+        sm.chain_run[cs][th.rows[0]] = m_run[0];
+        sm.chain_run[cs][th.rows[1]] = m_run[1];
+        sm.row_scale[cs][th.rows[0]] = sc.alpha[0];
+        sm.row_scale[cs][th.rows[1]] = sc.alpha[1];
+    }
+    if (i + 1 < n) MBarrier::arrive(&sm.alt_bar[kAltM][kC]);
+}
+
+// P(i) = exp2(S - m) with this thread's row-sum partials, packed to bf16 A fragments.
+__device__ __forceinline__ void alt_p(float scale, const TileScale sc, float (&s)[kSRegs], float (&psum)[2],
+                                      uint32_t (&pa)[kPvSteps][4]) {
+#pragma unroll
+    for (int j = 0; j < kSBlocks; ++j) {
+        s[4 * j + 0] = exp2f(fmaf(s[4 * j + 0], scale, -sc.m_exp[0]));
+        s[4 * j + 1] = exp2f(fmaf(s[4 * j + 1], scale, -sc.m_exp[0]));
+        s[4 * j + 2] = exp2f(fmaf(s[4 * j + 2], scale, -sc.m_exp[1]));
+        s[4 * j + 3] = exp2f(fmaf(s[4 * j + 3], scale, -sc.m_exp[1]));
+        psum[0] += s[4 * j + 0] + s[4 * j + 1];
+        psum[1] += s[4 * j + 2] + s[4 * j + 3];
+    }
+#pragma unroll
+    for (int kb = 0; kb < kPvSteps; ++kb) {
+        pa[kb][0] = pack_bf16x2(s[8 * kb + 0], s[8 * kb + 1]);
+        pa[kb][1] = pack_bf16x2(s[8 * kb + 2], s[8 * kb + 3]);
+        pa[kb][2] = pack_bf16x2(s[8 * kb + 4], s[8 * kb + 5]);
+        pa[kb][3] = pack_bf16x2(s[8 * kb + 6], s[8 * kb + 7]);
+    }
+}
+
+// Remote PV(i - 1) must be done before O is rescaled to tile i's reference; then this consumer's V half of stage
+// 1 - c and p[1 - c] are free (the latter for P(i + 1)).
+template <int kDqk, int kC>
+__device__ __forceinline__ void alt_release_remote(SmemPlan<kDqk>& sm, const ConsumerThread th, int i, int n,
+                                                   float (&o)[kORegs]) {
+    wgmma_wait<0>();
+    wgmma_fence_regs(o);
+    if (i >= 1) {
+        release_by_warp(&sm.kv_empty[1 - kC][kC == 0 ? kGroupLeft : kGroupRight], th.lane);
+        if (i + 1 < n) MBarrier::arrive(&sm.alt_bar[kAltF][1 - kC]);
+    }
+}
+
+// O to tile i's reference, then O += P(i) V (A = P from registers, B = this consumer's V half of stage c). One
+// commit group.
+template <int kDqk, int kC>
+__device__ __forceinline__ void alt_local_pv(SmemPlan<kDqk>& sm, const TileScale sc,
+                                             const uint32_t (&pa)[kPvSteps][4], float (&o)[kORegs]) {
+    if (__any_sync(kFullMask, sc.alpha[0] != 1.f || sc.alpha[1] != 1.f)) scale_o_rows(o, sc.alpha[0], sc.alpha[1]);
+    wgmma_fence();
+#pragma unroll
+    for (int kb = 0; kb < kPvSteps; ++kb) {
+        wgmma_m64n256k16_rs_mn(o, pa[kb], v_desc<kDqk>(smem_addr(sm.kv[kC]), kC * kSlabsPerHalf, kb), true);
+    }
+    wgmma_commit();
+}
+
+// P(i) to p[c] for the other consumer's remote PV(i) (p[c] was consumed by its PV(i - 2)).
+template <int kDqk, int kC>
+__device__ __forceinline__ void alt_publish_p(SmemPlan<kDqk>& sm, const AccFrag& f, const int (&rows)[2], int i,
+                                              const uint32_t (&pa)[kPvSteps][4]) {
+    if (i >= 2) MBarrier::wait(&sm.alt_bar[kAltF][kC], alt_parity(i - 2, kC));
+    store_p_tile(smem_addr(sm.p[kC]), rows, f, pa);
+    fence_proxy_async_shared();  // generic P stores -> the other consumer's wgmma reads (async proxy)
+    MBarrier::arrive(&sm.alt_bar[kAltP][kC]);
+}
+
+// Local PV(i) done: this consumer's V half of stage c and the P fragments are free.
+template <int kDqk, int kC>
+__device__ __forceinline__ void alt_release_own(SmemPlan<kDqk>& sm, const ConsumerThread th,
+                                                uint32_t (&pa)[kPvSteps][4], float (&o)[kORegs]) {
+    wgmma_wait<0>();
+    wgmma_fence_regs(o);
+    wgmma_fence_regs(pa[0]);
+    wgmma_fence_regs(pa[1]);
+    wgmma_fence_regs(pa[2]);
+    wgmma_fence_regs(pa[3]);
+    release_by_warp(&sm.kv_empty[kC][kC == 0 ? kGroupLeft : kGroupRight], th.lane);
+}
+
+// When the final tile n - 1 is the other consumer's: its remote PV, waited for; then its V half is free.
+template <int kDqk, int kC>
+__device__ __forceinline__ void alt_last_remote_pv(SmemPlan<kDqk>& sm, const ConsumerThread th, int n,
+                                                   const int (&rows)[2], float (&o)[kORegs], float (&l)[2]) {
+    if (n >= 1 && (n - 1) % 2 != kC) {
+        alt_remote_pv<kDqk, kC>(sm, n - 1, rows, o, l);
+        wgmma_wait<0>();
+        wgmma_fence_regs(o);
+        release_by_warp(&sm.kv_empty[1 - kC][kC == 0 ? kGroupLeft : kGroupRight], th.lane);
+    }
+}
+
+// Consumer 1's row sums to consumer 0 (through `sums`, sm.row_inv).
+template <int kC>
+__device__ __forceinline__ void alt_share_sums(float* sums, const AccFrag& f, const int (&rows)[2],
+                                               const float (&lq)[2]) {
+    if (kC == 1 && f.quad == 0) {
+        sums[rows[0]] = lq[0];
+        sums[rows[1]] = lq[1];
+    }
+    named_barrier_sync_unaligned(AltBar::Sums, kConsumerThreads);
+}
+
+// Consumer 0's 1 / denominator to consumer 1 (through `sums`). Consumer 1 has read its sums slot once both pass
+// Epi; consumer 0 may then overwrite it.
+template <int kC>
+__device__ __forceinline__ void alt_share_inv(float* sums, const AccFrag& f, const int (&rows)[2], float (&inv)[2]) {
+    named_barrier_sync_unaligned(AltBar::Epi, kConsumerThreads);
+    if (kC == 0 && f.quad == 0) {
+        sums[rows[0]] = inv[0];
+        sums[rows[1]] = inv[1];
+    }
+    named_barrier_sync_unaligned(AltBar::Sums, kConsumerThreads);
+    if (kC == 1) {
+        inv[0] = sums[rows[0]];
+        inv[1] = sums[rows[1]];
+    }
+}
+
+// Consumer 0: the denominators over both consumers' sums (and the sink), 1 / denominator, max_logits and lse.
+__device__ __forceinline__ void alt_denominators(const SparseFwdParams& p, const CtaWork& w, const float* sums,
+                                                 const AccFrag& f, const int (&rows)[2], const float (&lq)[2],
+                                                 const float (&fin_ref)[2], const float (&fin_run)[2],
+                                                 float (&inv)[2]) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const float ltot = lq[rr] + sums[rows[rr]];
+        const int head = w.head0 + rows[rr];
+        const bool exists = rows[rr] < w.heads;
+        const bool empty = fin_run[rr] == -kInf;
+        float denom = ltot;
+        if (p.attn_sink != nullptr && exists && !empty) {
+            const float sink = __ldg(p.attn_sink + static_cast<int64_t>(head) * p.attn_sink_stride);
+            denom += exp2f(sink * kLog2e - fin_ref[rr]);
+        }
+        inv[rr] = empty ? 0.f : 1.f / denom;
+        if (f.quad == 0 && exists) {
+            const int64_t tok = w.token;
+            p.max_logits[tok * p.max_logits_stride_t + head * p.max_logits_stride_h] =
+                empty ? -kInf : fin_run[rr] * kLn2;
+            p.lse[tok * p.lse_stride_t + head * p.lse_stride_h] = empty ? kInf : (fin_ref[rr] + log2f(ltot)) * kLn2;
+        }
+    }
+}
+
 template <int kDqk, int kC>
 __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
     using C = Config<kDqk>;
-    const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * (1 + kC);
-    const int lane = t % 32;
-    const AccFrag f = AccFrag::of_thread(t);
-    const int rows[2] = {f.row0, f.row1()};
+    const ConsumerThread th = consumer_thread(1 + kC);
+    const int lane = th.lane;
+    const AccFrag f = th.f;
+    const int rows[2] = {th.rows[0], th.rows[1]};
     const float scale = p.sm_scale_log2;
     const uint64_t desc_q = make_wgmma_desc_sw128(smem_addr(sm.q), kUnusedLbo, kSw128AtomBytes);
     const int32_t* idx_row = p.indices + static_cast<int64_t>(w.token) * p.indices_stride_t;
@@ -714,112 +904,33 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
     float m_ref[2] = {-kInf, -kInf};  // chain state after the latest tile this consumer saw
     float m_run[2] = {-kInf, -kInf};
     uint32_t q_rope[C::kRopeFragSteps][4];
-#pragma unroll
-    for (int ks = 0; ks < C::kRopeFragSteps; ++ks) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) q_rope[ks][e] = 0u;
-    }
+    zero_q_rope<kDqk>(q_rope);
     if (n > kC) load_q_rope<kDqk>(p, w, f, rows, q_rope);
     if (n > 0) MBarrier::wait(&sm.q_full, 0);
 
     for (int i = kC; i < n; i += 2) {
         const Ring pos = Ring::of(i);
         const TileMask mask = tile_mask_of(TileIndices::load(idx_row, i, w.topk_eff, lane), p.s_kv);
-        issue_qk<kDqk, kC == 0 ? kGroupLeft : kGroupRight, kC == 0 ? kGroupRight : kGroupLeft>(sm, pos, desc_q,
-                                                                                              q_rope, s);
-        if (i >= 1) {
-            alt_remote_pv<kDqk, kC>(sm, i - 1, rows, o, l);
-            wgmma_wait<1>();  // QK(i) done
-        } else {
-            wgmma_wait<0>();
-        }
-        wgmma_fence_regs(s);
-        if constexpr (C::kRopeSlabs > 0) release_by_warp(&sm.kv_empty[pos.stage][kGroupRope], lane);
+        alt_qk<kDqk, kC>(sm, pos, desc_q, q_rope, s);
+        if (i >= 1) alt_remote_pv<kDqk, kC>(sm, i - 1, rows, o, l);
+        alt_wait_scores<kDqk>(sm, th, pos, i >= 1, s);
 
-        mask_invalid_rows(s, mask, f);
-        // Chain: the state after tile i - 1 (published by the other consumer), then this tile.
-        if (i >= 1) {
-            MBarrier::wait(&sm.alt_bar[kAltM][1 - kC], alt_parity(i - 1, 1 - kC));
-            const int ps = (i - 1) % 2;
-            m_ref[0] = sm.chain_ref[ps][rows[0]];
-            m_ref[1] = sm.chain_ref[ps][rows[1]];
-            m_run[0] = sm.chain_run[ps][rows[0]];
-            m_run[1] = sm.chain_run[ps][rows[1]];
-        }
-        float alpha[2];
-        float m_exp[2];
-        update_row_max(s, scale, m_run, m_ref, alpha, m_exp);
-        if (f.quad == 0) {
-            const int cs = i % 2;
-            sm.chain_ref[cs][rows[0]] = m_ref[0];
-            sm.chain_ref[cs][rows[1]] = m_ref[1];
-            sm.chain_run[cs][rows[0]] = m_run[0];
-            sm.chain_run[cs][rows[1]] = m_run[1];
-            sm.row_scale[cs][rows[0]] = alpha[0];
-            sm.row_scale[cs][rows[1]] = alpha[1];
-        }
-        if (i + 1 < n) MBarrier::arrive(&sm.alt_bar[kAltM][kC]);
+        TileScale sc;
+        alt_chain_max<kDqk, kC>(sm, th, i, n, scale, mask, m_run, m_ref, s, sc);
+        const float (&alpha)[2] = sc.alpha;
 
-        // P(i).
         uint32_t pa[kPvSteps][4];
         float psum[2] = {0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < kSBlocks; ++j) {
-            s[4 * j + 0] = exp2f(fmaf(s[4 * j + 0], scale, -m_exp[0]));
-            s[4 * j + 1] = exp2f(fmaf(s[4 * j + 1], scale, -m_exp[0]));
-            s[4 * j + 2] = exp2f(fmaf(s[4 * j + 2], scale, -m_exp[1]));
-            s[4 * j + 3] = exp2f(fmaf(s[4 * j + 3], scale, -m_exp[1]));
-            psum[0] += s[4 * j + 0] + s[4 * j + 1];
-            psum[1] += s[4 * j + 2] + s[4 * j + 3];
-        }
-#pragma unroll
-        for (int kb = 0; kb < kPvSteps; ++kb) {
-            pa[kb][0] = pack_bf16x2(s[8 * kb + 0], s[8 * kb + 1]);
-            pa[kb][1] = pack_bf16x2(s[8 * kb + 2], s[8 * kb + 3]);
-            pa[kb][2] = pack_bf16x2(s[8 * kb + 4], s[8 * kb + 5]);
-            pa[kb][3] = pack_bf16x2(s[8 * kb + 6], s[8 * kb + 7]);
-        }
-        // Remote PV(i - 1) must be done before O is rescaled to tile i's reference.
-        wgmma_wait<0>();
-        wgmma_fence_regs(o);
-        if (i >= 1) {
-            release_by_warp(&sm.kv_empty[1 - kC][kC == 0 ? kGroupLeft : kGroupRight], lane);
-            if (i + 1 < n) MBarrier::arrive(&sm.alt_bar[kAltF][1 - kC]);  // p[1 - c] free for P(i + 1)
-        }
+        alt_p(scale, sc, s, psum, pa);
+        alt_release_remote<kDqk, kC>(sm, th, i, n, o);
         l[0] = l[0] * alpha[0] + psum[0];
         l[1] = l[1] * alpha[1] + psum[1];
-        if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) scale_o_rows(o, alpha[0], alpha[1]);
-        wgmma_fence();
-#pragma unroll
-        for (int kb = 0; kb < kPvSteps; ++kb) {
-            wgmma_m64n256k16_rs_mn(o, pa[kb], v_desc<kDqk>(smem_addr(sm.kv[kC]), kC * kSlabsPerHalf, kb), true);
-        }
-        wgmma_commit();
-        // Publish P(i) for the other consumer (p[c] was consumed by its PV(i - 2)).
-        if (i >= 2) MBarrier::wait(&sm.alt_bar[kAltF][kC], alt_parity(i - 2, kC));
-        const uint32_t p_addr = smem_addr(sm.p[kC]);
-#pragma unroll
-        for (int j = 0; j < kSBlocks; ++j) {
-            st_shared_u32(p_addr + sw128_chunk_offset(rows[0], j) + 4 * f.quad, pa[j / 2][(j % 2) * 2 + 0]);
-            st_shared_u32(p_addr + sw128_chunk_offset(rows[1], j) + 4 * f.quad, pa[j / 2][(j % 2) * 2 + 1]);
-        }
-        fence_proxy_async_shared();
-        MBarrier::arrive(&sm.alt_bar[kAltP][kC]);
-        wgmma_wait<0>();
-        wgmma_fence_regs(o);
-        wgmma_fence_regs(pa[0]);
-        wgmma_fence_regs(pa[1]);
-        wgmma_fence_regs(pa[2]);
-        wgmma_fence_regs(pa[3]);
-        release_by_warp(&sm.kv_empty[kC][kC == 0 ? kGroupLeft : kGroupRight], lane);
+        alt_local_pv<kDqk, kC>(sm, sc, pa, o);
+        alt_publish_p<kDqk, kC>(sm, f, rows, i, pa);
+        alt_release_own<kDqk, kC>(sm, th, pa, o);
     }
     // The other consumer's last tile, when it is the final one.
-    if (n >= 1 && (n - 1) % 2 != kC) {
-        alt_remote_pv<kDqk, kC>(sm, n - 1, rows, o, l);
-        wgmma_wait<0>();
-        wgmma_fence_regs(o);
-        release_by_warp(&sm.kv_empty[1 - kC][kC == 0 ? kGroupLeft : kGroupRight], lane);
-    }
+    alt_last_remote_pv<kDqk, kC>(sm, th, n, rows, o, l);
 
     // Epilogue: final chain state of tile n - 1; row sums of both consumers.
     named_barrier_sync_unaligned(AltBar::Epi, kConsumerThreads);
@@ -835,44 +946,10 @@ __device__ __forceinline__ void alt_consumer(const SparseFwdParams& p, SmemPlan<
     }
     float lq[2] = {quad_sum(l[0]), quad_sum(l[1])};
     float* sums = &sm.row_inv[0];  // [64]: consumer 1's sums, then 1 / denominator
-    if (kC == 1 && f.quad == 0) {
-        sums[rows[0]] = lq[0];
-        sums[rows[1]] = lq[1];
-    }
-    named_barrier_sync_unaligned(AltBar::Sums, kConsumerThreads);
+    alt_share_sums<kC>(sums, f, rows, lq);
     float inv[2];
-    if (kC == 0) {
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            const float ltot = lq[rr] + sums[rows[rr]];
-            const int head = w.head0 + rows[rr];
-            const bool exists = rows[rr] < w.heads;
-            const bool empty = fin_run[rr] == -kInf;
-            float denom = ltot;
-            if (p.attn_sink != nullptr && exists && !empty) {
-                const float sink = __ldg(p.attn_sink + static_cast<int64_t>(head) * p.attn_sink_stride);
-                denom += exp2f(sink * kLog2e - fin_ref[rr]);
-            }
-            inv[rr] = empty ? 0.f : 1.f / denom;
-            if (f.quad == 0 && exists) {
-                const int64_t tok = w.token;
-                p.max_logits[tok * p.max_logits_stride_t + head * p.max_logits_stride_h] =
-                    empty ? -kInf : fin_run[rr] * kLn2;
-                p.lse[tok * p.lse_stride_t + head * p.lse_stride_h] = empty ? kInf : (fin_ref[rr] + log2f(ltot)) * kLn2;
-            }
-        }
-    }
-    // Consumer 1 has read its sums slot; consumer 0 may now overwrite it with 1 / denominator.
-    named_barrier_sync_unaligned(AltBar::Epi, kConsumerThreads);
-    if (kC == 0 && f.quad == 0) {
-        sums[rows[0]] = inv[0];
-        sums[rows[1]] = inv[1];
-    }
-    named_barrier_sync_unaligned(AltBar::Sums, kConsumerThreads);
-    if (kC == 1) {
-        inv[0] = sums[rows[0]];
-        inv[1] = sums[rows[1]];
-    }
+    if (kC == 0) alt_denominators(p, w, sums, f, rows, lq, fin_ref, fin_run, inv);
+    alt_share_inv<kC>(sums, f, rows, inv);
     stage_and_store_output<kDqk>(p, sm, w, f, kC, o, inv);
 }
 
