@@ -569,47 +569,9 @@ __device__ __forceinline__ void score_consumer(const SparseFwdParams& p, SmemPla
 
 
 // ---------------------------------------------------------------------------------------------------------------
-// Split pipeline: value warpgroup (WG 2). Per tile i: value_handoff: wait for the right group, Handoff rendezvous
-// -> value_pv: rescale O[:, 256:512] by alpha(i), O += P(i) V (A = P from shared memory, B = the right group), wait
-// -> release the right group. value_epilogue last.
-
-// The right group of tile i landed before QK(i) read it, so this wait never blocks for long; it is done before the
-// Handoff so that PV(i) is queued as soon as P(i) is published.
-template <int kDqk>
-__device__ __forceinline__ void value_handoff(SmemPlan<kDqk>& sm, const SplitTile tile) {
-    MBarrier::wait(&sm.kv_full[tile.pos.stage][kGroupRight], tile.pos.full_parity);
-    fence_proxy_async_shared();
-    named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
-}
-
-template <int kDqk>
-__device__ __forceinline__ void value_pv(SmemPlan<kDqk>& sm, const ConsumerThread th, const SplitTile tile,
-                                         float (&o)[kORegs]) {
-    const float alpha[2] = {sm.row_scale[tile.pos.stage][th.rows[0]], sm.row_scale[tile.pos.stage][th.rows[1]]};
-    if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) {  // PV(i - 1) has completed
-        scale_o_rows(o, alpha[0], alpha[1]);
-    }
-    const uint32_t p_addr = smem_addr(sm.p[tile.pos.stage]);
-    wgmma_fence();
-#pragma unroll
-    for (int kb = 0; kb < kPvSteps; ++kb) {
-        // A = P[:, 16 kb .. 16 kb + 16): K-major, 32 bytes per 16-column step inside the 128-byte rows.
-        const uint64_t desc_p = make_wgmma_desc_sw128(p_addr + kb * 32, kUnusedLbo, kSw128AtomBytes);
-        wgmma_m64n256k16_ss_kmn(o, desc_p, v_desc<kDqk>(tile.stage_addr, kSlabsPerHalf, kb), true);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_regs(o);
-}
-
-// The score warpgroup's 1 / denominator, then the output.
-template <int kDqk>
-__device__ __forceinline__ void value_epilogue(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w,
-                                               const ConsumerThread th, const float (&o)[kORegs]) {
-    named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
-    const float inv[2] = {sm.row_inv[th.rows[0]], sm.row_inv[th.rows[1]]};
-    stage_and_store_output<kDqk>(p, sm, w, th.f, 1, o, inv);
-}
+// Split pipeline: value warpgroup (WG 2). Per tile i: wait for the right group, Handoff rendezvous -> rescale
+// O[:, 256:512] by alpha(i), O += P(i) V (A = P from shared memory, B = the right group), wait -> release the right
+// group; the epilogue last. Kept as one body: the same steps as phase functions compiled to other instructions.
 
 template <int kDqk>
 __device__ __forceinline__ void value_consumer(const SparseFwdParams& p, SmemPlan<kDqk>& sm, const CtaWork& w) {
