@@ -152,6 +152,10 @@ struct CaseRecord<'a> {
     seed: u64,
     seconds: f64,
     detail: String,
+    /// Provenance every kept record carries (docs/benchmarking.md, section 7).
+    gpu: &'a str,
+    commit: &'static str,
+    date: &'a str,
 }
 
 fn all_cases() -> Vec<Case> {
@@ -225,6 +229,7 @@ pub fn run(args: &CheckArgs) -> Result<u8, String> {
     let tuning = Tuning::from_env()?;
     let gpu = Gpu::new(args.device).map_err(|e| e.to_string())?;
     let info = gpu.info();
+    let date = meta::today();
     println!(
         "flashmla check: {} cases on {} (sm_{}{}, driver {}), commit {}",
         cases.len(),
@@ -268,6 +273,9 @@ pub fn run(args: &CheckArgs) -> Result<u8, String> {
             seed,
             seconds,
             detail: outcome.detail,
+            gpu: &info.name,
+            commit: meta::COMMIT,
+            date: &date,
         });
         bar.inc(1);
         let failed = records.iter().filter(|r| !r.passed).count();
