@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "common/mbarrier.cuh"
+#include "common/smem_access.cuh"
 #include "common/smem_layout.cuh"
 
 namespace flashmla {
@@ -58,17 +59,6 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(kFullMask, v, 2);
 }
 
-__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(addr)
-                 : "memory");
-    return v;
-}
 
 // Validity of the 64 keys (score columns) of a tile as a bit mask (bit n = key n of the tile).
 struct TileMask {
