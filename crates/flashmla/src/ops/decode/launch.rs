@@ -22,10 +22,12 @@
 use super::{DecodeOptions, DecodeOutput, DenseDecodeArgs, DenseDecodeDims};
 use crate::cuda::{device_params, Gpu, LaunchConfig};
 use crate::error::{Error, Result};
-use crate::ops::layout::{rows_aligned, stride_param};
+use crate::ops::layout::{
+    expect_element_aligned, expect_offsets_fit_i64, expect_rows_16b, rows_aligned, stride_param,
+};
 use crate::reference::decode::CHUNK_OVERHEAD_TILES;
 use crate::tensor::{DType, DeviceView, Location, TensorMeta};
-use crate::validate::{expect_location, expect_offsets_fit, to_i32};
+use crate::validate::{expect_location, to_i32};
 
 /// Kernel family (`csrc/sm90/decode/`).
 pub const FAMILY: &str = "decode";
@@ -364,36 +366,15 @@ pub fn lower(
     sm_count: usize,
 ) -> Result<DecodePlan> {
     let (split_kernel, smem) = split_kernel_for(dims.dtype, dims.d_qk)?;
-    for (arg, t) in [("q", args.q), ("k_cache", args.k_cache)] {
-        if !rows_aligned(t, CHUNK_ALIGN_BYTES) {
-            let (ptr, strides) = (t.ptr(), t.strides());
-            return Err(Error::unsupported(
-                format!("decode on the GPU with `{arg}` at {ptr:#x}, strides {strides:?}"),
-                "the kernel gathers rows in 16-byte chunks: the base address and strides must be \
-                 multiples of 8 elements (pass a contiguous copy otherwise)",
-            ));
-        }
-    }
-    let element_aligned = [
+    expect_rows_16b("decode", &[("q", args.q), ("k_cache", args.k_cache)])?;
+    expect_element_aligned(&[
         ("block_table", Some(args.block_table)),
         ("cache_seqlens", Some(args.cache_seqlens)),
         ("attn_sink", args.attn_sink),
         ("out", Some(&out.out)),
         ("lse", Some(&out.lse)),
-    ];
-    for (arg, t) in element_aligned {
-        if let Some(t) = t {
-            let elem = t.dtype().size_bytes() as u64;
-            if t.ptr() % elem != 0 {
-                return Err(Error::invalid(
-                    format!("{arg}.data_ptr"),
-                    format!("an address aligned to the element size ({elem} bytes)"),
-                    format!("{:#x}", t.ptr()),
-                ));
-            }
-        }
-    }
-    let all = [
+    ])?;
+    expect_offsets_fit_i64(&[
         ("q", Some(args.q)),
         ("k_cache", Some(args.k_cache)),
         ("block_table", Some(args.block_table)),
@@ -401,10 +382,7 @@ pub fn lower(
         ("attn_sink", args.attn_sink),
         ("out", Some(&out.out)),
         ("lse", Some(&out.lse)),
-    ];
-    for (arg, t) in all.into_iter().filter_map(|(a, t)| t.map(|t| (a, t))) {
-        expect_offsets_fit(arg, t, i64::MAX as usize, "i64")?;
-    }
+    ])?;
     let sm_scale_log2 = dims.softmax_scale * LOG2_E;
     if !sm_scale_log2.is_finite() {
         return Err(Error::invalid(

@@ -18,9 +18,11 @@
 use super::{SparseFwdArgs, SparseFwdDims, SparseFwdOutput};
 use crate::cuda::{device_params, DeviceParams, Gpu, LaunchConfig};
 use crate::error::{Error, Result};
-use crate::ops::layout::{rows_aligned, stride_param};
+use crate::ops::layout::{
+    expect_element_aligned, expect_offsets_fit_i64, expect_rows_16b, rows_aligned, stride_param,
+};
 use crate::tensor::{DType, DeviceView, Location, TensorMeta};
-use crate::validate::{expect_location, expect_offsets_fit, to_i32};
+use crate::validate::{expect_location, to_i32};
 
 /// Kernel family (`csrc/sm90/sparse_fwd/`).
 pub const FAMILY: &str = <SparseFwdParams as DeviceParams>::FAMILY;
@@ -288,37 +290,16 @@ pub fn lower(
             dims.topk,
         ));
     }
-    for (arg, t) in [("q", args.q), ("kv", args.kv)] {
-        if !rows_aligned(t, CHUNK_ALIGN_BYTES) {
-            let (ptr, strides) = (t.ptr(), t.strides());
-            return Err(Error::unsupported(
-                format!("sparse_fwd on the GPU with `{arg}` at {ptr:#x}, strides {strides:?}"),
-                "the kernel gathers rows in 16-byte chunks: the base address and strides must be \
-                 multiples of 8 elements (pass a contiguous copy otherwise)",
-            ));
-        }
-    }
-    let element_aligned = [
+    expect_rows_16b("sparse_fwd", &[("q", args.q), ("kv", args.kv)])?;
+    expect_element_aligned(&[
         ("indices", Some(args.indices)),
         ("topk_length", args.topk_length),
         ("attn_sink", args.attn_sink),
         ("out", Some(&out.out)),
         ("max_logits", Some(&out.max_logits)),
         ("lse", Some(&out.lse)),
-    ];
-    for (arg, t) in element_aligned {
-        if let Some(t) = t {
-            let elem = t.dtype().size_bytes() as u64;
-            if t.ptr() % elem != 0 {
-                return Err(Error::invalid(
-                    format!("{arg}.data_ptr"),
-                    format!("an address aligned to the element size ({elem} bytes)"),
-                    format!("{:#x}", t.ptr()),
-                ));
-            }
-        }
-    }
-    let all = [
+    ])?;
+    expect_offsets_fit_i64(&[
         ("q", Some(args.q)),
         ("kv", Some(args.kv)),
         ("indices", Some(args.indices)),
@@ -327,10 +308,7 @@ pub fn lower(
         ("out", Some(&out.out)),
         ("max_logits", Some(&out.max_logits)),
         ("lse", Some(&out.lse)),
-    ];
-    for (arg, t) in all.into_iter().filter_map(|(a, t)| t.map(|t| (a, t))) {
-        expect_offsets_fit(arg, t, i64::MAX as usize, "i64")?;
-    }
+    ])?;
     let sm_scale_log2 = args.sm_scale * LOG2_E;
     if !sm_scale_log2.is_finite() {
         return Err(Error::invalid(
