@@ -73,3 +73,21 @@ pub(crate) fn expect_offsets_fit_i64(tensors: &[(&str, Option<&DeviceView>)]) ->
     }
     Ok(())
 }
+
+/// A view of `shape` (contiguous, or with `strides`) at a made-up device address, for the launchers' CPU tests of
+/// their parameter lowering. Never dereferenced.
+#[cfg(test)]
+pub(crate) fn fake_view(
+    ptr: u64,
+    dtype: crate::tensor::DType,
+    shape: &[usize],
+    strides: Option<&[usize]>,
+) -> DeviceView {
+    use crate::tensor::Layout;
+    let layout = match strides {
+        Some(s) => Layout::strided(shape, s).unwrap(),
+        None => Layout::contiguous(shape),
+    };
+    // SAFETY: never dereferenced; the tests only lower parameters.
+    unsafe { DeviceView::from_raw(ptr, dtype, layout, 0) }
+}

@@ -546,18 +546,10 @@ pub(crate) fn launch(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tensor::Layout;
 
     const BASE: u64 = 0x7f00_0000_0000;
 
-    fn view(ptr: u64, dtype: DType, shape: &[usize], strides: Option<&[usize]>) -> DeviceView {
-        let layout = match strides {
-            Some(s) => Layout::strided(shape, s).unwrap(),
-            None => Layout::contiguous(shape),
-        };
-        // SAFETY: never dereferenced; these tests only lower parameters.
-        unsafe { DeviceView::from_raw(ptr, dtype, layout, 0) }
-    }
+    use crate::ops::layout::fake_view as view;
 
     fn dims(
         batch: usize,
