@@ -297,6 +297,43 @@ def _decode_dense_fake(
     return q.new_empty((b, s_q, h_q, D_V)), q.new_empty((b, h_q, s_q), dtype=_F32)
 
 
+def _decode_sparse_impl(
+    q: Tensor,
+    k_cache: Tensor,
+    indices: Tensor,
+    topk_length: Optional[Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    attn_sink: Optional[Tensor] = None,
+    extra_k_cache: Optional[Tensor] = None,
+    extra_indices: Optional[Tensor] = None,
+    extra_topk_length: Optional[Tensor] = None,
+    batch_invariant: bool = False,
+) -> Tuple[Tensor, Tensor]:
+    """The sparse decode's body: what the custom op runs, and what eager calls on CUDA tensors run directly."""
+    if q.is_cuda and (q.data_ptr() % 16 or any(s % 8 for s, n in zip(q.stride()[:-1], q.shape[:-1]) if n > 1)):
+        q = q.contiguous()  # the kernel gathers q rows in 16-byte chunks
+    args = _sparse_decode_descs(
+        _glue.desc, _glue.desc_opt, q, k_cache, indices, topk_length, attn_sink,
+        extra_k_cache, extra_indices, extra_topk_length,
+    )
+    b, s_q, h_q, d_v, words = _native.decode_sparse_plan(*args[:4], softmax_scale, *args[4:], batch_invariant)
+    out = torch.empty((b, s_q, h_q, d_v), dtype=_BF16, device=q.device)
+    lse = torch.empty((b, h_q, s_q), dtype=_F32, device=q.device)
+    workspace = torch.empty((words,), dtype=_F32, device=q.device) if words else None  # alive through the call
+    _run(
+        _native.decode_sparse,
+        q,
+        *args[:4],
+        softmax_scale,
+        *args[4:],
+        _glue.desc(out, "out"),
+        _glue.desc(lse, "lse"),
+        workspace=_glue.desc(workspace, "workspace") if words else None,
+        batch_invariant=batch_invariant,
+    )
+    return out, lse
+
+
 @torch.library.custom_op("flashmla::decode_sparse", mutates_args=())
 def _decode_sparse_op(
     q: Tensor,
@@ -308,25 +345,13 @@ def _decode_sparse_op(
     extra_k_cache: Optional[Tensor] = None,
     extra_indices: Optional[Tensor] = None,
     extra_topk_length: Optional[Tensor] = None,
+    batch_invariant: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """Sparse decode over an FP8 cache (spec sections 3 and 4): ``(out [b, s_q, h_q, 512] bf16, lse [b, h_q, s_q])``."""
-    args = _sparse_decode_descs(
-        _glue.desc, _glue.desc_opt, q, k_cache, indices, topk_length, attn_sink,
-        extra_k_cache, extra_indices, extra_topk_length,
+    return _decode_sparse_impl(
+        q, k_cache, indices, topk_length, softmax_scale, attn_sink, extra_k_cache, extra_indices, extra_topk_length,
+        batch_invariant,
     )
-    b, s_q, h_q, d_v = _native.decode_sparse_check(*args[:4], softmax_scale, *args[4:])
-    out = torch.empty((b, s_q, h_q, d_v), dtype=_BF16, device=q.device)
-    lse = torch.empty((b, h_q, s_q), dtype=_F32, device=q.device)
-    _run(
-        _native.decode_sparse,
-        q,
-        *args[:4],
-        softmax_scale,
-        *args[4:],
-        _glue.desc(out, "out"),
-        _glue.desc(lse, "lse"),
-    )
-    return out, lse
 
 
 def _sparse_decode_descs(
@@ -348,7 +373,7 @@ def _sparse_decode_descs(
 @_decode_sparse_op.register_fake
 def _decode_sparse_fake(
     q, k_cache, indices, topk_length=None, softmax_scale=None, attn_sink=None,
-    extra_k_cache=None, extra_indices=None, extra_topk_length=None,
+    extra_k_cache=None, extra_indices=None, extra_topk_length=None, batch_invariant=False,
 ):
     tensors = (q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices, extra_topk_length)
     _glue.check_same_device(
@@ -513,6 +538,7 @@ def decode_sparse(
     extra_k_cache: Optional[Tensor] = None,
     extra_indices: Optional[Tensor] = None,
     extra_topk_length: Optional[Tensor] = None,
+    batch_invariant: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """Sparse decode over an FP8 cache (spec sections 3, 4): ``(out [b, s_q, h_q, 512] bf16, lse [b, h_q, s_q])``.
 
@@ -520,6 +546,10 @@ def decode_sparse(
     656 | 584]`` uint8/float8_e4m3fn, ``indices [b, s_q, topk]`` int32 token ids ``block * page_size + offset``
     (others ignored), optional ``topk_length [b]`` (request ``b`` uses the first ``topk_length[b]`` entries of each
     row, clamped to ``[0, topk]``), ``attn_sink [h_q]`` and a second cache with its own indices and lengths.
+    Any ``h_q`` (no padding of heads) and any ``topk``. On CUDA the step (schedule, dequantising split, combine) is
+    queued on torch's current stream with no host synchronisation (CUDA-graph capturable and replayable after the
+    indices and lengths changed in place); the caches must start on 16 bytes with block strides that are multiples
+    of 16 bytes. ``batch_invariant=True``: each query's result is bitwise independent of the rest of the batch.
     """
     _glue.check_tensor_args(
         dict(q=q, k_cache=k_cache, indices=indices),
@@ -529,9 +559,13 @@ def decode_sparse(
         ),
     )
     scale = None if softmax_scale is None else float(softmax_scale)
-    return _decode_sparse_op(
-        q, k_cache, indices, topk_length, scale, attn_sink, extra_k_cache, extra_indices, extra_topk_length
+    args = (
+        q, k_cache, indices, topk_length, scale, attn_sink, extra_k_cache, extra_indices, extra_topk_length,
+        bool(batch_invariant),
     )
+    if q.is_cuda and not torch.compiler.is_compiling():
+        return _decode_sparse_impl(*args)  # eager CUDA: skip the dispatcher, as decode_dense does
+    return _decode_sparse_op(*args)
 
 
 def kv_quantize(kv: Tensor, out: Optional[Tensor] = None) -> Tensor:

@@ -431,6 +431,63 @@ def test_decode_sparse_gpu_matches_cpu():
     assert_spec_close("lse", gpu[1], cpu[1], (1e-6, 8.01 / 65536, None))
 
 
+def _sparse_decode_inputs(seed, b=4, s_q=2, h_q=64, d_qk=576, topk=256, blocks=16, page=64):
+    """An FP8 cache (quantised; tokens no index names are NaN), q, indices (some invalid) and lengths."""
+    g = torch.Generator().manual_seed(seed)
+    kv = (torch.randn(blocks, page, 1, d_qk, generator=g) / 10).to(torch.bfloat16)
+    n_tok = blocks * page
+    live = torch.randperm(n_tok, generator=g)[: n_tok // 2]
+    dead = torch.ones(n_tok, dtype=torch.bool)
+    dead[live] = False
+    kv.view(n_tok, d_qk)[dead] = float("nan")  # quantised to NaN codes: any read of a dead token shows
+    cache = flashmla.kv_quantize(kv)
+    idx = live[torch.randint(0, live.numel(), (b, s_q, topk), generator=g)].to(torch.int32)
+    idx[torch.rand(b, s_q, topk, generator=g) < 0.1] = -1
+    idx[0, 0, :7] = torch.tensor([2**31 - 1, -(2**31), n_tok, 114514, -123456, -1, 1919810], dtype=torch.int32)
+    lengths = torch.randint(-3, topk + 40, (b,), generator=g, dtype=torch.int32)
+    q = (torch.randn(b, s_q, h_q, d_qk, generator=g) / 10).to(torch.bfloat16)
+    return q, cache, idx, lengths
+
+
+@pytest.mark.parametrize("d_qk,h_q,s_q", [(576, 128, 2), (576, 16, 1), (512, 64, 2), (512, 5, 3)])
+def test_decode_sparse_gpu_any_heads_with_lengths_and_sink(d_qk, h_q, s_q):
+    q, cache, idx, lengths = _sparse_decode_inputs(8, s_q=s_q, h_q=h_q, d_qk=d_qk, topk=200)
+    sink = torch.randn(h_q, generator=torch.Generator().manual_seed(2))
+    cpu = flashmla.decode_sparse(q, cache, idx, lengths, attn_sink=sink)
+    gpu = flashmla.decode_sparse(q.cuda(), cache.cuda(), idx.cuda(), lengths.cuda(), attn_sink=sink.cuda())
+    assert_spec_close("out", gpu[0], cpu[0], (1e-3, 2.01 / 128, 5e-6))
+    assert_spec_close("lse", gpu[1], cpu[1], (1e-6, 8.01 / 65536, None))
+
+
+def test_decode_sparse_cuda_graph_replay_with_changed_indices():
+    """A captured sparse decode step replayed after the indices, lengths, q and cache changed in place."""
+    q, cache, idx, lengths = (t.cuda() for t in _sparse_decode_inputs(9, b=6, h_q=128, topk=512))
+    flashmla.decode_sparse(q, cache, idx, lengths)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = flashmla.decode_sparse(q, cache, idx, lengths)
+    for seed in (21, 22):
+        q2, cache2, idx2, len2 = _sparse_decode_inputs(seed, b=6, h_q=128, topk=512)
+        for dst, src in ((q, q2), (cache, cache2), (idx, idx2), (lengths, len2)):
+            dst.copy_(src.cuda())
+        graph.replay()
+        want = flashmla.decode_sparse(q2, cache2, idx2, len2)
+        assert_spec_close("out", out, want[0], (1e-3, 2.01 / 128, 5e-6))
+        assert_spec_close("lse", lse, want[1], (1e-6, 8.01 / 65536, None))
+
+
+def test_decode_sparse_batch_invariant_and_compile():
+    q, cache, idx, lengths = (t.cuda() for t in _sparse_decode_inputs(10, b=5, h_q=64, topk=1024))
+    full = flashmla.decode_sparse(q, cache, idx, lengths, batch_invariant=True)
+    alone = flashmla.decode_sparse(q[2:3], cache, idx[2:3], lengths[2:3], batch_invariant=True)
+    assert torch.equal(full[0][2:3], alone[0]) and torch.equal(full[1][2:3], alone[1])
+    step = torch.compile(lambda q: flashmla.decode_sparse(q, cache, idx, lengths), fullgraph=True)
+    got = step(q)
+    want = flashmla.decode_sparse(q, cache, idx, lengths)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def _dense_decode_inputs(seed, b=5, s_q=2, h_q=64, h_kv=1, page=64, max_len=900, dtype=torch.bfloat16):
     """A paged cache with shuffled blocks, NaN in every slot no request reads, and its block table."""
     g = torch.Generator().manual_seed(seed)

@@ -30,6 +30,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::decode_dense_plan, m)?)?;
     m.add_function(wrap_pyfunction!(ops::decode_dense, m)?)?;
     m.add_function(wrap_pyfunction!(ops::decode_sparse_check, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::decode_sparse_plan, m)?)?;
     m.add_function(wrap_pyfunction!(ops::decode_sparse, m)?)?;
     m.add_function(wrap_pyfunction!(ops::kv_quantize_check, m)?)?;
     m.add_function(wrap_pyfunction!(ops::kv_quantize, m)?)?;

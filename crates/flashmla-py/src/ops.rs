@@ -28,14 +28,6 @@ use flashmla::ops::sparse_fwd::{self as fwd_op, SparseFwdArgs, SparseFwdOutput};
 use flashmla::{DeviceView, Error, HostTensor, Location, Result};
 use pyo3::prelude::*;
 
-/// The error of an op whose CUDA kernel does not exist yet (`NotImplementedError` in Python).
-fn no_kernel(op: &str) -> Error {
-    Error::unsupported(
-        format!("`{op}` on CUDA tensors"),
-        "its GPU kernel is not implemented yet; CPU tensors run the CPU reference",
-    )
-}
-
 /// Host copies of optional inputs.
 fn host_opt(d: &Option<Desc>) -> Result<Option<HostTensor>> {
     d.as_ref().map(Desc::to_host).transpose()
@@ -678,11 +670,59 @@ pub fn decode_sparse_check(
     })
 }
 
-/// Runs a sparse FP8 decode into `out [b, s_q, h_q, d_v]` bf16 and `lse [b, h_q, s_q]` f32.
+/// Validates a sparse FP8 decode and returns `(b, s_q, h_q, d_v, workspace_words)`: the f32 words of workspace a
+/// GPU run needs (allocated by the caller, as for the dense decode), 0 on the host.
+#[pyfunction]
+#[pyo3(signature = (
+    q, k_cache, indices, topk_length=None, softmax_scale=None, attn_sink=None,
+    extra_k_cache=None, extra_indices=None, extra_topk_length=None, batch_invariant=false
+))]
+#[allow(clippy::too_many_arguments)]
+pub fn decode_sparse_plan(
+    q: RawDesc,
+    k_cache: RawDesc,
+    indices: RawDesc,
+    topk_length: Option<RawDesc>,
+    softmax_scale: Option<f32>,
+    attn_sink: Option<RawDesc>,
+    extra_k_cache: Option<RawDesc>,
+    extra_indices: Option<RawDesc>,
+    extra_topk_length: Option<RawDesc>,
+    batch_invariant: bool,
+) -> PyResult<(usize, usize, usize, usize, usize)> {
+    guard("decode_sparse", || {
+        let d = SparseDecodeDescs::new(
+            &q,
+            &k_cache,
+            &indices,
+            &topk_length,
+            &attn_sink,
+            &extra_k_cache,
+            &extra_indices,
+            &extra_topk_length,
+        )?;
+        let dims = decode::validate_sparse(&d.args(softmax_scale))?;
+        let words = match placement(&d.q) {
+            Location::Cuda(device) => {
+                let sms = gpu_for(device, 0)?.info().sm_count as usize;
+                decode::launch::sparse_workspace_words(
+                    &dims,
+                    &decode_options(batch_invariant),
+                    sms,
+                )?
+            }
+            _ => 0,
+        };
+        Ok((dims.batch, dims.s_q, dims.h_q, dims.d_v, words))
+    })
+}
+
+/// Runs a sparse FP8 decode into `out [b, s_q, h_q, d_v]` bf16 and `lse [b, h_q, s_q]` f32. On CUDA,
+/// `workspace` is an f32 vector of the words [`decode_sparse_plan`] returned.
 #[pyfunction]
 #[pyo3(signature = (
     q, k_cache, indices, topk_length, softmax_scale, attn_sink, extra_k_cache, extra_indices, extra_topk_length,
-    out, lse, stream=0
+    out, lse, stream=0, workspace=None, batch_invariant=false
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn decode_sparse(
@@ -699,6 +739,8 @@ pub fn decode_sparse(
     out: RawDesc,
     lse: RawDesc,
     stream: u64,
+    workspace: Option<RawDesc>,
+    batch_invariant: bool,
 ) -> PyResult<()> {
     let (d, outs) = guard("decode_sparse", || {
         let d = SparseDecodeDescs::new(
@@ -778,19 +820,17 @@ pub fn decode_sparse(
                     out: outs.out.to_device()?,
                     lse: outs.lse.to_device()?,
                 };
-                decode_sparse_gpu(&gpu_for(device, stream)?, &args, &views)
+                let ws = device_opt(&Desc::opt("workspace", &workspace)?)?;
+                decode::decode_sparse_cuda(
+                    &gpu_for(device, stream)?,
+                    &args,
+                    &views,
+                    &decode_options(batch_invariant),
+                    ws.as_ref(),
+                )
             })
         }),
     }
-}
-
-/// GPU path of the sparse FP8 decode: no kernel yet.
-fn decode_sparse_gpu(
-    _gpu: &Gpu,
-    _args: &SparseDecodeArgs<'_, DeviceView>,
-    _out: &DecodeOutput<DeviceView>,
-) -> Result<()> {
-    Err(no_kernel("decode (sparse FP8)"))
 }
 
 // ---------------------------------------------------------------------------------------------------------------

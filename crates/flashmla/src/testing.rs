@@ -3,7 +3,10 @@
 
 use crate::error::Result;
 use crate::fp8::KvFormat;
-use crate::reference::decode::{DenseDecodeInputs, DenseDecodeProblem};
+use crate::reference::decode::{
+    DenseDecodeInputs, DenseDecodeProblem, SparseDecodeInputs, SparseDecodeProblem, SparseKv,
+};
+use crate::reference::kv_quant::{dequantize_cache, quantize_cache, CacheLayout};
 use crate::tensor::{HostTensor, TensorMeta};
 use half::bf16;
 use rand::rngs::StdRng;
@@ -764,6 +767,201 @@ pub fn dense_case(rng: &mut StdRng, spec: &DenseSpec) -> DenseCase {
         k_cache,
         block_table,
         cache_seqlens: spec.seqlens.clone(),
+        sink,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Sparse FP8 decode.
+
+/// The invalid index values of docs/spec.md section 6 as i32 (`s_kv` is added by the generator: the cache's token
+/// count).
+pub const INVALID_INDICES: [i32; 7] =
+    [i32::MIN, -123456, -1, 114514, 1919810, 2147480000, i32::MAX];
+
+/// One generated FP8 cache with its indices.
+#[derive(Debug, Clone)]
+pub struct SparseCacheCase {
+    /// The layout as the decode sees it (block stride possibly padded).
+    pub layout: CacheLayout,
+    /// Cache bytes in `layout` (the last block's padding left out); dead tokens hold 0xFF (NaN everywhere).
+    pub bytes: Vec<u8>,
+    /// The packed cache (no padding), for `dequantize_cache`.
+    pub packed: Vec<u8>,
+    /// `[b, s_q, topk]` token indices (valid ones name live tokens only).
+    pub indices: Vec<i32>,
+    /// Entries per index row.
+    pub topk: usize,
+    /// `[b]` lengths, when given.
+    pub topk_length: Option<Vec<i32>>,
+}
+
+impl SparseCacheCase {
+    /// The reference's view of this cache.
+    pub fn kv(&self) -> SparseKv<'_> {
+        SparseKv {
+            layout: self.layout,
+            cache: &self.bytes,
+            indices: &self.indices,
+            topk: self.topk,
+            topk_length: self.topk_length.as_deref(),
+        }
+    }
+    /// Dequantised tokens of the packed copy, `[num_tokens, d_qk]` (dead tokens are NaN).
+    pub fn dequantized(&self) -> Vec<f32> {
+        let packed = CacheLayout::packed(
+            self.layout.format,
+            self.layout.num_blocks,
+            self.layout.page_size,
+        );
+        dequantize_cache(&packed, &self.packed).expect("packed cache")
+    }
+}
+
+/// What to generate for one sparse cache.
+#[derive(Debug, Clone)]
+pub struct SparseCacheSpec {
+    /// Cache format.
+    pub format: KvFormat,
+    /// Blocks of the cache.
+    pub num_blocks: usize,
+    /// Tokens per block.
+    pub page_size: usize,
+    /// Extra bytes between blocks.
+    pub block_pad: usize,
+    /// Entries per index row.
+    pub topk: usize,
+    /// Probability that an index entry is invalid.
+    pub p_invalid: f64,
+    /// `[b]` lengths, optional.
+    pub topk_length: Option<Vec<i32>>,
+}
+
+/// Marks token `t` of a packed cache dead: every byte it owns becomes 0xFF (NaN values, NaN scales).
+fn poison(format: KvFormat, cache: &mut [u8], page: usize, t: usize) {
+    let block = &mut cache[(t / page) * page * format.bytes_per_token()..]
+        [..page * format.bytes_per_token()];
+    let slot = t % page;
+    match format {
+        KvFormat::V32 => block[format.nope_offset(slot)..][..format.bytes_per_token()].fill(0xFF),
+        KvFormat::Model1 => {
+            block[format.nope_offset(slot)..][..format.value_bytes()].fill(0xFF);
+            block[format.scale_offset(slot, page)..][..format.scale_record_bytes()].fill(0xFF);
+        }
+    }
+}
+
+/// Draws one FP8 cache (quantised from `randn / 10` plus an offset; about a third of the tokens dead, every byte
+/// 0xFF) and `[batch, s_q, topk]` indices naming live tokens or, with probability `p_invalid`, an invalid value of
+/// docs/spec.md section 6.
+pub fn sparse_cache_case(
+    rng: &mut StdRng,
+    spec: &SparseCacheSpec,
+    batch: usize,
+    s_q: usize,
+) -> SparseCacheCase {
+    let f = spec.format;
+    let packed_layout = CacheLayout::packed(f, spec.num_blocks, spec.page_size);
+    let n_tok = packed_layout.num_tokens();
+    let offset = rng.random_range(-0.2f32..0.2);
+    let kv = randn_bf16(rng, n_tok * f.d_qk(), 0.1, offset);
+    let mut packed = quantize_cache(&packed_layout, &kv).expect("quantise");
+    // About a third of the tokens are dead (never referenced): NaN in every byte.
+    let live: Vec<usize> = (0..n_tok).filter(|_| rng.random_bool(0.67)).collect();
+    let live = if live.is_empty() { vec![0] } else { live };
+    for t in (0..n_tok).filter(|t| !live.contains(t)) {
+        poison(f, &mut packed, spec.page_size, t);
+    }
+    let block_bytes = spec.page_size * f.bytes_per_token();
+    let stride = block_bytes + spec.block_pad;
+    let span = (spec.num_blocks - 1) * stride + block_bytes;
+    let mut bytes = vec![0xFFu8; span];
+    for b in 0..spec.num_blocks {
+        bytes[b * stride..][..block_bytes]
+            .copy_from_slice(&packed[b * block_bytes..][..block_bytes]);
+    }
+    let invalid = |rng: &mut StdRng| -> i32 {
+        match rng.random_range(0..INVALID_INDICES.len() + 1) {
+            k if k == INVALID_INDICES.len() => n_tok as i32, // s_kv itself
+            k => INVALID_INDICES[k],
+        }
+    };
+    let mut indices = Vec::with_capacity(batch * s_q * spec.topk);
+    for _ in 0..batch * s_q * spec.topk {
+        let v = if rng.random_bool(spec.p_invalid) {
+            invalid(rng)
+        } else {
+            live[rng.random_range(0..live.len())] as i32
+        };
+        indices.push(v);
+    }
+    SparseCacheCase {
+        layout: CacheLayout {
+            format: f,
+            num_blocks: spec.num_blocks,
+            page_size: spec.page_size,
+            block_stride: stride,
+        },
+        bytes,
+        packed,
+        indices,
+        topk: spec.topk,
+        topk_length: spec.topk_length.clone(),
+    }
+}
+
+/// A sparse decode case: query, main cache, optional extra cache and sink.
+#[derive(Debug, Clone)]
+pub struct SparseDecodeCase {
+    /// The problem's dimensions.
+    pub p: SparseDecodeProblem,
+    /// `[b, s_q, h_q, d_qk]` (bf16 values).
+    pub q: Vec<f32>,
+    /// The main cache.
+    pub kv: SparseCacheCase,
+    /// The extra cache, when drawn.
+    pub extra: Option<SparseCacheCase>,
+    /// `[h_q]`, when drawn.
+    pub sink: Option<Vec<f32>>,
+}
+
+impl SparseDecodeCase {
+    /// The reference's view of the case.
+    pub fn inputs(&self) -> SparseDecodeInputs<'_> {
+        SparseDecodeInputs {
+            q: &self.q,
+            kv: self.kv.kv(),
+            extra: self.extra.as_ref().map(|e| e.kv()),
+            attn_sink: self.sink.as_deref(),
+        }
+    }
+}
+
+/// Draws a sparse decode case of `(batch, s_q, h_q)`.
+pub fn sparse_decode_case(
+    rng: &mut StdRng,
+    (batch, s_q, h_q): (usize, usize, usize),
+    main: &SparseCacheSpec,
+    extra: Option<&SparseCacheSpec>,
+    sink: bool,
+) -> SparseDecodeCase {
+    let d_qk = main.format.d_qk();
+    let kv = sparse_cache_case(rng, main, batch, s_q);
+    let extra = extra.map(|e| sparse_cache_case(rng, e, batch, s_q));
+    let offset = rng.random_range(-0.2f32..0.2);
+    let q = randn_bf16(rng, batch * s_q * h_q * d_qk, 0.1, offset);
+    let sink = sink.then(|| (0..h_q).map(|_| StandardNormal.sample(rng)).collect());
+    SparseDecodeCase {
+        p: SparseDecodeProblem {
+            batch,
+            s_q,
+            h_q,
+            d_v: 512,
+            softmax_scale: (d_qk as f32).sqrt().recip(),
+        },
+        q,
+        kv,
+        extra,
         sink,
     }
 }

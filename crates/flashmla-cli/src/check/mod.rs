@@ -2,6 +2,7 @@
 //! poisoned beforehand, and compares against the CPU reference (bit-exact or spec section 6 tolerances).
 
 mod decode_dense;
+mod decode_sparse;
 mod kv_quant;
 mod sparse_bwd;
 mod sparse_fwd;
@@ -164,6 +165,7 @@ fn all_cases() -> Vec<Case> {
     cases.extend(sparse_fwd::cases());
     cases.extend(sparse_bwd::cases());
     cases.extend(decode_dense::cases());
+    cases.extend(decode_sparse::cases());
     cases
 }
 

@@ -67,7 +67,7 @@ pub const FAMILIES: &[FamilyContract] = &[
     FamilyContract {
         family: decode::launch::FAMILY,
         kernels: decode::launch::kernels::ALL,
-        params: &[ParamsMirror::of::<decode::launch::DenseDecodeParams>()],
+        params: &[ParamsMirror::of::<decode::launch::DecodeParams>()],
     },
 ];
 

@@ -2,38 +2,41 @@
 // ops/decode/launch.rs:
 //   decode_schedule                          grid (1), block (kScheduleThreads): the split-KV schedule
 //   decode_split_{bf16,f16}_d{576,512}       grid (head_tiles, grid_parts), block (kThreads = 384), dynamic shared
-//                                            memory kSmemBytes<d_qk> (config.cuh; mirrored in launch.rs)
+//   decode_split_fp8_{v32,model1}            memory kSmemBytes<d_qk> (config.cuh; mirrored in launch.rs)
 //   decode_combine_{bf16,f16}                grid (batch, head_tiles, kCombineRowGroups), block (kCombineThreads)
 #include "sm90/decode/kernel.cuh"
 
 using flashmla::Bf16;
 using flashmla::F16;
-using flashmla::decode::DenseDecodeParams;
+using flashmla::decode::DecodeParams;
 using flashmla::decode::kCombineThreads;
 using flashmla::decode::kScheduleThreads;
 using flashmla::decode::kThreads;
 
 extern "C" __global__ void __launch_bounds__(kScheduleThreads, 1)
-    decode_schedule(const __grid_constant__ DenseDecodeParams p) {
+    decode_schedule(const __grid_constant__ DecodeParams p) {
     flashmla::decode::write_schedule(p);
 }
 
-#define FLASHMLA_DECODE_SPLIT(NAME, E, DQK)                                                   \
+#define FLASHMLA_DECODE_SPLIT(NAME, E, DQK, SPARSE)                                           \
     extern "C" __global__ void __launch_bounds__(kThreads, 1)                                 \
-        NAME(const __grid_constant__ DenseDecodeParams p) {                                   \
+        NAME(const __grid_constant__ DecodeParams p) {                                        \
         extern __shared__ __align__(1024) uint8_t smem[];                                     \
-        flashmla::decode::decode_split<E, DQK>(p, smem);                                      \
+        flashmla::decode::decode_split<E, DQK, SPARSE>(p, smem);                              \
     }
-FLASHMLA_DECODE_SPLIT(decode_split_bf16_d576, Bf16, 576)
-FLASHMLA_DECODE_SPLIT(decode_split_bf16_d512, Bf16, 512)
-FLASHMLA_DECODE_SPLIT(decode_split_f16_d576, F16, 576)
-FLASHMLA_DECODE_SPLIT(decode_split_f16_d512, F16, 512)
+FLASHMLA_DECODE_SPLIT(decode_split_bf16_d576, Bf16, 576, false)
+FLASHMLA_DECODE_SPLIT(decode_split_bf16_d512, Bf16, 512, false)
+FLASHMLA_DECODE_SPLIT(decode_split_f16_d576, F16, 576, false)
+FLASHMLA_DECODE_SPLIT(decode_split_f16_d512, F16, 512, false)
+// Sparse FP8 decode (bf16 q and out): V3.2 (656-byte tokens, d_qk 576) and MODEL1 (584-byte tokens, d_qk 512).
+FLASHMLA_DECODE_SPLIT(decode_split_fp8_v32, Bf16, 576, true)
+FLASHMLA_DECODE_SPLIT(decode_split_fp8_model1, Bf16, 512, true)
 
 extern "C" __global__ void __launch_bounds__(kCombineThreads)
-    decode_combine_bf16(const __grid_constant__ DenseDecodeParams p) {
+    decode_combine_bf16(const __grid_constant__ DecodeParams p) {
     flashmla::decode::decode_combine<Bf16>(p);
 }
 extern "C" __global__ void __launch_bounds__(kCombineThreads)
-    decode_combine_f16(const __grid_constant__ DenseDecodeParams p) {
+    decode_combine_f16(const __grid_constant__ DecodeParams p) {
     flashmla::decode::decode_combine<F16>(p);
 }

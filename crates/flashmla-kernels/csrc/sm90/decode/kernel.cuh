@@ -29,6 +29,7 @@
 #include "sm90/decode/config.cuh"
 #include "sm90/decode/params.h"
 #include "sm90/decode/schedule.cuh"
+#include "sm90/decode/sparse_keys.cuh"
 
 namespace flashmla::decode {
 
@@ -39,7 +40,7 @@ struct RowTile {
     int kv_head;
     int row0;   // first row of the tile
     int rows;   // rows of the tile that exist (1..64)
-    static __device__ __forceinline__ RowTile of(const DenseDecodeParams& p) {
+    static __device__ __forceinline__ RowTile of(const DecodeParams& p) {
         const int x = static_cast<int>(blockIdx.x);
         RowTile t;
         t.kv_head = x / p.row_tiles;
@@ -48,23 +49,23 @@ struct RowTile {
         return t;
     }
     // Query token and head of tile row r (r < rows).
-    __device__ __forceinline__ int token(const DenseDecodeParams& p, int r) const { return (row0 + r) / p.heads_per_kv; }
-    __device__ __forceinline__ int head(const DenseDecodeParams& p, int r) const {
+    __device__ __forceinline__ int token(const DecodeParams& p, int r) const { return (row0 + r) / p.heads_per_kv; }
+    __device__ __forceinline__ int head(const DecodeParams& p, int r) const {
         return kv_head * p.heads_per_kv + (row0 + r) % p.heads_per_kv;
     }
 };
 
 // Block id of key `key` of request b (the caller checked key < len, so the block-table column is in range), or -1
 // past the request's keys. A block id outside 0..num_blocks is a missing key: never dereferenced.
-__device__ __forceinline__ int key_block(const DenseDecodeParams& p, int b, int len, int key) {
+__device__ __forceinline__ int key_block(const DecodeParams& p, int b, int len, int key) {
     if (key >= len) return -1;
     return __ldg(p.block_table + static_cast<int64_t>(b) * p.block_table_stride_b + key / p.page_size);
 }
-__device__ __forceinline__ bool block_valid(const DenseDecodeParams& p, int block) {
+__device__ __forceinline__ bool block_valid(const DecodeParams& p, int block) {
     return block >= 0 && block < p.num_blocks;
 }
 // Row of key `key` in block `block` (valid) for key head `kv_head`.
-__device__ __forceinline__ const uint16_t* key_row(const DenseDecodeParams& p, int block, int key, int kv_head) {
+__device__ __forceinline__ const uint16_t* key_row(const DecodeParams& p, int block, int key, int kv_head) {
     return p.k_cache + static_cast<int64_t>(block) * p.k_stride_block +
            static_cast<int64_t>(key % p.page_size) * p.k_stride_tok + static_cast<int64_t>(kv_head) * p.k_stride_head;
 }
@@ -93,11 +94,11 @@ __device__ __forceinline__ void gather_group(SmemPlan<kDqk>& sm, const Ring& pos
 
 // Q [64 rows x columns 0..511] of request b -> sm.q (rows past the tile's rows zero-filled).
 template <int kDqk>
-__device__ __forceinline__ void load_q_tile(const DenseDecodeParams& p, SmemPlan<kDqk>& sm, const RowTile& rt, int b,
+__device__ __forceinline__ void load_q_tile(const DecodeParams& p, SmemPlan<kDqk>& sm, const RowTile& rt, int b,
                                             const Sw128CopyThread& ct) {
     using C = Config<kDqk>;
     const uint32_t q_base = smem_addr(sm.q) + ct.smem_off;
-    const uint16_t* q_req = p.q + static_cast<int64_t>(b) * p.q_stride_b;
+    const uint16_t* q_req = p.q + request_offset(p, b, p.q_stride_b, p.q_stride_s);
 #pragma unroll
     for (int k = 0; k < kPassesPerTile; ++k) {
         const int r = k * kRowsPerPass + ct.row_in_pass;
@@ -116,7 +117,7 @@ __device__ __forceinline__ void load_q_tile(const DenseDecodeParams& p, SmemPlan
 }
 
 template <int kDqk>
-__device__ __forceinline__ void producer(const DenseDecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched) {
+__device__ __forceinline__ void producer(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched) {
     using C = Config<kDqk>;
     const Sw128CopyThread ct = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
     const RowTile rt = RowTile::of(p);
@@ -163,19 +164,80 @@ __device__ __forceinline__ void producer(const DenseDecodeParams& p, SmemPlan<kD
     }
 }
 
+// The sparse decode's producer: the same chunk walk and Q tile as the dense one. Per key tile, each thread copies
+// its row's raw bytes into the stage with cp.async as soon as each column group is released (sparse_keys.cuh has
+// the scheme), then dequantises them in place once they landed and publishes the group (proxy fence, 128
+// arrivals). The RoPE group (V3.2) needs no dequantisation: its copies complete the barrier themselves. Indices
+// are loaded a tile ahead; scales are loaded with the copies and used after them.
+template <int kDqk>
+__device__ __forceinline__ void producer_sparse(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched) {
+    using C = Config<kDqk>;
+    constexpr int kNopeSlabs = Fp8Format<kDqk>::kDNope / kSw128ColsBf16;  // 8 (V3.2) or 7 (MODEL1)
+    const int t = static_cast<int>(threadIdx.x);
+    const Sw128CopyThread ct = Sw128CopyThread::of(t);
+    const RawLane lane = RawLane::of(t);
+    int tile = 0;
+    int q_uses = 0;
+    for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
+        for_each_chunk(p, sched, part, [&](const Chunk& c) {
+            if (c.tile0 == c.tile1) return;
+            if (q_uses > 0) MBarrier::wait(&sm.q_empty, static_cast<uint32_t>((q_uses - 1) & 1));
+            load_q_tile<kDqk>(p, sm, RowTile::of(p), c.b, ct);  // re-derived: registers are short
+            ++q_uses;
+            int idx = sparse_index(p, c, c.tile0 * kKeysPerTile + lane.row);
+            for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
+                const Fp8Row row = sparse_row(p, c, k * kKeysPerTile + lane.row, idx);
+                const uint4 scales = load_scales<kDqk>(row);
+                if (k + 1 < c.tile1) idx = sparse_index(p, c, (k + 1) * kKeysPerTile + lane.row);
+                const Ring pos = Ring::of(tile);
+                const uint32_t stage = smem_addr(sm.kv[pos.stage]);
+                if constexpr (C::kRopeSlabs > 0) {
+                    MBarrier::wait(&sm.kv_empty[pos.stage][kGroupRope], pos.empty_parity);
+                    copy_rope<kDqk>(stage, lane, row, p.q);
+                    MBarrier::arrive_on_cp_async_noinc(&sm.kv_full[pos.stage][kGroupRope]);
+                }
+                MBarrier::wait(&sm.kv_empty[pos.stage][kGroupLeft], pos.empty_parity);
+#pragma unroll
+                for (int s = 0; s < kSlabsPerHalf; ++s) copy_nope_raw<kDqk>(stage, lane, row, s, p.q);
+                cp_async_commit_group();
+                MBarrier::wait(&sm.kv_empty[pos.stage][kGroupRight], pos.empty_parity);
+#pragma unroll
+                for (int s = kSlabsPerHalf; s < kNopeSlabs; ++s) copy_nope_raw<kDqk>(stage, lane, row, s, p.q);
+                if constexpr (C::kRopeSlabs == 0) copy_rope<kDqk>(stage, lane, row, p.q);  // MODEL1: slab 7
+                cp_async_commit_group();
+
+                cp_async_wait_group<1>();
+#pragma unroll
+                for (int s = 0; s < kSlabsPerHalf; ++s) dequant_slab<kDqk>(stage, lane, scales, s);
+                publish_group(&sm.kv_full[pos.stage][kGroupLeft]);
+                cp_async_wait_group<0>();
+#pragma unroll
+                for (int s = kSlabsPerHalf; s < kNopeSlabs; ++s) dequant_slab<kDqk>(stage, lane, scales, s);
+                publish_group(&sm.kv_full[pos.stage][kGroupRight]);
+            }
+        });
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Consumer warpgroups.
 
-// Block ids of keys `lane` and `lane + 32` of tile k of chunk c (the score warpgroup's view of the producer's test),
-// loaded a tile before the mask is formed from them.
-struct TileBlocks {
+// Key references of keys `lane` and `lane + 32` of tile k of chunk c (the score warpgroup's view of the producer's
+// test: block ids when dense, raw indices when sparse), loaded a tile before the mask is formed from them.
+template <bool kSparse>
+struct TileKeys {
     int lo;
     int hi;
-    static __device__ __forceinline__ TileBlocks load(const DenseDecodeParams& p, const Chunk& c, int k, int lane) {
+    static __device__ __forceinline__ TileKeys load(const DecodeParams& p, const Chunk& c, int k, int lane) {
         const int key = k * kKeysPerTile + lane;
+        if constexpr (kSparse) return {sparse_index(p, c, key), sparse_index(p, c, key + 32)};
         return {key_block(p, c.b, c.len, key), key_block(p, c.b, c.len, key + 32)};
     }
-    __device__ __forceinline__ TileMask mask(const DenseDecodeParams& p) const {
+    __device__ __forceinline__ TileMask mask(const DecodeParams& p, const Chunk& c, int k, int lane) const {
+        if constexpr (kSparse) {
+            const int key = k * kKeysPerTile + lane;
+            return TileMask::of_lanes(sparse_valid(p, c, key, lo), sparse_valid(p, c, key + 32, hi));
+        }
         return TileMask::of_lanes(block_valid(p, lo), block_valid(p, hi));
     }
 };
@@ -198,7 +260,7 @@ __device__ __forceinline__ void mask_causal(float (&s)[kSRegs], int k, const int
 // Q's rope columns (512..575) of the thread's two rows as register A fragments (layout: smem_layout.cuh). Rows past
 // the tile's rows stay zero.
 template <int kDqk>
-__device__ __forceinline__ void load_q_rope(const DenseDecodeParams& p, const RowTile& rt, int b, const AccFrag& f,
+__device__ __forceinline__ void load_q_rope(const DecodeParams& p, const RowTile& rt, int b, const AccFrag& f,
                                             const int (&rows)[2], uint32_t (&q_rope)[Config<kDqk>::kRopeFragSteps][4]) {
     using C = Config<kDqk>;
 #pragma unroll
@@ -210,7 +272,7 @@ __device__ __forceinline__ void load_q_rope(const DenseDecodeParams& p, const Ro
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
             if (rows[rr] < rt.rows) {
-                const uint16_t* q_row = p.q + static_cast<int64_t>(b) * p.q_stride_b +
+                const uint16_t* q_row = p.q + request_offset(p, b, p.q_stride_b, p.q_stride_s) +
                                         static_cast<int64_t>(rt.token(p, rows[rr])) * p.q_stride_s +
                                         static_cast<int64_t>(rt.head(p, rows[rr])) * p.q_stride_h;
 #pragma unroll
@@ -275,7 +337,7 @@ __device__ __forceinline__ void issue_qk(SmemPlan<kDqk>& sm, const Ring& pos, ui
 
 // Writes one consumer's O half of chunk c: final (scaled by inv, output dtype) or partial (f32, scaled by inv).
 template <class E>
-__device__ __forceinline__ void store_o_half(const DenseDecodeParams& p, const RowTile& rt, const Chunk& c,
+__device__ __forceinline__ void store_o_half(const DecodeParams& p, const RowTile& rt, const Chunk& c,
                                              const AccFrag& f, int consumer, const float (&o)[kORegs],
                                              const float (&inv)[2]) {
     const int rows[2] = {f.row0, f.row1()};
@@ -293,7 +355,7 @@ __device__ __forceinline__ void store_o_half(const DenseDecodeParams& p, const R
                     make_float2(o[4 * j + 2 * rr] * inv[rr], o[4 * j + 2 * rr + 1] * inv[rr]);
             }
         } else {
-            uint16_t* dst = p.out + static_cast<int64_t>(c.b) * p.out_stride_b +
+            uint16_t* dst = p.out + request_offset(p, c.b, p.out_stride_b, p.out_stride_s) +
                             static_cast<int64_t>(rt.token(p, r)) * p.out_stride_s +
                             static_cast<int64_t>(rt.head(p, r)) * p.out_stride_h + consumer * kDvPerConsumer;
 #pragma unroll
@@ -318,7 +380,7 @@ struct SoftmaxState {
 };
 
 // The chunk's epilogue on the score side: row sums, lse (final or partial), 1 / denominator for both consumers.
-__device__ __forceinline__ void score_epilogue(const DenseDecodeParams& p, float* row_inv, const RowTile& rt,
+__device__ __forceinline__ void score_epilogue(const DecodeParams& p, float* row_inv, const RowTile& rt,
                                                const Chunk& c, const AccFrag& f, const SoftmaxState& st,
                                                float (&inv)[2]) {
     const int rows[2] = {f.row0, f.row1()};
@@ -342,7 +404,7 @@ __device__ __forceinline__ void score_epilogue(const DenseDecodeParams& p, float
                     p.part_lse[(static_cast<int64_t>(c.slot) * p.head_tiles + blockIdx.x) * kRowsPerCta + rows[rr]] =
                         empty ? -kInf : lse;
                 } else {
-                    p.lse[static_cast<int64_t>(c.b) * p.lse_stride_b +
+                    p.lse[request_offset(p, c.b, p.lse_stride_b, p.lse_stride_s) +
                           static_cast<int64_t>(rt.head(p, rows[rr])) * p.lse_stride_h +
                           static_cast<int64_t>(rt.token(p, rows[rr])) * p.lse_stride_s] = empty ? kInf : lse;
                 }
@@ -355,8 +417,8 @@ __device__ __forceinline__ void score_epilogue(const DenseDecodeParams& p, float
 //   wait QK(i) -> release rope group (and Q after the chunk's last QK) -> mask, online softmax, P -> PV(i) on
 //   O[:, 0:256] -> publish P(i), alpha(i) -> wait PV(i) -> release left group -> QK(i + 1) -> Handoff.
 // Then the epilogue.
-template <class E, int kDqk>
-__device__ __forceinline__ void score_consumer(const DenseDecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched) {
+template <class E, int kDqk, bool kSparse>
+__device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched) {
     using C = Config<kDqk>;
     const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Score);
     const int lane = t % 32;
@@ -387,11 +449,11 @@ __device__ __forceinline__ void score_consumer(const DenseDecodeParams& p, SmemP
                 }
             }
             TileMask mask{0u, 0u};
-            TileBlocks blk_next{-1, -1};
+            TileKeys<kSparse> blk_next{-1, -1};
             if (n_tiles > 0) {
                 load_q_rope<kDqk>(p, rt, c.b, f, rows, q_rope);
-                mask = TileBlocks::load(p, c, c.tile0, lane).mask(p);
-                if (n_tiles > 1) blk_next = TileBlocks::load(p, c, c.tile0 + 1, lane);
+                mask = TileKeys<kSparse>::load(p, c, c.tile0, lane).mask(p, c, c.tile0, lane);
+                if (n_tiles > 1) blk_next = TileKeys<kSparse>::load(p, c, c.tile0 + 1, lane);
                 MBarrier::wait(&sm.q_full, static_cast<uint32_t>(q_uses & 1));
                 issue_qk<E, kDqk>(sm, Ring::of(tile), desc_q, q_rope, s);
             }
@@ -459,8 +521,8 @@ __device__ __forceinline__ void score_consumer(const DenseDecodeParams& p, SmemP
                 fence_proxy_async_shared();
 
                 if (has_next) {
-                    mask = blk_next.mask(p);
-                    if (i + 2 < n_tiles) blk_next = TileBlocks::load(p, c, c.tile0 + i + 2, lane);
+                    mask = blk_next.mask(p, c, c.tile0 + i + 1, lane);
+                    if (i + 2 < n_tiles) blk_next = TileKeys<kSparse>::load(p, c, c.tile0 + i + 2, lane);
                 }
                 wgmma_wait<0>();
                 wgmma_fence_regs(pa[0]);
@@ -485,7 +547,7 @@ __device__ __forceinline__ void score_consumer(const DenseDecodeParams& p, SmemP
 // Value warpgroup (WG 2). Per tile i: wait for the right group -> Handoff -> rescale O[:, 256:512] by alpha(i) ->
 // O += P(i) V -> wait -> release the right group. Per chunk, the epilogue.
 template <class E, int kDqk>
-__device__ __forceinline__ void value_consumer(const DenseDecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched) {
+__device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched) {
     const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Value);
     const int lane = t % 32;
     const AccFrag f = AccFrag::of_thread(t);
@@ -531,8 +593,8 @@ __device__ __forceinline__ void value_consumer(const DenseDecodeParams& p, SmemP
 // ---------------------------------------------------------------------------------------------------------------
 // Kernel bodies (instantiated by decode.cu).
 
-template <class E, int kDqk>
-__device__ __forceinline__ void decode_split(const DenseDecodeParams& p, uint8_t* smem) {
+template <class E, int kDqk, bool kSparse>
+__device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* smem) {
     using Plan = SmemPlan<kDqk>;
     using C = Config<kDqk>;
     const uint32_t raw = smem_addr(smem);
@@ -558,10 +620,14 @@ __device__ __forceinline__ void decode_split(const DenseDecodeParams& p, uint8_t
     const Role role = static_cast<Role>(threadIdx.x / kWarpgroupThreads);
     if (role == Role::Producer) {
         setmaxnreg_dec<kProducerRegs>();
-        producer<kDqk>(p, sm, sched);
+        if constexpr (kSparse) {
+            producer_sparse<kDqk>(p, sm, sched);
+        } else {
+            producer<kDqk>(p, sm, sched);
+        }
     } else if (role == Role::Score) {
         setmaxnreg_inc<kScoreRegs>();
-        score_consumer<E, kDqk>(p, sm, sched);
+        score_consumer<E, kDqk, kSparse>(p, sm, sched);
     } else {
         setmaxnreg_inc<kValueRegs>();
         value_consumer<E, kDqk>(p, sm, sched);
@@ -573,7 +639,7 @@ __device__ __forceinline__ void decode_split(const DenseDecodeParams& p, uint8_t
 // out = sum(w * O_p) / (sum w + exp(sink - M)), w = exp(lse_p - M), M = max lse_p; a row without any key (every
 // lse_p = -inf) gets out 0, lse +inf.
 template <class E>
-__device__ __forceinline__ void decode_combine(const DenseDecodeParams& p) {
+__device__ __forceinline__ void decode_combine(const DecodeParams& p) {
     const int b = static_cast<int>(blockIdx.x);
     const int x = static_cast<int>(blockIdx.y);
     const Schedule sched = Schedule::load(p);
@@ -631,7 +697,8 @@ __device__ __forceinline__ void decode_combine(const DenseDecodeParams& p) {
     }
     const float inv = m == -kInf ? 0.f : 1.f / denom;
     const bool vec4 = (p.flags & kFlagOutVec4) != 0;
-    uint16_t* dst = p.out + static_cast<int64_t>(b) * p.out_stride_b + static_cast<int64_t>(token) * p.out_stride_s +
+    uint16_t* dst = p.out + request_offset(p, b, p.out_stride_b, p.out_stride_s) +
+                    static_cast<int64_t>(token) * p.out_stride_s +
                     static_cast<int64_t>(head) * p.out_stride_h;
 #pragma unroll
     for (int v = 0; v < kCombineColsPerLane / 4; ++v) {
@@ -649,7 +716,7 @@ __device__ __forceinline__ void decode_combine(const DenseDecodeParams& p) {
         }
     }
     if (lane == 0) {
-        p.lse[static_cast<int64_t>(b) * p.lse_stride_b + static_cast<int64_t>(head) * p.lse_stride_h +
+        p.lse[request_offset(p, b, p.lse_stride_b, p.lse_stride_s) + static_cast<int64_t>(head) * p.lse_stride_h +
               static_cast<int64_t>(token) * p.lse_stride_s] = m == -kInf ? kInf : m + __logf(wsum);
     }
 }

@@ -1,10 +1,16 @@
-// Parameters of the dense MLA decode family (docs/spec.md section 4): the schedule, split and combine kernels share
-// one struct. Mirrored field by field by `crates/flashmla/src/ops/decode/launch.rs` (`DenseDecodeParams`, declared
-// with `device_params!`, which build.rs checks against this header's layout as the compiler sees it).
+// Parameters of the MLA decode family (docs/spec.md section 4), dense (bf16/f16 paged cache) and sparse (FP8 cache
+// addressed by indices): the schedule, split and combine kernels share one struct. Mirrored field by field by
+// `crates/flashmla/src/ops/decode/launch.rs` (`DecodeParams`, declared with `device_params!`, which build.rs checks
+// against this header's layout as the compiler sees it).
 //
-// Strides are in elements (bytes for nothing here), last dimensions are contiguous (stride 1, not stored). The host
-// checked that every reachable offset fits i64, that q and k_cache rows are 16-byte aligned, and that the schedule's
-// line fits i32 (see `line_bound` in launch.rs).
+// The schedule's unit is a "request": dense, one batch entry (its s_q query tokens share the keys); sparse, one query
+// token (b, s) = (req / req_tokens, req % req_tokens), since every token has its own indices. A request's query rows
+// are (token, head) pairs of one key head; tensors are addressed at request `req` by (req / req_tokens) * stride_b +
+// (req % req_tokens) * stride_s (dense: req_tokens = 1).
+//
+// Strides are in elements, except the FP8 caches' block strides (bytes); last dimensions are contiguous (stride 1,
+// not stored). The host checked that every reachable offset fits i64, that q and dense k_cache rows are 16-byte
+// aligned (FP8 caches: base and block stride), and that the schedule's line fits i32.
 #pragma once
 
 #include <cstddef>
@@ -15,17 +21,26 @@ namespace flashmla::decode {
 // `flags` bits.
 inline constexpr uint32_t kFlagCausal = 1u << 0;     // bottom-right causal mask (only set when s_q > 1)
 inline constexpr uint32_t kFlagOutVec4 = 1u << 1;    // out base and strides allow 4-byte (2-element) stores
+inline constexpr uint32_t kFlagSparse = 1u << 2;     // sparse FP8 decode: keys come from indices, not the block table
 
 // Words of the schedule workspace after the `batch + 1` line starts: the budget (line units per part) and the
 // number of parts the line is cut into.
 inline constexpr int kScheduleTail = 2;
 
-struct DenseDecodeParams {
+struct DecodeParams {
     const uint16_t* q;              // [b, s_q, h_q, d_qk] bf16/f16; strides (q_stride_b, q_stride_s, q_stride_h, 1)
-    const uint16_t* k_cache;        // [num_blocks, page_size, h_kv, d_qk]; strides (k_stride_block, k_stride_tok,
-                                    // k_stride_head, 1); V = the first 512 columns of a key row
-    const int32_t* block_table;     // [b, max_blocks]; strides (block_table_stride_b, 1)
-    const int32_t* cache_seqlens;   // [b]; stride cache_seqlens_stride
+    const uint16_t* k_cache;        // dense: [num_blocks, page_size, h_kv, d_qk]; strides (k_stride_block,
+                                    // k_stride_tok, k_stride_head, 1); V = the first 512 columns of a key row.
+                                    // sparse: the FP8 cache's bytes (docs/spec.md section 3), block stride
+                                    // k_stride_block in bytes
+    const int32_t* block_table;     // dense: [b, max_blocks]; strides (block_table_stride_b, 1)
+    const int32_t* cache_seqlens;   // dense: [b]; stride cache_seqlens_stride
+    const int32_t* indices;         // sparse: [b, s_q, topk]; strides (indices_stride_b, indices_stride_s, 1)
+    const int32_t* topk_length;     // sparse: [b]; stride topk_length_stride; nullptr: topk entries
+    const uint8_t* extra_cache;     // sparse: the extra FP8 cache (same format), block stride extra_stride_block
+                                    // bytes; nullptr: none
+    const int32_t* extra_indices;   // sparse: [b, s_q, extra_topk]; strides (extra_indices_stride_b, _s, 1)
+    const int32_t* extra_topk_length;  // sparse: [b]; stride extra_topk_length_stride; nullptr: extra_topk
     const float* attn_sink;         // [h_q]; stride attn_sink_stride; nullptr: no sink
     uint16_t* out;                  // [b, s_q, h_q, 512] (q's dtype); strides (out_stride_b, out_stride_s,
                                     // out_stride_h, 1)
@@ -45,6 +60,13 @@ struct DenseDecodeParams {
     int64_t block_table_stride_b;
     int64_t cache_seqlens_stride;
     int64_t attn_sink_stride;
+    int64_t indices_stride_b;
+    int64_t indices_stride_s;
+    int64_t topk_length_stride;
+    int64_t extra_stride_block;
+    int64_t extra_indices_stride_b;
+    int64_t extra_indices_stride_s;
+    int64_t extra_topk_length_stride;
     int64_t out_stride_b;
     int64_t out_stride_s;
     int64_t out_stride_h;
@@ -52,8 +74,9 @@ struct DenseDecodeParams {
     int64_t lse_stride_h;
     int64_t lse_stride_s;
 
-    int32_t batch;                  // requests b >= 1
-    int32_t s_q;                    // query tokens per request
+    int32_t batch;                  // requests >= 1 (dense: b; sparse: b * s_q)
+    int32_t s_q;                    // query tokens per request (sparse: 1)
+    int32_t req_tokens;             // query tokens per batch entry a request stands for: dense 1, sparse s_q
     int32_t h_q;                    // query heads
     int32_t h_kv;                   // key heads; h_q % h_kv == 0
     int32_t heads_per_kv;           // h_q / h_kv
@@ -62,14 +85,18 @@ struct DenseDecodeParams {
     int32_t head_tiles;             // h_kv * row_tiles = gridDim.x of the split kernel
     int32_t num_blocks;             // blocks in k_cache: a block id outside 0..num_blocks is a missing key
     int32_t page_size;              // tokens per block
-    int32_t max_blocks;             // columns of block_table; cache_seqlens are clamped to 0..max_blocks * page_size
+    int32_t max_blocks;             // dense: columns of block_table; cache_seqlens are clamped to 0..max_blocks *
+                                    // page_size
+    int32_t topk;                   // sparse: entries per index row (topk_length is clamped to 0..topk)
+    int32_t extra_topk;             // sparse: entries per extra index row (0: no extra cache)
+    int32_t extra_num_blocks;       // sparse: blocks of the extra cache
+    int32_t extra_page_size;        // sparse: tokens per extra block
     int32_t grid_parts;             // gridDim.y of the split kernel: the balanced schedule cuts the line into this many
     int32_t max_parts;              // bound on the schedule's number of parts (sizes part_o / part_lse)
     int32_t chunk_overhead;         // line units a request costs beyond its key tiles (>= 1)
     int32_t fixed_budget;           // 0: balanced schedule; > 0: batch-invariant schedule with this budget
     uint32_t flags;                 // kFlag* bits
     float sm_scale_log2;            // softmax_scale * log2(e)
-    int32_t reserved;               // keeps the size a multiple of 8; always 0
 };
 
 }  // namespace flashmla::decode

@@ -22,9 +22,36 @@
 
 namespace flashmla::decode {
 
-// Keys of request b that exist: cache_seqlens[b] clamped to 0..max_blocks * page_size.
-__device__ __forceinline__ int request_len(const DenseDecodeParams& p, int b) {
-    const int len = __ldg(p.cache_seqlens + static_cast<int64_t>(b) * p.cache_seqlens_stride);
+// Batch entry and query token a request stands for (dense: (req, 0); sparse: one query token per request).
+__device__ __forceinline__ int request_batch(const DecodeParams& p, int req) { return req / p.req_tokens; }
+__device__ __forceinline__ int request_token(const DecodeParams& p, int req) { return req % p.req_tokens; }
+
+// Offset of request `req` in a tensor whose first two dimensions are (batch entry, query token).
+__device__ __forceinline__ int64_t request_offset(const DecodeParams& p, int req, int64_t stride_b, int64_t stride_s) {
+    return static_cast<int64_t>(request_batch(p, req)) * stride_b + static_cast<int64_t>(request_token(p, req)) * stride_s;
+}
+
+// clamp(length[b], 0, cap), or cap without a length tensor (sparse topk_length / extra_topk_length).
+__device__ __forceinline__ int clamped_length(const int32_t* length, int64_t stride, int b, int cap) {
+    if (length == nullptr) return cap;
+    return min(max(__ldg(length + static_cast<int64_t>(b) * stride), 0), cap);
+}
+
+// Sparse: entries of the main index row request `req` attends to (its extra entries follow them).
+__device__ __forceinline__ int main_len(const DecodeParams& p, int req) {
+    return clamped_length(p.topk_length, p.topk_length_stride, request_batch(p, req), p.topk);
+}
+
+// Key positions of request `req`. Dense: cache_seqlens[b] clamped to 0..max_blocks * page_size. Sparse: the main
+// entries, then the extra ones.
+__device__ __forceinline__ int request_len(const DecodeParams& p, int req) {
+    if (p.flags & kFlagSparse) {
+        const int extra = p.extra_topk == 0 ? 0
+                                            : clamped_length(p.extra_topk_length, p.extra_topk_length_stride,
+                                                             request_batch(p, req), p.extra_topk);
+        return main_len(p, req) + extra;
+    }
+    const int len = __ldg(p.cache_seqlens + static_cast<int64_t>(req) * p.cache_seqlens_stride);
     const int64_t cap = static_cast<int64_t>(p.max_blocks) * p.page_size;
     return static_cast<int>(min(static_cast<int64_t>(max(len, 0)), cap));
 }
@@ -32,7 +59,7 @@ __device__ __forceinline__ int request_len(const DenseDecodeParams& p, int b) {
 __device__ __forceinline__ int tiles_of(int len) { return (len + kTileN - 1) / kTileN; }
 
 // Line units request b occupies.
-__device__ __forceinline__ int64_t segment_of(const DenseDecodeParams& p, int len) {
+__device__ __forceinline__ int64_t segment_of(const DecodeParams& p, int len) {
     const int64_t seg = p.chunk_overhead + tiles_of(len);
     if (p.fixed_budget > 0) return (seg + p.fixed_budget - 1) / p.fixed_budget * p.fixed_budget;
     return seg;
@@ -41,7 +68,7 @@ __device__ __forceinline__ int64_t segment_of(const DenseDecodeParams& p, int le
 // The schedule kernel's body: one CTA of kScheduleThreads threads writes S_0..S_batch, the budget and the number of
 // parts (a block-wide prefix sum in rounds of kScheduleThreads requests).
 inline constexpr int kScheduleThreads = 1024;
-__device__ __forceinline__ void write_schedule(const DenseDecodeParams& p) {
+__device__ __forceinline__ void write_schedule(const DecodeParams& p) {
     __shared__ int64_t warp_sums[kScheduleThreads / 32];
     __shared__ int64_t carry_s;
     __shared__ int uniform_s;  // every request has the same segment
@@ -107,8 +134,9 @@ __device__ __forceinline__ void write_schedule(const DenseDecodeParams& p) {
 
 // One chunk of work: key tiles [tile0, tile1) of request b.
 struct Chunk {
-    int b;
+    int b;       // the request
     int len;     // keys of the request
+    int main;    // sparse: keys < main come from the main cache, the rest from the extra one (dense: len)
     int tile0;
     int tile1;   // tile0 == tile1: a request without keys
     bool split;  // the request spans several parts: write a partial to `slot`
@@ -120,7 +148,7 @@ struct Schedule {
     const int32_t* line;  // S_0..S_batch
     int budget;
     int parts;
-    static __device__ __forceinline__ Schedule load(const DenseDecodeParams& p) {
+    static __device__ __forceinline__ Schedule load(const DecodeParams& p) {
         return {p.schedule, p.schedule[p.batch + 1], p.schedule[p.batch + 2]};
     }
     // Largest b with S_b <= pos (pos < S_batch).
@@ -138,7 +166,7 @@ struct Schedule {
 
 // Calls f(chunk) for every chunk of part `part`, in line order. Every role of a CTA runs the same enumeration.
 template <class F>
-__device__ __forceinline__ void for_each_chunk(const DenseDecodeParams& p, const Schedule& s, int part, F&& f) {
+__device__ __forceinline__ void for_each_chunk(const DecodeParams& p, const Schedule& s, int part, F&& f) {
     const int lo = part * s.budget;
     const int hi = lo + s.budget;
     const int end = s.line[p.batch];
@@ -150,7 +178,7 @@ __device__ __forceinline__ void for_each_chunk(const DenseDecodeParams& p, const
         const int len = request_len(p, b);
         const int tiles = tiles_of(len);
         if (tiles == 0) {
-            if (first - 1 >= lo && first - 1 < hi) f(Chunk{b, 0, 0, 0, false, 0});
+            if (first - 1 >= lo && first - 1 < hi) f(Chunk{b, 0, 0, 0, 0, false, 0});
             continue;
         }
         const int k0 = max(lo - first, 0);
@@ -158,7 +186,8 @@ __device__ __forceinline__ void for_each_chunk(const DenseDecodeParams& p, const
         if (k0 >= k1) continue;
         const int fp = s.part_of(first);
         const int lp = s.part_of(first + tiles - 1);
-        f(Chunk{b, len, k0, k1, fp != lp, 2 * part + (part == fp ? 1 : 0)});
+        const int main = (p.flags & kFlagSparse) ? main_len(p, b) : len;
+        f(Chunk{b, len, main, k0, k1, fp != lp, 2 * part + (part == fp ? 1 : 0)});
     }
 }
 

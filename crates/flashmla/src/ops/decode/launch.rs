@@ -1,5 +1,5 @@
 //! GPU path of the dense decode: checks the limits of the sm_90a kernels (`csrc/sm90/decode/`, design in
-//! `docs/decode.md`), lowers validated arguments to their [`DenseDecodeParams`] and queues three kernels on the
+//! `docs/decode.md`), lowers validated arguments to their [`DecodeParams`] and queues three kernels on the
 //! stream, with no host synchronisation (a decode step can be captured in a CUDA graph and replayed after
 //! `cache_seqlens` and `block_table` changed in place):
 //! 1. `decode_schedule` (one CTA) computes the split-KV schedule from `cache_seqlens` into the workspace;
@@ -19,7 +19,10 @@
 //! `sm_count / head_tiles` for the balanced schedule, about 34 MB on an H100, and grows with `batch * max_blocks *
 //! page_size` in batch-invariant mode). Nothing else is allocated.
 
-use super::{DecodeOptions, DecodeOutput, DenseDecodeArgs, DenseDecodeDims};
+use super::{
+    DecodeOptions, DecodeOutput, DenseDecodeArgs, DenseDecodeDims, ExtraKvArgs, SparseDecodeArgs,
+    SparseDecodeDims,
+};
 use crate::cuda::{device_params, Gpu, LaunchConfig};
 use crate::error::{Error, Result};
 use crate::ops::layout::{
@@ -53,6 +56,8 @@ pub const D_V: usize = 512;
 pub const FLAG_CAUSAL: u32 = 1;
 /// `flags` bit: `out` rows allow 4-byte stores (`kFlagOutVec4`).
 pub const FLAG_OUT_VEC4: u32 = 2;
+/// `flags` bit: sparse FP8 decode (`kFlagSparse`).
+pub const FLAG_SPARSE: u32 = 4;
 /// Words of the schedule after the `batch + 1` line starts (`kScheduleTail`).
 pub const SCHEDULE_TAIL: usize = 2;
 /// The gather moves 16-byte chunks.
@@ -65,19 +70,30 @@ const MAX_LINE: usize = (i32::MAX / 4) as usize;
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
 
 device_params! {
-    family = "decode", cxx = "DenseDecodeParams";
-    /// Mirror of `flashmla::decode::DenseDecodeParams` (params.h), checked against it at compile time
-    /// ([`crate::cuda::params`]). Pointers are device addresses; strides are in elements.
-    #[derive(Debug, Clone, Copy, PartialEq)]
-    pub struct DenseDecodeParams {
+    family = "decode", cxx = "DecodeParams";
+    /// Mirror of `flashmla::decode::DecodeParams` (params.h), checked against it at compile time
+    /// ([`crate::cuda::params`]). Pointers are device addresses; strides are in elements (FP8 caches' block strides
+    /// in bytes). `Default` is all zeros (absent pointers).
+    #[derive(Debug, Clone, Copy, PartialEq, Default)]
+    pub struct DecodeParams {
         /// `[b, s_q, h_q, d_qk]`.
         pub q: u64,
         /// `[num_blocks, page_size, h_kv, d_qk]`.
         pub k_cache: u64,
-        /// `[b, max_blocks]` i32.
+        /// Dense: `[b, max_blocks]` i32.
         pub block_table: u64,
-        /// `[b]` i32.
+        /// Dense: `[b]` i32.
         pub cache_seqlens: u64,
+        /// Sparse: `[b, s_q, topk]` i32.
+        pub indices: u64,
+        /// Sparse: `[b]` i32; 0 when absent.
+        pub topk_length: u64,
+        /// Sparse: the extra FP8 cache; 0 when absent.
+        pub extra_cache: u64,
+        /// Sparse: `[b, s_q, extra_topk]` i32.
+        pub extra_indices: u64,
+        /// Sparse: `[b]` i32; 0 when absent.
+        pub extra_topk_length: u64,
         /// `[h_q]` f32; 0 when absent.
         pub attn_sink: u64,
         /// `[b, s_q, h_q, 512]`, q's dtype.
@@ -108,6 +124,20 @@ device_params! {
         pub cache_seqlens_stride: i64,
         /// Elements between `attn_sink` entries.
         pub attn_sink_stride: i64,
+        /// Elements between index rows of consecutive requests.
+        pub indices_stride_b: i64,
+        /// Elements between index rows of consecutive query tokens.
+        pub indices_stride_s: i64,
+        /// Elements between `topk_length` entries.
+        pub topk_length_stride: i64,
+        /// Bytes between extra-cache blocks.
+        pub extra_stride_block: i64,
+        /// Elements between extra index rows of consecutive requests.
+        pub extra_indices_stride_b: i64,
+        /// Elements between extra index rows of consecutive query tokens.
+        pub extra_indices_stride_s: i64,
+        /// Elements between `extra_topk_length` entries.
+        pub extra_topk_length_stride: i64,
         /// Elements between `out` requests.
         pub out_stride_b: i64,
         /// Elements between `out` tokens.
@@ -120,10 +150,12 @@ device_params! {
         pub lse_stride_h: i64,
         /// Elements between `lse` tokens.
         pub lse_stride_s: i64,
-        /// Requests.
+        /// Schedule requests (dense: `b`; sparse: `b * s_q`).
         pub batch: i32,
-        /// Query tokens per request.
+        /// Query tokens per request (sparse: 1).
         pub s_q: i32,
+        /// Query tokens per batch entry a request stands for (dense: 1; sparse: `s_q`).
+        pub req_tokens: i32,
         /// Query heads.
         pub h_q: i32,
         /// Key heads.
@@ -140,8 +172,16 @@ device_params! {
         pub num_blocks: i32,
         /// Tokens per block.
         pub page_size: i32,
-        /// Columns of the block table.
+        /// Columns of the block table (dense).
         pub max_blocks: i32,
+        /// Entries per index row (sparse).
+        pub topk: i32,
+        /// Entries per extra index row (sparse; 0: no extra cache).
+        pub extra_topk: i32,
+        /// Blocks of the extra cache.
+        pub extra_num_blocks: i32,
+        /// Tokens per extra-cache block.
+        pub extra_page_size: i32,
         /// Parts of the balanced schedule (grid y of the split kernel).
         pub grid_parts: i32,
         /// Bound on the schedule's parts (sizes the partials).
@@ -154,8 +194,6 @@ device_params! {
         pub flags: u32,
         /// `softmax_scale * log2(e)`.
         pub sm_scale_log2: f32,
-        /// Always 0.
-        pub reserved: i32,
     }
 }
 
@@ -171,6 +209,10 @@ pub mod kernels {
     pub const SPLIT_F16_D576: &str = "decode_split_f16_d576";
     /// Split kernel, f16, d_qk 512.
     pub const SPLIT_F16_D512: &str = "decode_split_f16_d512";
+    /// Sparse split kernel, V3.2 FP8 cache (656-byte tokens, d_qk 576), bf16.
+    pub const SPLIT_FP8_V32: &str = "decode_split_fp8_v32";
+    /// Sparse split kernel, MODEL1 FP8 cache (584-byte tokens, d_qk 512), bf16.
+    pub const SPLIT_FP8_MODEL1: &str = "decode_split_fp8_model1";
     /// Combine, bf16 output.
     pub const COMBINE_BF16: &str = "decode_combine_bf16";
     /// Combine, f16 output.
@@ -182,6 +224,8 @@ pub mod kernels {
         SPLIT_BF16_D512,
         SPLIT_F16_D576,
         SPLIT_F16_D512,
+        SPLIT_FP8_V32,
+        SPLIT_FP8_MODEL1,
         COMBINE_BF16,
         COMBINE_F16,
     ];
@@ -210,6 +254,42 @@ pub fn combine_kernel_for(dtype: DType) -> &'static str {
     }
 }
 
+/// What the schedule sees of a decode: its requests (dense: the batch; sparse: every query token, since each has
+/// its own indices), the query rows of a request per key head, the key heads, and the most keys a request can have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScheduleShape {
+    /// Requests on the schedule's line.
+    pub requests: usize,
+    /// Key heads (sparse: 1).
+    pub h_kv: usize,
+    /// Query rows per (request, key head): dense `s_q * h_q / h_kv`, sparse `h_q`.
+    pub rows: usize,
+    /// Most keys a request can have: dense `max_blocks * page_size`, sparse `topk + extra_topk`.
+    pub key_cap: usize,
+}
+
+impl ScheduleShape {
+    /// The shape of a dense decode.
+    pub fn dense(dims: &DenseDecodeDims) -> Self {
+        ScheduleShape {
+            requests: dims.batch,
+            h_kv: dims.h_kv,
+            rows: dims.s_q * (dims.h_q / dims.h_kv),
+            key_cap: dims.max_blocks.saturating_mul(dims.page_size),
+        }
+    }
+
+    /// The shape of a sparse decode.
+    pub fn sparse(dims: &SparseDecodeDims) -> Self {
+        ScheduleShape {
+            requests: dims.batch.saturating_mul(dims.s_q),
+            h_kv: 1,
+            rows: dims.h_q,
+            key_cap: dims.kv.topk + dims.extra.map_or(0, |e| e.topk),
+        }
+    }
+}
+
 /// The schedule's shape-only parameters for a call: how the line is cut and how many partial slots it may need.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ScheduleGeometry {
@@ -224,23 +304,28 @@ pub struct ScheduleGeometry {
 }
 
 impl ScheduleGeometry {
-    /// The geometry of a decode of `dims` on a device with `sm_count` SMs.
-    ///
-    /// Balanced: `grid_parts = num_parts` or `max(1, sm_count / head_tiles)`, `max_parts = grid_parts`.
-    /// Batch-invariant: budget `B = chunk_tiles` or `max(overhead + 64, ceil((overhead + t_cap) / 4))` line units
-    /// (`t_cap = ceil(max_blocks * page_size / 64)`: a request spans at most five parts), every request's segment
-    /// rounded up to a multiple of `B`; `max_parts = batch * ceil((overhead + t_cap) / B)`.
+    /// The geometry of a dense decode of `dims` on a device with `sm_count` SMs (see [`Self::for_shape`]).
     ///
     /// Worked example: `s_q = 1, h_q = 128, h_kv = 1` on 132 SMs: `head_tiles = 2`, `grid_parts = 66`.
     pub fn of(dims: &DenseDecodeDims, options: &DecodeOptions, sm_count: usize) -> Result<Self> {
-        let hpk = dims.h_q / dims.h_kv;
-        let rows = dims.s_q * hpk;
-        let head_tiles = dims.h_kv * rows.div_ceil(ROWS_PER_CTA);
+        Self::for_shape(&ScheduleShape::dense(dims), options, sm_count)
+    }
+
+    /// The geometry of a decode of `shape` on a device with `sm_count` SMs.
+    ///
+    /// Balanced: `grid_parts = num_parts` or `max(1, sm_count / head_tiles)`, `max_parts = grid_parts`.
+    /// Batch-invariant: budget `B = chunk_tiles` or `max(overhead + 64, ceil((overhead + t_cap) / 4))` line units
+    /// (`t_cap = ceil(key_cap / 64)`: a request spans at most five parts), every request's segment rounded up to a
+    /// multiple of `B`; `max_parts = requests * ceil((overhead + t_cap) / B)`.
+    pub fn for_shape(
+        shape: &ScheduleShape,
+        options: &DecodeOptions,
+        sm_count: usize,
+    ) -> Result<Self> {
+        let head_tiles = shape.h_kv * shape.rows.div_ceil(ROWS_PER_CTA);
         if head_tiles > MAX_GRID_YZ {
             return Err(Error::unsupported(
-                format!(
-                    "decode with {head_tiles} query-row tiles (h_kv * ceil(s_q * h_q / h_kv / 64))"
-                ),
+                format!("decode with {head_tiles} query-row tiles per request"),
                 format!("at most {MAX_GRID_YZ} (a grid dimension of the combine kernel)"),
             ));
         }
@@ -251,7 +336,7 @@ impl ScheduleGeometry {
         }
         .min(MAX_GRID_YZ);
         let overhead = CHUNK_OVERHEAD_TILES;
-        let t_cap = (dims.max_blocks * dims.page_size).div_ceil(KEYS_PER_TILE);
+        let t_cap = shape.key_cap.div_ceil(KEYS_PER_TILE);
         let seg_cap = overhead + t_cap;
         let (max_parts, fixed_budget, line) = if options.batch_invariant {
             let budget = match options.chunk_tiles {
@@ -266,20 +351,19 @@ impl ScheduleGeometry {
                 None => (overhead + KEYS_PER_TILE).max(seg_cap.div_ceil(4)),
             };
             let per_request = seg_cap.div_ceil(budget);
-            let parts = dims.batch.saturating_mul(per_request);
+            let parts = shape.requests.saturating_mul(per_request);
             (parts, budget, parts.saturating_mul(budget))
         } else {
-            (grid_parts, 0, dims.batch.saturating_mul(seg_cap))
+            (grid_parts, 0, shape.requests.saturating_mul(seg_cap))
         };
         if line > MAX_LINE || max_parts > MAX_LINE {
             return Err(Error::unsupported(
                 format!(
-                    "decode with batch {} and a block table of {} keys per request",
-                    dims.batch,
-                    dims.max_blocks * dims.page_size
+                    "decode with {} schedule requests of up to {} keys each",
+                    shape.requests, shape.key_cap
                 ),
                 format!(
-                    "the schedule's line (batch * (tiles + overhead)) must stay below {MAX_LINE}"
+                    "the schedule's line (requests * (tiles + overhead)) must stay below {MAX_LINE}"
                 ),
             ));
         }
@@ -316,11 +400,22 @@ pub fn dense_workspace_words(
     Ok(ScheduleGeometry::of(dims, options, sm_count)?.workspace_words(dims.batch))
 }
 
+/// f32 words of workspace a sparse decode of `dims` needs on a device with `sm_count` SMs (see
+/// [`ScheduleGeometry::workspace_words`]; the schedule's requests are the `b * s_q` query tokens).
+pub fn sparse_workspace_words(
+    dims: &SparseDecodeDims,
+    options: &DecodeOptions,
+    sm_count: usize,
+) -> Result<usize> {
+    let shape = ScheduleShape::sparse(dims);
+    Ok(ScheduleGeometry::for_shape(&shape, options, sm_count)?.workspace_words(shape.requests))
+}
+
 /// The three launches of one decode, in order.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DecodePlan {
     /// Parameters shared by the three kernels (workspace pointers filled by [`DecodePlan::set_workspace`]).
-    pub params: DenseDecodeParams,
+    pub params: DecodeParams,
     /// Schedule geometry.
     pub geometry: ScheduleGeometry,
     /// `(kernel, config)` of the schedule, split and combine launches.
@@ -409,7 +504,7 @@ pub fn lower(
     let opt_ptr = |t: Option<&DeviceView>| t.map_or(0, DeviceView::ptr);
     let opt_stride =
         |arg: &str, t: Option<&DeviceView>| t.map_or(Ok(0), |t| stride_param(arg, t, 0));
-    let params = DenseDecodeParams {
+    let params = DecodeParams {
         q: args.q.ptr(),
         k_cache: args.k_cache.ptr(),
         block_table: args.block_table.ptr(),
@@ -450,6 +545,7 @@ pub fn lower(
         max_parts: to_i32("schedule parts", geometry.max_parts)?,
         chunk_overhead: CHUNK_OVERHEAD_TILES as i32,
         fixed_budget: to_i32("options.chunk_tiles", geometry.fixed_budget)?,
+        req_tokens: 1,
         flags: (if dims.causal && dims.s_q > 1 {
             FLAG_CAUSAL
         } else {
@@ -460,28 +556,7 @@ pub fn lower(
             0
         },
         sm_scale_log2,
-        reserved: 0,
-    };
-    let schedule = LaunchConfig::linear(1, SCHEDULE_THREADS);
-    let split = LaunchConfig {
-        grid: (geometry.head_tiles as u32, geometry.grid_parts as u32, 1),
-        block: (THREADS_PER_CTA, 1, 1),
-        shared_mem_bytes: smem,
-        // The two row tiles of a 128-row problem read the same keys: co-scheduled as a cluster, the second
-        // gather of a key finds it in L2.
-        cluster: (geometry.head_tiles == 2).then_some((2, 1, 1)),
-        programmatic: false,
-    };
-    let combine = LaunchConfig {
-        grid: (
-            dims.batch as u32,
-            geometry.head_tiles as u32,
-            COMBINE_ROW_GROUPS,
-        ),
-        block: (COMBINE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-        cluster: None,
-        programmatic: false,
+        ..DecodeParams::default()
     };
     if dims.batch > i32::MAX as usize {
         return Err(Error::invalid(
@@ -490,15 +565,241 @@ pub fn lower(
             dims.batch,
         ));
     }
-    Ok(DecodePlan {
+    Ok(DecodePlan::new(
         params,
         geometry,
-        launches: [
-            (kernels::SCHEDULE, schedule),
-            (split_kernel, split),
-            (combine_kernel_for(dims.dtype), combine),
-        ],
-    })
+        split_kernel,
+        smem,
+        combine_kernel_for(dims.dtype),
+    ))
+}
+
+impl DecodePlan {
+    /// The schedule, split and combine launches of `params` (requests `params.batch`).
+    fn new(
+        params: DecodeParams,
+        geometry: ScheduleGeometry,
+        split_kernel: &'static str,
+        smem: u32,
+        combine_kernel: &'static str,
+    ) -> Self {
+        let schedule = LaunchConfig::linear(1, SCHEDULE_THREADS);
+        let split = LaunchConfig {
+            grid: (geometry.head_tiles as u32, geometry.grid_parts as u32, 1),
+            block: (THREADS_PER_CTA, 1, 1),
+            shared_mem_bytes: smem,
+            // The two row tiles of a 128-row problem read the same keys: co-scheduled as a cluster, the second
+            // gather of a key finds it in L2.
+            cluster: (geometry.head_tiles == 2).then_some((2, 1, 1)),
+            programmatic: false,
+        };
+        let combine = LaunchConfig {
+            grid: (
+                params.batch as u32,
+                geometry.head_tiles as u32,
+                COMBINE_ROW_GROUPS,
+            ),
+            block: (COMBINE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+            cluster: None,
+            programmatic: false,
+        };
+        DecodePlan {
+            params,
+            geometry,
+            launches: [
+                (kernels::SCHEDULE, schedule),
+                (split_kernel, split),
+                (combine_kernel, combine),
+            ],
+        }
+    }
+}
+
+/// Checks an FP8 cache for the sparse kernels' 16-byte loads: base address and block stride multiples of 16.
+fn expect_fp8_cache_aligned(arg: &str, cache: &DeviceView, block_stride: usize) -> Result<()> {
+    if cache.ptr() % CHUNK_ALIGN_BYTES != 0 {
+        return Err(Error::unsupported(
+            format!("{arg} at address {:#x}", cache.ptr()),
+            "the sparse decode kernels load 16-byte segments: the cache must start on a 16-byte boundary",
+        ));
+    }
+    if block_stride as u64 % CHUNK_ALIGN_BYTES != 0 {
+        return Err(Error::unsupported(
+            format!("{arg} with a block stride of {block_stride} bytes"),
+            "the sparse decode kernels need a block stride that is a multiple of 16 bytes",
+        ));
+    }
+    Ok(())
+}
+
+/// The device view of an element offset that may be absent.
+fn opt_ptr(t: Option<&DeviceView>) -> u64 {
+    t.map_or(0, DeviceView::ptr)
+}
+
+/// Lowers a validated sparse FP8 decode to its three launches (workspace pointers left 0). Every query token is a
+/// request of the schedule; `out` and `lse` are bf16 / f32 as in [`super::validate_sparse_output`].
+pub fn lower_sparse(
+    dims: &SparseDecodeDims,
+    args: &SparseDecodeArgs<'_, DeviceView>,
+    out: &DecodeOutput<DeviceView>,
+    options: &DecodeOptions,
+    sm_count: usize,
+) -> Result<DecodePlan> {
+    let split_kernel = match dims.d_qk {
+        576 => kernels::SPLIT_FP8_V32,
+        512 => kernels::SPLIT_FP8_MODEL1,
+        d => {
+            return Err(Error::unsupported(
+                format!("sparse decode with d_qk = {d}"),
+                "d_qk 576 (V3.2 cache) or 512 (MODEL1 cache)",
+            ))
+        }
+    };
+    let smem = if dims.d_qk == 576 {
+        SMEM_BYTES_D576
+    } else {
+        SMEM_BYTES_D512
+    };
+    expect_rows_16b("decode", &[("q", args.q)])?;
+    expect_fp8_cache_aligned("k_cache", args.k_cache, dims.kv.layout.block_stride)?;
+    let extra: Option<(&ExtraKvArgs<'_, DeviceView>, _)> = args.extra.as_ref().zip(dims.extra);
+    if let Some((e, d)) = &extra {
+        expect_fp8_cache_aligned("extra_k_cache", e.k_cache, d.layout.block_stride)?;
+    }
+    let extra_length = extra.and_then(|(e, _)| e.topk_length);
+    expect_element_aligned(&[
+        ("indices", Some(args.indices)),
+        ("topk_length", args.topk_length),
+        ("extra_indices", extra.map(|(e, _)| e.indices)),
+        ("extra_topk_length", extra_length),
+        ("attn_sink", args.attn_sink),
+        ("out", Some(&out.out)),
+        ("lse", Some(&out.lse)),
+    ])?;
+    expect_offsets_fit_i64(&[
+        ("q", Some(args.q)),
+        ("indices", Some(args.indices)),
+        ("topk_length", args.topk_length),
+        ("extra_indices", extra.map(|(e, _)| e.indices)),
+        ("extra_topk_length", extra_length),
+        ("attn_sink", args.attn_sink),
+        ("out", Some(&out.out)),
+        ("lse", Some(&out.lse)),
+    ])?;
+    let sm_scale_log2 = dims.softmax_scale * LOG2_E;
+    if !sm_scale_log2.is_finite() {
+        return Err(Error::invalid(
+            "softmax_scale",
+            "a value whose product with log2(e) is finite",
+            dims.softmax_scale,
+        ));
+    }
+    let key_cap = dims.kv.topk + dims.extra.map_or(0, |e| e.topk);
+    if key_cap > i32::MAX as usize / 2 {
+        return Err(Error::invalid(
+            "indices.shape[2]",
+            format!(
+                "topk + extra_topk <= {} (keys are counted in i32)",
+                i32::MAX / 2
+            ),
+            key_cap,
+        ));
+    }
+    let shape = ScheduleShape::sparse(dims);
+    let geometry = ScheduleGeometry::for_shape(&shape, options, sm_count)?;
+    let opt_stride =
+        |arg: &str, t: Option<&DeviceView>| t.map_or(Ok(0), |t| stride_param(arg, t, 0));
+    // Block counts beyond i32 are clamped: an index is an i32, so it can never name a block past i32::MAX.
+    let blocks = |n: usize| i32::try_from(n).unwrap_or(i32::MAX);
+    let (extra_params, extra_topk, extra_blocks, extra_page) = match &extra {
+        Some((e, d)) => (
+            (
+                e.k_cache.ptr(),
+                e.indices.ptr(),
+                opt_ptr(e.topk_length),
+                stride_param("extra_indices", e.indices, 0)?,
+                stride_param("extra_indices", e.indices, 1)?,
+                opt_stride("extra_topk_length", e.topk_length)?,
+                to_i64("extra_k_cache.strides[0]", d.layout.block_stride)?,
+            ),
+            to_i32("extra_indices.shape[2]", d.topk)?,
+            blocks(d.layout.num_blocks),
+            to_i32("extra_k_cache.shape[1]", d.layout.page_size)?,
+        ),
+        None => ((0, 0, 0, 0, 0, 0, 0), 0, 0, 1),
+    };
+    let params = DecodeParams {
+        q: args.q.ptr(),
+        k_cache: args.k_cache.ptr(),
+        indices: args.indices.ptr(),
+        topk_length: opt_ptr(args.topk_length),
+        extra_cache: extra_params.0,
+        extra_indices: extra_params.1,
+        extra_topk_length: extra_params.2,
+        attn_sink: opt_ptr(args.attn_sink),
+        out: out.out.ptr(),
+        lse: out.lse.ptr(),
+        q_stride_b: stride_param("q", args.q, 0)?,
+        q_stride_s: stride_param("q", args.q, 1)?,
+        q_stride_h: stride_param("q", args.q, 2)?,
+        k_stride_block: to_i64("k_cache.strides[0]", dims.kv.layout.block_stride)?,
+        attn_sink_stride: opt_stride("attn_sink", args.attn_sink)?,
+        indices_stride_b: stride_param("indices", args.indices, 0)?,
+        indices_stride_s: stride_param("indices", args.indices, 1)?,
+        topk_length_stride: opt_stride("topk_length", args.topk_length)?,
+        extra_stride_block: extra_params.6,
+        extra_indices_stride_b: extra_params.3,
+        extra_indices_stride_s: extra_params.4,
+        extra_topk_length_stride: extra_params.5,
+        out_stride_b: stride_param("out", &out.out, 0)?,
+        out_stride_s: stride_param("out", &out.out, 1)?,
+        out_stride_h: stride_param("out", &out.out, 2)?,
+        lse_stride_b: stride_param("lse", &out.lse, 0)?,
+        lse_stride_h: stride_param("lse", &out.lse, 1)?,
+        lse_stride_s: stride_param("lse", &out.lse, 2)?,
+        batch: to_i32("b * s_q", shape.requests)?,
+        s_q: 1,
+        req_tokens: to_i32("q.shape[1]", dims.s_q)?,
+        h_q: to_i32("q.shape[2]", dims.h_q)?,
+        h_kv: 1,
+        heads_per_kv: to_i32("q.shape[2]", dims.h_q)?,
+        rows: to_i32("q.shape[2]", dims.h_q)?,
+        row_tiles: to_i32("ceil(h_q / 64)", dims.h_q.div_ceil(ROWS_PER_CTA))?,
+        head_tiles: to_i32("head tiles", geometry.head_tiles)?,
+        num_blocks: blocks(dims.kv.layout.num_blocks),
+        page_size: to_i32("k_cache.shape[1]", dims.kv.layout.page_size)?,
+        max_blocks: 0,
+        topk: to_i32("indices.shape[2]", dims.kv.topk)?,
+        extra_topk,
+        extra_num_blocks: extra_blocks,
+        extra_page_size: extra_page,
+        grid_parts: to_i32("options.num_parts", geometry.grid_parts)?,
+        max_parts: to_i32("schedule parts", geometry.max_parts)?,
+        chunk_overhead: CHUNK_OVERHEAD_TILES as i32,
+        fixed_budget: to_i32("options.chunk_tiles", geometry.fixed_budget)?,
+        flags: FLAG_SPARSE
+            | if rows_aligned(&out.out, 4) {
+                FLAG_OUT_VEC4
+            } else {
+                0
+            },
+        sm_scale_log2,
+        ..DecodeParams::default()
+    };
+    Ok(DecodePlan::new(
+        params,
+        geometry,
+        split_kernel,
+        smem,
+        kernels::COMBINE_BF16,
+    ))
+}
+
+/// An i64 kernel parameter from a byte count.
+fn to_i64(arg: &str, v: usize) -> Result<i64> {
+    i64::try_from(v).map_err(|_| Error::invalid(arg, format!("at most {}", i64::MAX), v))
 }
 
 /// Queues a validated dense decode on `gpu`'s stream. `workspace`: `None` allocates one for the call
@@ -511,9 +812,38 @@ pub(crate) fn launch(
     options: &DecodeOptions,
     workspace: Option<&DeviceView>,
 ) -> Result<()> {
+    expect_location("q", args.q, Location::Cuda(gpu.ordinal()))?;
+    let plan = lower(dims, args, out, options, gpu.info().sm_count as usize)?;
+    // SAFETY (of the kernels' accesses, for `run`): `validate_dense`/`validate_dense_output` established the
+    // shapes and dtypes the params describe and that every tensor lives on this device; `lower` checked alignment
+    // and that every offset fits i64. The kernels read q rows of their requests, block-table entries below each
+    // request's clamped length, cache rows only at block ids in 0..num_blocks, and write out/lse rows of their
+    // requests and the workspace regions sized by the geometry.
+    run(gpu, plan, workspace)
+}
+
+/// Queues a validated sparse FP8 decode on `gpu`'s stream (`workspace` as for [`launch`]).
+pub(crate) fn launch_sparse(
+    gpu: &Gpu,
+    dims: &SparseDecodeDims,
+    args: &SparseDecodeArgs<'_, DeviceView>,
+    out: &DecodeOutput<DeviceView>,
+    options: &DecodeOptions,
+    workspace: Option<&DeviceView>,
+) -> Result<()> {
+    expect_location("q", args.q, Location::Cuda(gpu.ordinal()))?;
+    let plan = lower_sparse(dims, args, out, options, gpu.info().sm_count as usize)?;
+    // SAFETY (for `run`): `validate_sparse`/`validate_sparse_output` established the shapes and dtypes and that
+    // every tensor lives on this device; `lower_sparse` checked alignment and offsets. The kernels read index
+    // entries below each request's clamped lengths, cache bytes only of tokens whose index lies in
+    // 0..num_blocks * page_size of their cache (within the validated byte extent), and write out/lse rows of their
+    // query tokens and the workspace regions sized by the geometry.
+    run(gpu, plan, workspace)
+}
+
+/// Points `plan` at the caller's workspace (or one allocated for the call) and queues its three launches.
+fn run(gpu: &Gpu, mut plan: DecodePlan, workspace: Option<&DeviceView>) -> Result<()> {
     let device = Location::Cuda(gpu.ordinal());
-    expect_location("q", args.q, device)?;
-    let mut plan = lower(dims, args, out, options, gpu.info().sm_count as usize)?;
     let mut _owned = None;
     let view = match workspace {
         Some(ws) => {
@@ -521,7 +851,8 @@ pub(crate) fn launch(
             ws.clone()
         }
         None => {
-            let t = gpu.alloc(DType::F32, &[plan.geometry.workspace_words(dims.batch)])?;
+            let words = plan.geometry.workspace_words(plan.params.batch as usize);
+            let t = gpu.alloc(DType::F32, &[words])?;
             let v = t.view();
             _owned = Some(t);
             v
@@ -530,14 +861,11 @@ pub(crate) fn launch(
     plan.set_workspace(&view)?;
     for (name, cfg) in &plan.launches {
         let kernel = gpu.kernel(FAMILY, name)?;
-        // SAFETY: `DenseDecodeParams` mirrors the kernels' parameter struct (asserted on both sides).
-        // `validate_dense`/`validate_dense_output` established the shapes and dtypes the params describe and that
-        // every tensor lives on this device; `lower` checked alignment and that every offset fits i64;
+        // SAFETY: `DecodeParams` mirrors the kernels' parameter struct (asserted on both sides); the callers
+        // (`launch`, `launch_sparse`) state what the params' tensors are and what the kernels touch.
         // `set_workspace` checked the workspace's size and alignment, and it lives until this function returns,
-        // after the launches were queued (an owned one is released in stream order). The kernels read q rows of
-        // their requests, block-table entries below each request's clamped length, cache rows only at block ids in
-        // 0..num_blocks, and write out/lse rows of their requests and the workspace regions sized by the geometry;
-        // by the DeviceView contract outputs do not alias inputs.
+        // after the launches were queued (an owned one is released in stream order); by the DeviceView contract
+        // outputs do not alias inputs.
         unsafe { gpu.launch(&kernel, cfg, &plan.params)? };
     }
     Ok(())
@@ -711,5 +1039,87 @@ mod tests {
         let c = case(&d, Some(&[16 * 580 + 4, 16 * 580 + 4, 580, 1]), None);
         let e = lower_case(&d, &c).unwrap_err();
         assert!(e.to_string().contains("16-byte"), "{e}");
+    }
+
+    /// A sparse decode's views: q `[b, s_q, h_q, d_qk]`, a cache of `blocks x page` tokens with `stride` bytes
+    /// between blocks, indices `[b, s_q, topk]`, outputs.
+    fn sparse_case(
+        (b, s_q, h_q): (usize, usize, usize),
+        d_qk: usize,
+        (blocks, page, stride): (usize, usize, usize),
+        topk: usize,
+    ) -> (DeviceView, DeviceView, DeviceView, DecodeOutput<DeviceView>) {
+        let bpt = if d_qk == 576 { 656 } else { 584 };
+        (
+            view(BASE, DType::Bf16, &[b, s_q, h_q, d_qk], None),
+            view(
+                BASE + (1 << 36),
+                DType::U8,
+                &[blocks, page, 1, bpt],
+                Some(&[stride, bpt, bpt, 1]),
+            ),
+            view(BASE + (2 << 36), DType::I32, &[b, s_q, topk], None),
+            DecodeOutput {
+                out: view(BASE + (4 << 36), DType::Bf16, &[b, s_q, h_q, 512], None),
+                lse: view(BASE + (5 << 36), DType::F32, &[b, h_q, s_q], None),
+            },
+        )
+    }
+
+    fn lower_sparse_case(
+        shape: (usize, usize, usize),
+        d_qk: usize,
+        cache: (usize, usize, usize),
+        topk: usize,
+    ) -> Result<DecodePlan> {
+        let (q, k, idx, out) = sparse_case(shape, d_qk, cache, topk);
+        let args = SparseDecodeArgs {
+            q: &q,
+            k_cache: &k,
+            indices: &idx,
+            topk_length: None,
+            softmax_scale: None,
+            attn_sink: None,
+            extra: None,
+        };
+        let dims = super::super::validate_sparse(&args)?;
+        lower_sparse(&dims, &args, &out, &DecodeOptions::default(), 132)
+    }
+
+    #[test]
+    fn sparse_decode_lowers_every_query_token_to_a_request() {
+        // b 3, s_q 2, h_q 128: six requests of one token, two row tiles each (a 2-CTA cluster), 66 parts.
+        let plan = lower_sparse_case((3, 2, 128), 576, (10, 64, 64 * 656), 300).unwrap();
+        let names: Vec<&str> = plan.launches.iter().map(|l| l.0).collect();
+        assert_eq!(
+            names,
+            [
+                kernels::SCHEDULE,
+                kernels::SPLIT_FP8_V32,
+                kernels::COMBINE_BF16
+            ]
+        );
+        let p = &plan.params;
+        assert_eq!((p.batch, p.s_q, p.req_tokens, p.rows), (6, 1, 2, 128));
+        assert_eq!((p.topk, p.extra_topk, p.k_stride_block), (300, 0, 64 * 656));
+        assert_eq!(p.flags & FLAG_SPARSE, FLAG_SPARSE);
+        assert_eq!(plan.launches[1].1.grid, (2, 66, 1));
+        assert_eq!(plan.launches[2].1.grid, (6, 2, COMBINE_ROW_GROUPS));
+        // h_q 16, MODEL1: one row tile per token.
+        let plan = lower_sparse_case((4, 1, 16), 512, (8, 64, 64 * 584), 64).unwrap();
+        assert_eq!(plan.launches[1].0, kernels::SPLIT_FP8_MODEL1);
+        assert_eq!(plan.launches[1].1.grid, (1, 132, 1));
+    }
+
+    #[test]
+    fn sparse_decode_refuses_block_strides_the_16_byte_copies_cannot_take() {
+        // MODEL1 with one token per block: 584-byte blocks, not a multiple of 16.
+        let e = lower_sparse_case((1, 1, 64), 512, (8, 1, 584), 64).unwrap_err();
+        assert!(e.to_string().contains("multiple of 16"), "{e}");
+        // A padded V3.2 block stride of 656 * 64 + 8 bytes.
+        let e = lower_sparse_case((1, 1, 64), 576, (8, 64, 64 * 656 + 8), 64).unwrap_err();
+        assert!(e.to_string().contains("multiple of 16"), "{e}");
+        // Even MODEL1 pages and a 16-byte padding are fine.
+        assert!(lower_sparse_case((1, 1, 64), 512, (8, 2, 2 * 584 + 16), 64).is_ok());
     }
 }

@@ -314,19 +314,38 @@ pub fn validate_dense_output<T: TensorMeta>(
     loc: Location,
     out: &DecodeOutput<T>,
 ) -> Result<()> {
+    validate_output(
+        [dims.batch, dims.s_q, dims.h_q, dims.d_v],
+        dims.dtype,
+        loc,
+        out,
+    )
+}
+
+/// Checks the caller-provided outputs of a sparse decode: `out [b, s_q, h_q, 512]` bf16 and `lse [b, h_q, s_q]`
+/// f32, on `loc`, last dimensions contiguous.
+pub fn validate_sparse_output<T: TensorMeta>(
+    dims: &SparseDecodeDims,
+    loc: Location,
+    out: &DecodeOutput<T>,
+) -> Result<()> {
+    validate_output(
+        [dims.batch, dims.s_q, dims.h_q, dims.d_v],
+        DType::Bf16,
+        loc,
+        out,
+    )
+}
+
+fn validate_output<T: TensorMeta>(
+    [b, s_q, h_q, d_v]: [usize; 4],
+    dtype: DType,
+    loc: Location,
+    out: &DecodeOutput<T>,
+) -> Result<()> {
     for (arg, t, dtype, shape) in [
-        (
-            "out",
-            &out.out,
-            dims.dtype,
-            vec![dims.batch, dims.s_q, dims.h_q, dims.d_v],
-        ),
-        (
-            "lse",
-            &out.lse,
-            DType::F32,
-            vec![dims.batch, dims.h_q, dims.s_q],
-        ),
+        ("out", &out.out, dtype, vec![b, s_q, h_q, d_v]),
+        ("lse", &out.lse, DType::F32, vec![b, h_q, s_q]),
     ] {
         expect_location(arg, t, loc)?;
         expect_dtype(arg, t, &[dtype])?;
@@ -352,4 +371,26 @@ pub fn decode_dense_cuda(
     let dims = validate_dense(args)?;
     validate_dense_output(&dims, args.q.location(), out)?;
     launch::launch(gpu, &dims, args, out, options, workspace)
+}
+
+/// Sparse FP8 decode on the GPU: validates the arguments and the caller-provided outputs, checks the kernels' limits
+/// (see [`launch`]: 16-byte aligned q rows, caches starting on 16 bytes with block strides that are multiples of 16)
+/// and queues the schedule, split and combine kernels on `gpu`'s stream. Asynchronous. `workspace`: a contiguous f32
+/// buffer of at least [`launch::sparse_workspace_words`] elements, or `None` to allocate one for the call. Index
+/// and length values are data (no value is read on the host): an index outside `0..num_blocks * page_size` of its
+/// cache is a missing key, lengths are clamped to `0..=topk`.
+///
+/// Numerics: each cache value is dequantised to bf16 as `e4m3 * scale` rounded once (exact for the power-of-two
+/// scales the quantiser writes), then attended like the dense decode (bf16 tensor-core products, f32 softmax and
+/// accumulation).
+pub fn decode_sparse_cuda(
+    gpu: &Gpu,
+    args: &SparseDecodeArgs<'_, DeviceView>,
+    out: &DecodeOutput<DeviceView>,
+    options: &DecodeOptions,
+    workspace: Option<&DeviceView>,
+) -> Result<()> {
+    let dims = validate_sparse(args)?;
+    validate_sparse_output(&dims, args.q.location(), out)?;
+    launch::launch_sparse(gpu, &dims, args, out, options, workspace)
 }

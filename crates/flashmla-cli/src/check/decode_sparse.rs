@@ -1,0 +1,485 @@
+//! Sparse FP8 decode: the kernels (schedule, dequantising split, combine) against the f64 reference (spec section 6
+//! decode tolerances) on both cache formats (V3.2 656-byte and MODEL1 584-byte tokens) with padded block strides,
+//! dead tokens whose every byte is 0xFF (NaN values and scales) that no valid index names, invalid indices drawn
+//! from the spec's adversarial values (i32 extremes included) and rows where every index is invalid; any `h_q` in
+//! 1..=128, `s_q` up to 16, `topk` not a multiple of 64 (down to 1), `topk_length` (0, negative, beyond topk), an
+//! extra cache with its own page size and lengths, sinks (finite, ±inf), strided q and outputs, schedules forced
+//! to split every request, and the batch-invariant schedule. Outputs are poisoned (NaN) beforehand, so an unwritten
+//! element fails. Two more checks: batch invariance (a query's output is bitwise the same alone and inside a larger
+//! batch) and workspace reuse (a second call with other indices and lengths on the same workspace).
+
+use super::{check, Case, Outcome};
+use flashmla::cuda::Gpu;
+use flashmla::fp8::KvFormat;
+use flashmla::ops::decode::{
+    decode_sparse_cuda, launch::sparse_workspace_words, validate_sparse, DecodeOptions,
+    DecodeOutput, ExtraKvArgs, SparseDecodeArgs,
+};
+use flashmla::reference::compare::{DECODE_LSE, DECODE_OUT};
+use flashmla::reference::decode::decode_sparse;
+use flashmla::testing::{
+    rng, sparse_decode_case, SparseCacheCase, SparseCacheSpec, SparseDecodeCase,
+};
+use flashmla::{DType, DeviceView, HostData, HostTensor, Layout};
+
+/// Poison byte of the outputs: 0xFF.. is a NaN in bf16 and f32.
+const POISON: u8 = 0xFF;
+
+/// One sparse case of the grid.
+#[derive(Clone, Debug)]
+pub struct SparseCheck {
+    /// `(b, s_q, h_q)`.
+    pub shape: (usize, usize, usize),
+    /// The main cache.
+    pub main: SparseCacheSpec,
+    /// The extra cache, optional.
+    pub extra: Option<SparseCacheSpec>,
+    /// Draw an `attn_sink`; `sink_value` overrides every head's value (±inf cases).
+    pub sink: bool,
+    /// See `sink`.
+    pub sink_value: Option<f32>,
+    /// Schedule options.
+    pub options: DecodeOptions,
+    /// Non-contiguous q, indices, out and lse.
+    pub strided: bool,
+}
+
+/// Host tensors of one cache: the bytes keep their padded block stride.
+struct HostCache {
+    cache: HostTensor,
+    indices: HostTensor,
+    lengths: Option<HostTensor>,
+}
+
+fn host_cache(
+    k: &SparseCacheCase,
+    batch: usize,
+    s_q: usize,
+    strided: bool,
+) -> flashmla::Result<HostCache> {
+    let l = k.layout;
+    let bpt = l.format.bytes_per_token();
+    let layout = Layout::strided(
+        &[l.num_blocks, l.page_size, 1, bpt],
+        &[l.block_stride, bpt, bpt, 1],
+    )?;
+    let cache = HostTensor::with_layout(HostData::U8(k.bytes.clone()), layout)?;
+    let indices = HostTensor::from_i32(k.indices.clone(), &[batch, s_q, k.topk])?;
+    let indices = if strided {
+        indices.to_padded(&[1, 1, 3])?
+    } else {
+        indices
+    };
+    let lengths = k
+        .topk_length
+        .as_ref()
+        .map(|t| HostTensor::from_i32(t.clone(), &[batch]))
+        .transpose()?;
+    Ok(HostCache {
+        cache,
+        indices,
+        lengths,
+    })
+}
+
+struct HostCase {
+    case: SparseDecodeCase,
+    q: HostTensor,
+    main: HostCache,
+    extra: Option<HostCache>,
+    sink: Option<HostTensor>,
+}
+
+fn host_case(c: &SparseCheck, seed: u64) -> flashmla::Result<HostCase> {
+    let (b, s_q, h_q) = c.shape;
+    let mut case = sparse_decode_case(&mut rng(seed), c.shape, &c.main, c.extra.as_ref(), c.sink);
+    if let (Some(v), Some(s)) = (c.sink_value, case.sink.as_mut()) {
+        s.iter_mut().for_each(|x| *x = v);
+    }
+    let d_qk = c.main.format.d_qk();
+    let q = HostTensor::bf16_from_f32(&case.q, &[b, s_q, h_q, d_qk])?;
+    let q = if c.strided {
+        q.to_padded(&[1, 1, 1, 8])?
+    } else {
+        q
+    };
+    let main = host_cache(&case.kv, b, s_q, c.strided)?;
+    let extra = case
+        .extra
+        .as_ref()
+        .map(|e| host_cache(e, b, s_q, false))
+        .transpose()?;
+    let sink = case
+        .sink
+        .as_ref()
+        .map(|s| HostTensor::from_f32(s.clone(), &[h_q]))
+        .transpose()?;
+    Ok(HostCase {
+        case,
+        q,
+        main,
+        extra,
+        sink,
+    })
+}
+
+fn args<'a>(
+    h: &'a HostCase,
+    q: &'a DeviceView,
+    main: &'a [DeviceView; 2],
+    main_len: Option<&'a DeviceView>,
+    extra: Option<(&'a [DeviceView; 2], Option<&'a DeviceView>)>,
+    sink: Option<&'a DeviceView>,
+) -> SparseDecodeArgs<'a, DeviceView> {
+    SparseDecodeArgs {
+        q,
+        k_cache: &main[0],
+        indices: &main[1],
+        topk_length: main_len,
+        softmax_scale: Some(h.case.p.softmax_scale),
+        attn_sink: sink,
+        extra: extra.map(|(e, len)| ExtraKvArgs {
+            k_cache: &e[0],
+            indices: &e[1],
+            topk_length: len,
+        }),
+    }
+}
+
+/// Runs the kernels on a case; returns `(out, lse)` as f32 host vectors (row-major logical order).
+fn run_gpu(
+    gpu: &Gpu,
+    h: &HostCase,
+    c: &SparseCheck,
+    workspace: Option<&DeviceView>,
+) -> flashmla::Result<(Vec<f32>, Vec<f32>)> {
+    let p = &h.case.p;
+    let q = gpu.upload(&h.q)?;
+    let up = |k: &HostCache| -> flashmla::Result<_> {
+        Ok((
+            gpu.upload(&k.cache)?,
+            gpu.upload(&k.indices)?,
+            k.lengths.as_ref().map(|t| gpu.upload(t)).transpose()?,
+        ))
+    };
+    let main = up(&h.main)?;
+    let extra = h.extra.as_ref().map(up).transpose()?;
+    let sink = h.sink.as_ref().map(|s| gpu.upload(s)).transpose()?;
+    let out_shape = [p.batch, p.s_q, p.h_q, p.d_v];
+    let lse_shape = [p.batch, p.h_q, p.s_q];
+    let (out, lse) = if c.strided {
+        let o = HostTensor::new(
+            HostData::Bf16(vec![half::bf16::NAN; out_shape.iter().product()]),
+            &out_shape,
+        )?
+        .to_padded(&[1, 1, 1, 1])?;
+        let l = HostTensor::from_f32(vec![f32::NAN; lse_shape.iter().product()], &lse_shape)?
+            .to_padded(&[1, 1, 1])?;
+        (gpu.upload(&o)?, gpu.upload(&l)?)
+    } else {
+        (
+            gpu.alloc_filled(DType::Bf16, &out_shape, POISON)?,
+            gpu.alloc_filled(DType::F32, &lse_shape, POISON)?,
+        )
+    };
+    let main_views = [main.0.view(), main.1.view()];
+    let main_len = main.2.as_ref().map(|t| t.view());
+    let extra_views = extra
+        .as_ref()
+        .map(|e| ([e.0.view(), e.1.view()], e.2.as_ref().map(|t| t.view())));
+    let sink_view = sink.as_ref().map(|s| s.view());
+    let q_view = q.view();
+    let a = args(
+        h,
+        &q_view,
+        &main_views,
+        main_len.as_ref(),
+        extra_views.as_ref().map(|(v, l)| (v, l.as_ref())),
+        sink_view.as_ref(),
+    );
+    let outputs = DecodeOutput {
+        out: out.view(),
+        lse: lse.view(),
+    };
+    decode_sparse_cuda(gpu, &a, &outputs, &c.options, workspace)?;
+    Ok((
+        gpu.download(&out)?.to_f32_vec()?,
+        gpu.download(&lse)?.to_f32_vec()?,
+    ))
+}
+
+fn run_case(gpu: &Gpu, c: &SparseCheck, seed: u64) -> flashmla::Result<Outcome> {
+    let h = host_case(c, seed)?;
+    let want = decode_sparse::<f64>(&h.case.p, &h.case.inputs())?;
+    let (out, lse) = run_gpu(gpu, &h, c, None)?;
+    Ok(Outcome::from_checks(vec![
+        check("out", &out, &want.out, &DECODE_OUT),
+        check("lse", &lse, &want.lse, &DECODE_LSE),
+    ]))
+}
+
+/// Words of workspace a host case needs.
+fn workspace_words(gpu: &Gpu, h: &HostCase, c: &SparseCheck) -> flashmla::Result<usize> {
+    let dims = validate_sparse(&SparseDecodeArgs {
+        q: &h.q,
+        k_cache: &h.main.cache,
+        indices: &h.main.indices,
+        topk_length: h.main.lengths.as_ref(),
+        softmax_scale: None,
+        attn_sink: h.sink.as_ref(),
+        extra: h.extra.as_ref().map(|e| ExtraKvArgs {
+            k_cache: &e.cache,
+            indices: &e.indices,
+            topk_length: e.lengths.as_ref(),
+        }),
+    })?;
+    sparse_workspace_words(&dims, &c.options, gpu.info().sm_count as usize)
+}
+
+/// Workspace reuse: two calls on one caller-owned workspace with different indices and lengths, as a replayed CUDA
+/// graph makes them; each must match its own reference.
+fn run_reuse(gpu: &Gpu, c: &SparseCheck, seed: u64) -> flashmla::Result<Outcome> {
+    let first = host_case(c, seed)?;
+    let mut other = c.clone();
+    other.main.topk_length = c
+        .main
+        .topk_length
+        .as_ref()
+        .map(|t| t.iter().rev().map(|&n| n / 2 + 3).collect());
+    let second = host_case(&other, seed ^ 0x5eed)?;
+    let words = workspace_words(gpu, &first, c)?.max(workspace_words(gpu, &second, &other)?);
+    let ws = gpu.alloc_filled(DType::F32, &[words], POISON)?;
+    let mut checks = Vec::new();
+    for (name, h, cc) in [("first", &first, c), ("second", &second, &other)] {
+        let want = decode_sparse::<f64>(&h.case.p, &h.case.inputs())?;
+        let (out, lse) = run_gpu(gpu, h, cc, Some(&ws.view()))?;
+        checks.push(check(&format!("{name} out"), &out, &want.out, &DECODE_OUT));
+        checks.push(check(&format!("{name} lse"), &lse, &want.lse, &DECODE_LSE));
+    }
+    Ok(Outcome::from_checks(checks))
+}
+
+/// Batch invariance: the first request of a batch of 1, then of batches of 2, 8 and 41 over the same caches (the
+/// first request keeps its q, indices and length), must give bitwise the same out and lse in batch-invariant mode.
+fn run_invariance(gpu: &Gpu, c: &SparseCheck, seed: u64) -> flashmla::Result<Outcome> {
+    let (_, s_q, h_q) = c.shape;
+    let big_b = 41;
+    let mut big = c.clone();
+    big.shape.0 = big_b;
+    big.main.topk_length = Some(
+        (0..big_b as i32)
+            .map(|i| (i * 397 + 1500) % (c.main.topk as i32 + 50))
+            .collect(),
+    );
+    let mut checks = Vec::new();
+    let mut first: Option<(Vec<f32>, Vec<f32>)> = None;
+    for b in [1usize, 2, 8, big_b] {
+        // The first b requests of the big case: q, indices and lengths are prefixes (b is the outer dimension).
+        let mut h = host_case(&big, seed)?;
+        let d_qk = c.main.format.d_qk();
+        h.case.p.batch = b;
+        h.case.q.truncate(b * s_q * h_q * d_qk);
+        h.case.kv.indices.truncate(b * s_q * c.main.topk);
+        if let Some(t) = h.case.kv.topk_length.as_mut() {
+            t.truncate(b);
+        }
+        h.q = HostTensor::bf16_from_f32(&h.case.q, &[b, s_q, h_q, d_qk])?;
+        h.main = host_cache(&h.case.kv, b, s_q, false)?;
+        let (out, lse) = run_gpu(gpu, &h, &big, None)?;
+        let per_out = s_q * h_q * 512;
+        let per_lse = h_q * s_q;
+        match &first {
+            None => first = Some((out[..per_out].to_vec(), lse[..per_lse].to_vec())),
+            Some((o0, l0)) => {
+                let same_out = out[..per_out]
+                    .iter()
+                    .zip(o0)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                let same_lse = lse[..per_lse]
+                    .iter()
+                    .zip(l0)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                checks.push((
+                    format!("batch {b}"),
+                    if same_out && same_lse {
+                        Ok("bitwise equal".to_string())
+                    } else {
+                        Err(format!(
+                            "request 0 differs (out equal: {same_out}, lse equal: {same_lse})"
+                        ))
+                    },
+                ));
+            }
+        }
+    }
+    Ok(Outcome::from_checks(checks))
+}
+
+fn cache(format: KvFormat, num_blocks: usize, page_size: usize, topk: usize) -> SparseCacheSpec {
+    SparseCacheSpec {
+        format,
+        num_blocks,
+        page_size,
+        block_pad: 48,
+        topk,
+        p_invalid: 0.15,
+        topk_length: None,
+    }
+}
+
+/// Lengths of a batch: 0, negative, beyond topk, around tile boundaries.
+fn lengths(batch: usize, topk: usize, salt: usize) -> Vec<i32> {
+    let t = topk as i32;
+    let l = [t, 0, -5, 1, t + 100, 63, 64, 65, t / 2, t - 1, 17, i32::MAX];
+    (0..batch).map(|i| l[(i * 5 + salt) % l.len()]).collect()
+}
+
+/// The sparse decode cases.
+pub fn cases() -> Vec<Case> {
+    let mut v: Vec<(String, bool, SparseCheck)> = Vec::new();
+    let forced = DecodeOptions {
+        num_parts: Some(7),
+        ..DecodeOptions::default()
+    };
+    let invariant = DecodeOptions {
+        batch_invariant: true,
+        chunk_tiles: Some(7),
+        ..DecodeOptions::default()
+    };
+    let base = |shape, main: SparseCacheSpec| SparseCheck {
+        shape,
+        main,
+        extra: None,
+        sink: false,
+        sink_value: None,
+        options: DecodeOptions::default(),
+        strided: false,
+    };
+    for (fname, format) in [("v32", KvFormat::V32), ("model1", KvFormat::Model1)] {
+        // Head counts (no padding by the caller), query lengths, topk not a multiple of 64.
+        for h_q in [128usize, 64, 16, 1, 37] {
+            for (s_q, topk) in [(1usize, 256usize), (2, 100), (5, 64)] {
+                for (oname, options) in [("default", DecodeOptions::default()), ("split7", forced)]
+                {
+                    let mut c = base((4, s_q, h_q), cache(format, 24, 64, topk));
+                    c.options = options;
+                    let quick = s_q <= 2 && (h_q == 128 || h_q == 16);
+                    v.push((
+                        format!("decode_sparse/{fname}/h{h_q}/s_q{s_q}/topk{topk}/{oname}"),
+                        quick,
+                        c,
+                    ));
+                }
+            }
+        }
+        // topk 1, topk 2048 (the V3.2 shape), s_q 16.
+        v.push((
+            format!("decode_sparse/{fname}/topk1"),
+            false,
+            base((5, 2, 64), cache(format, 8, 64, 1)),
+        ));
+        v.push((
+            format!("decode_sparse/{fname}/topk2048"),
+            true,
+            base((2, 2, 128), cache(format, 48, 64, 2048)),
+        ));
+        v.push((
+            format!("decode_sparse/{fname}/s_q16"),
+            false,
+            base((2, 16, 64), cache(format, 16, 64, 192)),
+        ));
+        // topk_length (0, negative, beyond topk) with and without forced splits.
+        for (oname, options) in [("default", DecodeOptions::default()), ("split7", forced)] {
+            let mut c = base((12, 2, 64), cache(format, 24, 64, 300));
+            c.main.topk_length = Some(lengths(12, 300, 1));
+            c.options = options;
+            v.push((
+                format!("decode_sparse/{fname}/topk_length/{oname}"),
+                oname == "default",
+                c,
+            ));
+        }
+        // Every index invalid; half invalid.
+        for (name, p) in [("all_invalid", 1.0f64), ("half_invalid", 0.5)] {
+            let mut c = base((3, 2, 64), cache(format, 8, 64, 128));
+            c.main.p_invalid = p;
+            v.push((format!("decode_sparse/{fname}/{name}"), true, c));
+        }
+        // Page sizes: 1 (V3.2; MODEL1 needs an even page size for 16-byte aligned blocks: 2), 16 and 256 (MODEL1's
+        // main cache) tokens per block.
+        let smallest = if format == KvFormat::V32 { 1 } else { 2 };
+        for page in [smallest, 16, 256] {
+            let c = base((3, 2, 64), cache(format, 2048 / page, page, 192));
+            v.push((format!("decode_sparse/{fname}/page{page}"), page == 256, c));
+        }
+        // Extra cache with its own page size and lengths, attended in the same softmax.
+        for (ename, extra_page, with_len) in
+            [("extra_p64", 64usize, false), ("extra_p2_len", 2, true)]
+        {
+            for (oname, options) in [("default", DecodeOptions::default()), ("split7", forced)] {
+                let mut c = base((6, 2, 64), cache(format, 16, 256, 128));
+                let mut e = cache(format, 1024 / extra_page, extra_page, 256);
+                if with_len {
+                    e.topk_length = Some(lengths(6, 256, 4));
+                    c.main.topk_length = Some(lengths(6, 128, 7));
+                }
+                c.extra = Some(e);
+                c.options = options;
+                v.push((
+                    format!("decode_sparse/{fname}/{ename}/{oname}"),
+                    oname == "default",
+                    c,
+                ));
+            }
+        }
+        // Sinks.
+        for (name, sv) in [
+            ("sink", None),
+            ("sink+inf", Some(f32::INFINITY)),
+            ("sink-inf", Some(f32::NEG_INFINITY)),
+        ] {
+            let mut c = base((4, 2, 128), cache(format, 16, 64, 200));
+            c.sink = true;
+            c.sink_value = sv;
+            c.options = forced;
+            v.push((format!("decode_sparse/{fname}/{name}"), name == "sink", c));
+        }
+        // Strided q, indices and outputs.
+        let mut s = base((4, 2, 64), cache(format, 16, 64, 160));
+        s.strided = true;
+        s.sink = true;
+        v.push((format!("decode_sparse/{fname}/strided"), true, s));
+        // Batch-invariant schedule.
+        let mut inv = base((5, 2, 128), cache(format, 24, 64, 700));
+        inv.options = invariant;
+        inv.main.topk_length = Some(lengths(5, 700, 2));
+        v.push((format!("decode_sparse/{fname}/invariant"), false, inv));
+    }
+    let mut cases: Vec<Case> = v
+        .into_iter()
+        .map(|(name, quick, c)| Case {
+            name,
+            quick,
+            run: Box::new(move |gpu, _tuning, seed| run_case(gpu, &c, seed)),
+        })
+        .collect();
+    let mut reuse = base((6, 2, 64), cache(KvFormat::V32, 24, 64, 512));
+    reuse.main.topk_length = Some(lengths(6, 512, 3));
+    reuse.options = forced;
+    cases.push(Case {
+        name: "decode_sparse/v32/workspace_reuse".into(),
+        quick: true,
+        run: Box::new(move |gpu, _tuning, seed| run_reuse(gpu, &reuse, seed)),
+    });
+    let mut inv = base((1, 2, 128), cache(KvFormat::V32, 64, 64, 2048));
+    inv.options = DecodeOptions {
+        batch_invariant: true,
+        ..DecodeOptions::default()
+    };
+    cases.push(Case {
+        name: "decode_sparse/v32/batch_invariance".into(),
+        quick: true,
+        run: Box::new(move |gpu, _tuning, seed| run_invariance(gpu, &inv, seed)),
+    });
+    cases
+}

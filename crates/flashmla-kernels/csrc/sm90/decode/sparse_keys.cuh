@@ -1,0 +1,189 @@
+// Keys of the sparse FP8 decode (docs/decode.md, "Sparse FP8 decode"): key position `key` of request `req` is entry
+// `key` of its main index row, or entry `key - main` of its extra index row past the main entries. An index names a
+// token `block * page_size + offset` of its cache; any value outside 0..num_blocks * page_size is a missing key whose
+// bytes are never read. The producer dequantises each key row into the same SW128 bf16 slabs the dense decode
+// gathers, so the consumers are the dense decode's.
+//
+// Producer scheme per 64-key tile (docs/decode.md, "Sparse FP8 decode"): thread t of the producer warpgroup owns
+// row r = t / 2 of the tile and half h = t % 2 of every 64-column slab (bf16 columns 32 h .. 32 h + 31 of the slab,
+// i.e. logical 16-byte chunks 4 h .. 4 h + 3 of row r). It copies its 32 raw e4m3 bytes of each NoPE slab with
+// cp.async into the first two of those chunks (no registers held while the bytes travel), the RoPE bf16 bytes
+// straight to their place, and loads its row's scales into registers. Once its copies landed it dequantises each
+// slab in place: both raw chunks are read before any of its four output chunks is written, and no other thread
+// touches them, so no barrier is needed inside the warpgroup.
+#pragma once
+
+#include <cstdint>
+
+#include "common/cp_async.cuh"
+#include "common/cp_async_group.cuh"
+#include "common/fp8.cuh"
+#include "common/mbarrier.cuh"
+#include "common/pipeline.cuh"
+#include "common/smem_access.cuh"
+#include "common/smem_layout.cuh"
+#include "common/wgmma.cuh"
+#include "sm90/decode/config.cuh"
+#include "sm90/decode/params.h"
+#include "sm90/decode/schedule.cuh"
+
+namespace flashmla::decode {
+
+// Byte layout of one format's token (docs/spec.md section 3).
+template <int kDqk>
+struct Fp8Format;
+template <>
+struct Fp8Format<576> {  // V3.2: [512 e4m3][4 f32 scales][64 bf16], tokens contiguous
+    static constexpr int kDNope = 512;
+    static constexpr int kTokenBytes = 656;   // stride between tokens of a block
+    static constexpr int kRopeOffset = 528;
+    static constexpr int kSegments = 4;       // NoPE segments per lane
+};
+template <>
+struct Fp8Format<512> {  // MODEL1: per block [B x (448 e4m3, 64 bf16)] then [B x (7 e8m0 scales, pad)]
+    static constexpr int kDNope = 448;
+    static constexpr int kTokenBytes = 576;
+    static constexpr int kRopeOffset = 448;
+    static constexpr int kSegments = 4;       // segment 3 exists on lanes 0..3 only
+};
+
+// The raw index of key `key` of chunk c (-1 past the request's keys). Loaded a tile ahead of its use.
+__device__ __forceinline__ int sparse_index(const DecodeParams& p, const Chunk& c, int key) {
+    if (key >= c.len) return -1;
+    if (key < c.main) {
+        return __ldg(p.indices + request_offset(p, c.b, p.indices_stride_b, p.indices_stride_s) + key);
+    }
+    return __ldg(p.extra_indices + request_offset(p, c.b, p.extra_indices_stride_b, p.extra_indices_stride_s) +
+                 (key - c.main));
+}
+
+// A key's row: its block's first byte and its token in the block; block == nullptr for a missing key.
+struct Fp8Row {
+    const uint8_t* block;
+    int t;
+    int page_size;  // of the key's cache (MODEL1 places a block's scales after its B tokens)
+};
+
+__device__ __forceinline__ Fp8Row sparse_row(const DecodeParams& p, const Chunk& c, int key, int idx) {
+    const bool extra = key >= c.main;
+    const int page = extra ? p.extra_page_size : p.page_size;
+    const int blocks = extra ? p.extra_num_blocks : p.num_blocks;
+    if (idx < 0) return {nullptr, 0, page};
+    const int blk = idx / page;
+    if (blk >= blocks) return {nullptr, 0, page};
+    const uint8_t* base = extra ? p.extra_cache : reinterpret_cast<const uint8_t*>(p.k_cache);
+    const int64_t stride = extra ? p.extra_stride_block : p.k_stride_block;
+    return {base + static_cast<int64_t>(blk) * stride, idx - blk * page, page};
+}
+
+__device__ __forceinline__ bool sparse_valid(const DecodeParams& p, const Chunk& c, int key, int idx) {
+    if (idx < 0) return false;
+    const bool extra = key >= c.main;
+    const int page = extra ? p.extra_page_size : p.page_size;
+    const int blocks = extra ? p.extra_num_blocks : p.num_blocks;
+    return idx / page < blocks;
+}
+
+__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint4 v) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+// Four e4m3 codes -> two bf16x2 words of code * scale (the code is exact in f16, the product is rounded to bf16 once,
+// to nearest even, as the CPU dequantiser does).
+__device__ __forceinline__ uint2 dequant4(uint32_t codes, float scale) {
+    float a0, a1, b0, b1;
+    e4m3x2_to_f32(codes & 0xFFFFu, a0, a1);
+    e4m3x2_to_f32(codes >> 16, b0, b1);
+    return make_uint2(pack_bf16x2(a0 * scale, a1 * scale), pack_bf16x2(b0 * scale, b1 * scale));
+}
+
+// A producer thread's part of a tile: its row, its half, and the byte offset inside any slab of its chunk j (0..3),
+// swizzled.
+struct RawLane {
+    int row;   // t / 2
+    int half;  // t % 2
+    static __device__ __forceinline__ RawLane of(int t) { return {t / 2, t % 2}; }
+    __device__ __forceinline__ uint32_t chunk(int j) const { return sw128_chunk_offset(row, 4 * half + j); }
+};
+
+// The scales of a row, raw: V3.2 four f32 (one per 128 NoPE columns), MODEL1 seven e8m0 bytes (one per 64) in
+// the low bytes of x, y. All zero for a missing key.
+template <int kDqk>
+__device__ __forceinline__ uint4 load_scales(const Fp8Row& r) {
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (r.block == nullptr) return v;
+    if constexpr (kDqk == 576) {
+        v = __ldg(reinterpret_cast<const uint4*>(r.block + static_cast<int64_t>(r.t) * 656 + 512));
+    } else {
+        const uint2 e = __ldg(reinterpret_cast<const uint2*>(r.block + static_cast<int64_t>(r.page_size) * 576 +
+                                                             static_cast<int64_t>(r.t) * 8));
+        v.x = e.x;
+        v.y = e.y;
+    }
+    return v;
+}
+
+// The f32 scale of NoPE slab s. e8m0: 2^(e - 127); e = 0 is the subnormal 2^-127 (flushed to 0 like any product
+// below 2^-126 by the fast-math multiply), 255 is NaN.
+template <int kDqk>
+__device__ __forceinline__ float slab_scale(const uint4& raw, int s) {
+    if constexpr (kDqk == 576) {
+        const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+        return __uint_as_float(w[s / 2]);
+    } else {
+        const uint32_t e = ((s < 4 ? raw.x : raw.y) >> (8 * (s % 4))) & 0xFFu;
+        return e == 255u ? __uint_as_float(0x7FC00000u) : __uint_as_float(e << 23);
+    }
+}
+
+// Copies the thread's 32 raw bytes of NoPE slab s (zeros for a missing key) into its chunks 0 and 1 of the slab.
+template <int kDqk>
+__device__ __forceinline__ void copy_nope_raw(uint32_t stage_addr, const RawLane& lane, const Fp8Row& r, int s,
+                                              const void* never_read) {
+    using C = Config<kDqk>;
+    const bool ok = r.block != nullptr;
+    const uint8_t* src = ok ? r.block + static_cast<int64_t>(r.t) * Fp8Format<kDqk>::kTokenBytes + 64 * s + 32 * lane.half
+                            : static_cast<const uint8_t*>(never_read);
+    const uint32_t slab = stage_addr + s * C::kSlabBytes;
+    cp_async_16_zfill(slab + lane.chunk(0), src, ok);
+    cp_async_16_zfill(slab + lane.chunk(1), src + 16, ok);
+}
+
+// Copies the thread's 64 bytes of the RoPE slab (bf16, not quantised) to their place.
+template <int kDqk>
+__device__ __forceinline__ void copy_rope(uint32_t stage_addr, const RawLane& lane, const Fp8Row& r,
+                                          const void* never_read) {
+    using C = Config<kDqk>;
+    using F = Fp8Format<kDqk>;
+    const bool ok = r.block != nullptr;
+    const uint8_t* src = ok ? r.block + static_cast<int64_t>(r.t) * F::kTokenBytes + F::kRopeOffset + 64 * lane.half
+                            : static_cast<const uint8_t*>(never_read);
+    const uint32_t slab = stage_addr + (F::kDNope / kSw128ColsBf16) * C::kSlabBytes;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) cp_async_16_zfill(slab + lane.chunk(j), src + 16 * j, ok);
+}
+
+// Dequantises NoPE slab s of the thread's row in place: 32 codes from chunks 0, 1 -> 32 bf16 in chunks 0..3.
+template <int kDqk>
+__device__ __forceinline__ void dequant_slab(uint32_t stage_addr, const RawLane& lane, const uint4& scales, int s) {
+    using C = Config<kDqk>;
+    const uint32_t slab = stage_addr + s * C::kSlabBytes;
+    const uint4 a = ld_shared_v4(slab + lane.chunk(0));
+    const uint4 b = ld_shared_v4(slab + lane.chunk(1));
+    const float scale = slab_scale<kDqk>(scales, s);
+    const uint32_t codes[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const uint2 lo = dequant4(codes[2 * j], scale), hi = dequant4(codes[2 * j + 1], scale);
+        st_shared_v4(slab + lane.chunk(j), make_uint4(lo.x, lo.y, hi.x, hi.y));
+    }
+}
+
+// Generic-proxy stores of a column group are done: make them visible to wgmma (async proxy) and arrive.
+__device__ __forceinline__ void publish_group(uint64_t* full) {
+    fence_proxy_async_shared();
+    MBarrier::arrive(full);
+}
+
+}  // namespace flashmla::decode
