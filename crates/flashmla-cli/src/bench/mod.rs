@@ -2,6 +2,7 @@
 //! docs/benchmarking.md and writes JSON records carrying the GPU, driver, commit and date.
 
 mod decode_dense;
+mod decode_sparse;
 #[cfg(feature = "experiments")]
 pub(crate) mod experiments;
 mod kv_quant;
@@ -301,6 +302,7 @@ fn suite_benches(suite: BenchSuite, indices: IndexChoice) -> Vec<Bench> {
     v.extend(sparse_bwd::benches(suite, indices, true));
     v.extend(kv_quant::benches(suite));
     v.extend(decode_dense::benches(suite));
+    v.extend(decode_sparse::benches(suite));
     v
 }
 

@@ -207,12 +207,10 @@ __device__ __forceinline__ void producer_sparse(const DecodeParams& p, SmemPlan<
                 cp_async_commit_group();
 
                 cp_async_wait_group<1>();
-#pragma unroll
-                for (int s = 0; s < kSlabsPerHalf; ++s) dequant_slab<kDqk>(stage, lane, scales, s);
+                dequant_slabs<kDqk, 0, kSlabsPerHalf>(stage, lane, scales);
                 publish_group(&sm.kv_full[pos.stage][kGroupLeft]);
                 cp_async_wait_group<0>();
-#pragma unroll
-                for (int s = kSlabsPerHalf; s < kNopeSlabs; ++s) dequant_slab<kDqk>(stage, lane, scales, s);
+                dequant_slabs<kDqk, kSlabsPerHalf, kNopeSlabs>(stage, lane, scales);
                 publish_group(&sm.kv_full[pos.stage][kGroupRight]);
             }
         });

@@ -101,10 +101,19 @@ __device__ __forceinline__ uint2 dequant4(uint32_t codes, float scale) {
 // A producer thread's part of a tile: its row, its half, and the byte offset inside any slab of its chunk j (0..3),
 // swizzled.
 struct RawLane {
-    int row;   // t / 2
-    int half;  // t % 2
-    static __device__ __forceinline__ RawLane of(int t) { return {t / 2, t % 2}; }
-    __device__ __forceinline__ uint32_t chunk(int j) const { return sw128_chunk_offset(row, 4 * half + j); }
+    int row;         // t / 2
+    int half;        // t % 2
+    uint32_t base;   // row * 128
+    uint32_t phase;  // (4 half) ^ (row % 8): chunk 4 half + j sits at physical chunk phase ^ j
+    static __device__ __forceinline__ RawLane of(int t) {
+        const int row = t / 2, half = t % 2;
+        return {row, half, static_cast<uint32_t>(row * kSw128RowBytes),
+                static_cast<uint32_t>((4 * half) ^ (row % kSw128AtomRows))};
+    }
+    // == sw128_chunk_offset(row, 4 half + j) for j in 0..3.
+    __device__ __forceinline__ uint32_t chunk(int j) const {
+        return base + ((phase ^ static_cast<uint32_t>(j)) * kSw128ChunkBytes);
+    }
 };
 
 // The scales of a row, raw: V3.2 four f32 (one per 128 NoPE columns), MODEL1 seven e8m0 bytes (one per 64) in
@@ -146,8 +155,8 @@ __device__ __forceinline__ void copy_nope_raw(uint32_t stage_addr, const RawLane
     const uint8_t* src = ok ? r.block + static_cast<int64_t>(r.t) * Fp8Format<kDqk>::kTokenBytes + 64 * s + 32 * lane.half
                             : static_cast<const uint8_t*>(never_read);
     const uint32_t slab = stage_addr + s * C::kSlabBytes;
-    cp_async_16_zfill(slab + lane.chunk(0), src, ok);
-    cp_async_16_zfill(slab + lane.chunk(1), src + 16, ok);
+    cp_async_16_zfill_l2_256(slab + lane.chunk(0), src, ok);
+    cp_async_16_zfill_l2_256(slab + lane.chunk(1), src + 16, ok);
 }
 
 // Copies the thread's 64 bytes of the RoPE slab (bf16, not quantised) to their place.
@@ -161,22 +170,38 @@ __device__ __forceinline__ void copy_rope(uint32_t stage_addr, const RawLane& la
                             : static_cast<const uint8_t*>(never_read);
     const uint32_t slab = stage_addr + (F::kDNope / kSw128ColsBf16) * C::kSlabBytes;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) cp_async_16_zfill(slab + lane.chunk(j), src + 16 * j, ok);
+    for (int j = 0; j < 4; ++j) cp_async_16_zfill_l2_256(slab + lane.chunk(j), src + 16 * j, ok);
 }
 
-// Dequantises NoPE slab s of the thread's row in place: 32 codes from chunks 0, 1 -> 32 bf16 in chunks 0..3.
+// The thread's two raw chunks of NoPE slab s.
+struct RawChunks {
+    uint4 a, b;
+};
 template <int kDqk>
-__device__ __forceinline__ void dequant_slab(uint32_t stage_addr, const RawLane& lane, const uint4& scales, int s) {
-    using C = Config<kDqk>;
-    const uint32_t slab = stage_addr + s * C::kSlabBytes;
-    const uint4 a = ld_shared_v4(slab + lane.chunk(0));
-    const uint4 b = ld_shared_v4(slab + lane.chunk(1));
-    const float scale = slab_scale<kDqk>(scales, s);
-    const uint32_t codes[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+__device__ __forceinline__ RawChunks read_raw(uint32_t stage_addr, const RawLane& lane, int s) {
+    const uint32_t slab = stage_addr + s * Config<kDqk>::kSlabBytes;
+    return {ld_shared_v4(slab + lane.chunk(0)), ld_shared_v4(slab + lane.chunk(1))};
+}
+
+// Dequantises NoPE slabs [kFirst, kEnd) of the thread's row in place: 32 codes from chunks 0, 1 -> 32 bf16 in
+// chunks 0..3 per slab. The raw chunks of slab s + 1 are read before slab s is written (different slabs), so the
+// shared-memory latency overlaps the conversions.
+template <int kDqk, int kFirst, int kEnd>
+__device__ __forceinline__ void dequant_slabs(uint32_t stage_addr, const RawLane& lane, const uint4& scales) {
+    RawChunks raw = read_raw<kDqk>(stage_addr, lane, kFirst);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const uint2 lo = dequant4(codes[2 * j], scale), hi = dequant4(codes[2 * j + 1], scale);
-        st_shared_v4(slab + lane.chunk(j), make_uint4(lo.x, lo.y, hi.x, hi.y));
+    for (int s = kFirst; s < kEnd; ++s) {
+        RawChunks next = raw;
+        if (s + 1 < kEnd) next = read_raw<kDqk>(stage_addr, lane, s + 1);
+        const uint32_t slab = stage_addr + s * Config<kDqk>::kSlabBytes;
+        const float scale = slab_scale<kDqk>(scales, s);
+        const uint32_t codes[8] = {raw.a.x, raw.a.y, raw.a.z, raw.a.w, raw.b.x, raw.b.y, raw.b.z, raw.b.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint2 lo = dequant4(codes[2 * j], scale), hi = dequant4(codes[2 * j + 1], scale);
+            st_shared_v4(slab + lane.chunk(j), make_uint4(lo.x, lo.y, hi.x, hi.y));
+        }
+        raw = next;
     }
 }
 
