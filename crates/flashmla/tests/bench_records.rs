@@ -208,7 +208,7 @@ fn bench_record(r: &Record) -> Result<(), String> {
                 count(r, "tokens")? as f64 * (2.0 * count(r, "d_qk")? as f64 + bytes_per_token);
             agrees("gb_per_s", positive(r, "gb_per_s")?, bytes / secs / 1e9)
         }
-        "decode_dense" | "decode_sparse_fp8" => {
+        "decode_dense" | "decode_sparse" | "decode_sparse_fp8" => {
             for key in ["b", "s_q", "h_q", "d_qk", "d_v"] {
                 count(r, key)?;
             }
