@@ -548,8 +548,8 @@ def decode_sparse(
     row, clamped to ``[0, topk]``), ``attn_sink [h_q]`` and a second cache with its own indices and lengths.
     Any ``h_q`` (no padding of heads) and any ``topk``. On CUDA the step (schedule, dequantising split, combine) is
     queued on torch's current stream with no host synchronisation (CUDA-graph capturable and replayable after the
-    indices and lengths changed in place); the caches must start on 16 bytes with block strides that are multiples
-    of 16 bytes. ``batch_invariant=True``: each query's result is bitwise independent of the rest of the batch.
+    indices and lengths changed in place); the caches must start on 8 bytes with block strides that are multiples
+    of 8 bytes (every packed cache is). ``batch_invariant=True``: each query's result is bitwise independent of the rest of the batch.
     """
     _glue.check_tensor_args(
         dict(q=q, k_cache=k_cache, indices=indices),

@@ -405,13 +405,19 @@ pub fn cases() -> Vec<Case> {
             c.main.p_invalid = p;
             v.push((format!("decode_sparse/{fname}/{name}"), true, c));
         }
-        // Page sizes: 1 (V3.2; MODEL1 needs an even page size for 16-byte aligned blocks: 2), 16 and 256 (MODEL1's
-        // main cache) tokens per block.
-        let smallest = if format == KvFormat::V32 { 1 } else { 2 };
-        for page in [smallest, 16, 256] {
+        // Page sizes: 1 (MODEL1: 584-byte blocks, copied in 8-byte pieces), 16 and 256 (MODEL1's main cache) tokens
+        // per block; a block stride padded by 8 bytes (8-byte pieces too).
+        for page in [1usize, 16, 256] {
             let c = base((3, 2, 64), cache(format, 2048 / page, page, 192));
-            v.push((format!("decode_sparse/{fname}/page{page}"), page == 256, c));
+            v.push((
+                format!("decode_sparse/{fname}/page{page}"),
+                page == 256 || page == 1,
+                c,
+            ));
         }
+        let mut pad8 = base((3, 2, 64), cache(format, 16, 64, 192));
+        pad8.main.block_pad = 8;
+        v.push((format!("decode_sparse/{fname}/block_pad8"), true, pad8));
         // Extra cache with its own page size and lengths, attended in the same softmax.
         for (ename, extra_page, with_len) in
             [("extra_p64", 64usize, false), ("extra_p2_len", 2, true)]

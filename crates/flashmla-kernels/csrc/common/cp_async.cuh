@@ -26,6 +26,12 @@ __device__ __forceinline__ void cp_async_16_zfill_l2_256(uint32_t dst, const voi
 // L2 prefetch hint for the 128-byte line holding `src` (global, inside a mapped allocation): nothing comes back to
 // the SM and nothing waits for it. (`cp.async.bulk.prefetch.L2` takes one uniform address per instruction, so with
 // per-thread addresses it compiles to a loop over the distinct addresses; it measured no better in sparse_fwd.)
+// 8-byte form (cp.async.ca: 8-byte copies may not use .cg), zero-filled without a read when `valid` is false.
+__device__ __forceinline__ void cp_async_8_zfill(uint32_t dst, const void* src, bool valid) {
+    const uint32_t src_bytes = valid ? 8u : 0u;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* src) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(src));
 }

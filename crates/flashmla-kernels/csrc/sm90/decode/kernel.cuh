@@ -176,6 +176,7 @@ __device__ __forceinline__ void producer_sparse(const DecodeParams& p, SmemPlan<
     const int t = static_cast<int>(threadIdx.x);
     const Sw128CopyThread ct = Sw128CopyThread::of(t);
     const RawLane lane = RawLane::of(t);
+    const bool copy8 = (p.flags & kFlagCopy8) != 0;
     int tile = 0;
     int q_uses = 0;
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
@@ -193,17 +194,17 @@ __device__ __forceinline__ void producer_sparse(const DecodeParams& p, SmemPlan<
                 const uint32_t stage = smem_addr(sm.kv[pos.stage]);
                 if constexpr (C::kRopeSlabs > 0) {
                     MBarrier::wait(&sm.kv_empty[pos.stage][kGroupRope], pos.empty_parity);
-                    copy_rope<kDqk>(stage, lane, row, p.q);
+                    copy_rope<kDqk>(stage, lane, row, p.q, copy8);
                     MBarrier::arrive_on_cp_async_noinc(&sm.kv_full[pos.stage][kGroupRope]);
                 }
                 MBarrier::wait(&sm.kv_empty[pos.stage][kGroupLeft], pos.empty_parity);
 #pragma unroll
-                for (int s = 0; s < kSlabsPerHalf; ++s) copy_nope_raw<kDqk>(stage, lane, row, s, p.q);
+                for (int s = 0; s < kSlabsPerHalf; ++s) copy_nope_raw<kDqk>(stage, lane, row, s, p.q, copy8);
                 cp_async_commit_group();
                 MBarrier::wait(&sm.kv_empty[pos.stage][kGroupRight], pos.empty_parity);
 #pragma unroll
-                for (int s = kSlabsPerHalf; s < kNopeSlabs; ++s) copy_nope_raw<kDqk>(stage, lane, row, s, p.q);
-                if constexpr (C::kRopeSlabs == 0) copy_rope<kDqk>(stage, lane, row, p.q);  // MODEL1: slab 7
+                for (int s = kSlabsPerHalf; s < kNopeSlabs; ++s) copy_nope_raw<kDqk>(stage, lane, row, s, p.q, copy8);
+                if constexpr (C::kRopeSlabs == 0) copy_rope<kDqk>(stage, lane, row, p.q, copy8);  // MODEL1: slab 7
                 cp_async_commit_group();
 
                 cp_async_wait_group<1>();

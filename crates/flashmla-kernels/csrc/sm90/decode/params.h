@@ -22,6 +22,8 @@ namespace flashmla::decode {
 inline constexpr uint32_t kFlagCausal = 1u << 0;     // bottom-right causal mask (only set when s_q > 1)
 inline constexpr uint32_t kFlagOutVec4 = 1u << 1;    // out base and strides allow 4-byte (2-element) stores
 inline constexpr uint32_t kFlagSparse = 1u << 2;     // sparse FP8 decode: keys come from indices, not the block table
+inline constexpr uint32_t kFlagCopy8 = 1u << 3;      // sparse: a cache is only 8-byte aligned (base or block stride):
+                                                     // copy its rows in 8-byte pieces
 
 // Words of the schedule workspace after the `batch + 1` line starts: the budget (line units per part) and the
 // number of parts the line is cut into.

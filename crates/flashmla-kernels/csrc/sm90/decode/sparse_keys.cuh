@@ -123,7 +123,10 @@ __device__ __forceinline__ uint4 load_scales(const Fp8Row& r) {
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
     if (r.block == nullptr) return v;
     if constexpr (kDqk == 576) {
-        v = __ldg(reinterpret_cast<const uint4*>(r.block + static_cast<int64_t>(r.t) * 656 + 512));
+        // Two 8-byte loads: a token's scales are 8-byte aligned whatever the (8-byte aligned) block stride.
+        const uint2* src = reinterpret_cast<const uint2*>(r.block + static_cast<int64_t>(r.t) * 656 + 512);
+        const uint2 a = __ldg(src), b = __ldg(src + 1);
+        v = make_uint4(a.x, a.y, b.x, b.y);
     } else {
         const uint2 e = __ldg(reinterpret_cast<const uint2*>(r.block + static_cast<int64_t>(r.page_size) * 576 +
                                                              static_cast<int64_t>(r.t) * 8));
@@ -146,23 +149,34 @@ __device__ __forceinline__ float slab_scale(const uint4& raw, int s) {
     }
 }
 
+// One 16-byte piece of a row into shared memory: one 16-byte copy, or two 8-byte ones for a cache that is only
+// 8-byte aligned.
+__device__ __forceinline__ void copy_piece(uint32_t dst, const uint8_t* src, bool ok, bool copy8) {
+    if (copy8) {
+        cp_async_8_zfill(dst, src, ok);
+        cp_async_8_zfill(dst + 8, src + 8, ok);
+    } else {
+        cp_async_16_zfill_l2_256(dst, src, ok);
+    }
+}
+
 // Copies the thread's 32 raw bytes of NoPE slab s (zeros for a missing key) into its chunks 0 and 1 of the slab.
 template <int kDqk>
 __device__ __forceinline__ void copy_nope_raw(uint32_t stage_addr, const RawLane& lane, const Fp8Row& r, int s,
-                                              const void* never_read) {
+                                              const void* never_read, bool copy8) {
     using C = Config<kDqk>;
     const bool ok = r.block != nullptr;
     const uint8_t* src = ok ? r.block + static_cast<int64_t>(r.t) * Fp8Format<kDqk>::kTokenBytes + 64 * s + 32 * lane.half
                             : static_cast<const uint8_t*>(never_read);
     const uint32_t slab = stage_addr + s * C::kSlabBytes;
-    cp_async_16_zfill_l2_256(slab + lane.chunk(0), src, ok);
-    cp_async_16_zfill_l2_256(slab + lane.chunk(1), src + 16, ok);
+    copy_piece(slab + lane.chunk(0), src, ok, copy8);
+    copy_piece(slab + lane.chunk(1), src + 16, ok, copy8);
 }
 
 // Copies the thread's 64 bytes of the RoPE slab (bf16, not quantised) to their place.
 template <int kDqk>
 __device__ __forceinline__ void copy_rope(uint32_t stage_addr, const RawLane& lane, const Fp8Row& r,
-                                          const void* never_read) {
+                                          const void* never_read, bool copy8) {
     using C = Config<kDqk>;
     using F = Fp8Format<kDqk>;
     const bool ok = r.block != nullptr;
@@ -170,7 +184,7 @@ __device__ __forceinline__ void copy_rope(uint32_t stage_addr, const RawLane& la
                             : static_cast<const uint8_t*>(never_read);
     const uint32_t slab = stage_addr + (F::kDNope / kSw128ColsBf16) * C::kSlabBytes;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) cp_async_16_zfill_l2_256(slab + lane.chunk(j), src + 16 * j, ok);
+    for (int j = 0; j < 4; ++j) copy_piece(slab + lane.chunk(j), src + 16 * j, ok, copy8);
 }
 
 // The thread's two raw chunks of NoPE slab s.

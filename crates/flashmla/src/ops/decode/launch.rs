@@ -1,7 +1,7 @@
-//! GPU path of the dense decode: checks the limits of the sm_90a kernels (`csrc/sm90/decode/`, design in
-//! `docs/decode.md`), lowers validated arguments to their [`DecodeParams`] and queues three kernels on the
-//! stream, with no host synchronisation (a decode step can be captured in a CUDA graph and replayed after
-//! `cache_seqlens` and `block_table` changed in place):
+//! GPU path of the decode, dense ([`lower`]) and sparse FP8 ([`lower_sparse`]): checks the limits of the sm_90a
+//! kernels (`csrc/sm90/decode/`, design in `docs/decode.md`), lowers validated arguments to their [`DecodeParams`]
+//! and queues three kernels on the stream, with no host synchronisation (a decode step can be captured in a CUDA
+//! graph and replayed after `cache_seqlens` and `block_table`, or the indices and lengths, changed in place):
 //! 1. `decode_schedule` (one CTA) computes the split-KV schedule from `cache_seqlens` into the workspace;
 //! 2. `decode_split_*` (grid `head_tiles x grid_parts`, 384 threads) attends each query-row tile to the key
 //!    chunks of its parts, writing unsplit requests in final form and split ones as f32 partials;
@@ -12,9 +12,13 @@
 //! element size; every reachable offset fits `i64`; sizes and the schedule's line fit the kernels' 32-bit
 //! counters; `head_tiles <= 65535` (a grid dimension). Values are not checked (that would need a
 //! synchronisation): `cache_seqlens` are clamped to `0..=max_blocks * page_size` and a block id outside
-//! `0..num_blocks` is a missing key, as in the reference.
+//! `0..num_blocks` is a missing key, as in the reference. Sparse: `q` rows 16-byte aligned, each FP8 cache starting
+//! on 8 bytes with a block stride that is a multiple of 8 (16-byte copies when both are multiples of 16, else
+//! 8-byte ones: `FLAG_COPY8`), the index and length tensors aligned to 4 bytes; an index outside `0..num_blocks *
+//! page_size` of its cache is a missing key, lengths are clamped to `0..=topk`; every query token is a request of
+//! the schedule.
 //!
-//! Memory: the workspace ([`dense_workspace_words`] f32 words) holds the schedule (`batch + 3` i32) and the
+//! Memory: the workspace ([`dense_workspace_words`] / [`sparse_workspace_words`] f32 words) holds the schedule (`batch + 3` i32) and the
 //! partials of split requests (`2 * max_parts * head_tiles * 64` rows of 512 f32 plus their lse; `max_parts` is
 //! `sm_count / head_tiles` for the balanced schedule, about 34 MB on an H100, and grows with `batch * max_blocks *
 //! page_size` in batch-invariant mode). Nothing else is allocated.
@@ -58,6 +62,8 @@ pub const FLAG_CAUSAL: u32 = 1;
 pub const FLAG_OUT_VEC4: u32 = 2;
 /// `flags` bit: sparse FP8 decode (`kFlagSparse`).
 pub const FLAG_SPARSE: u32 = 4;
+/// `flags` bit: an FP8 cache is only 8-byte aligned, rows are copied in 8-byte pieces (`kFlagCopy8`).
+pub const FLAG_COPY8: u32 = 8;
 /// Words of the schedule after the `batch + 1` line starts (`kScheduleTail`).
 pub const SCHEDULE_TAIL: usize = 2;
 /// The gather moves 16-byte chunks.
@@ -616,21 +622,22 @@ impl DecodePlan {
     }
 }
 
-/// Checks an FP8 cache for the sparse kernels' 16-byte loads: base address and block stride multiples of 16.
-fn expect_fp8_cache_aligned(arg: &str, cache: &DeviceView, block_stride: usize) -> Result<()> {
-    if cache.ptr() % CHUNK_ALIGN_BYTES != 0 {
+/// Checks an FP8 cache for the sparse kernels' copies: base address and block stride multiples of 8 bytes. Returns
+/// whether they are multiples of 16 as well (16-byte copies; else `FLAG_COPY8`: 8-byte ones).
+fn fp8_cache_copy16(arg: &str, cache: &DeviceView, block_stride: usize) -> Result<bool> {
+    if cache.ptr() % 8 != 0 {
         return Err(Error::unsupported(
             format!("{arg} at address {:#x}", cache.ptr()),
-            "the sparse decode kernels load 16-byte segments: the cache must start on a 16-byte boundary",
+            "the sparse decode kernels copy cache rows in 8- or 16-byte pieces: the cache must start on an 8-byte boundary",
         ));
     }
-    if block_stride as u64 % CHUNK_ALIGN_BYTES != 0 {
+    if block_stride % 8 != 0 {
         return Err(Error::unsupported(
             format!("{arg} with a block stride of {block_stride} bytes"),
-            "the sparse decode kernels need a block stride that is a multiple of 16 bytes",
+            "the sparse decode kernels need a block stride that is a multiple of 8 bytes",
         ));
     }
-    Ok(())
+    Ok(cache.ptr() % CHUNK_ALIGN_BYTES == 0 && block_stride as u64 % CHUNK_ALIGN_BYTES == 0)
 }
 
 /// The device view of an element offset that may be absent.
@@ -663,10 +670,10 @@ pub fn lower_sparse(
         SMEM_BYTES_D512
     };
     expect_rows_16b("decode", &[("q", args.q)])?;
-    expect_fp8_cache_aligned("k_cache", args.k_cache, dims.kv.layout.block_stride)?;
+    let mut copy16 = fp8_cache_copy16("k_cache", args.k_cache, dims.kv.layout.block_stride)?;
     let extra: Option<(&ExtraKvArgs<'_, DeviceView>, _)> = args.extra.as_ref().zip(dims.extra);
     if let Some((e, d)) = &extra {
-        expect_fp8_cache_aligned("extra_k_cache", e.k_cache, d.layout.block_stride)?;
+        copy16 &= fp8_cache_copy16("extra_k_cache", e.k_cache, d.layout.block_stride)?;
     }
     let extra_length = extra.and_then(|(e, _)| e.topk_length);
     expect_element_aligned(&[
@@ -780,6 +787,7 @@ pub fn lower_sparse(
         chunk_overhead: CHUNK_OVERHEAD_TILES as i32,
         fixed_budget: to_i32("options.chunk_tiles", geometry.fixed_budget)?,
         flags: FLAG_SPARSE
+            | if copy16 { 0 } else { FLAG_COPY8 }
             | if rows_aligned(&out.out, 4) {
                 FLAG_OUT_VEC4
             } else {
@@ -1112,14 +1120,20 @@ mod tests {
     }
 
     #[test]
-    fn sparse_decode_refuses_block_strides_the_16_byte_copies_cannot_take() {
-        // MODEL1 with one token per block: 584-byte blocks, not a multiple of 16.
-        let e = lower_sparse_case((1, 1, 64), 512, (8, 1, 584), 64).unwrap_err();
-        assert!(e.to_string().contains("multiple of 16"), "{e}");
-        // A padded V3.2 block stride of 656 * 64 + 8 bytes.
-        let e = lower_sparse_case((1, 1, 64), 576, (8, 64, 64 * 656 + 8), 64).unwrap_err();
-        assert!(e.to_string().contains("multiple of 16"), "{e}");
-        // Even MODEL1 pages and a 16-byte padding are fine.
-        assert!(lower_sparse_case((1, 1, 64), 512, (8, 2, 2 * 584 + 16), 64).is_ok());
+    fn sparse_decode_copies_8_byte_aligned_caches_in_8_byte_pieces() {
+        // Packed 16-byte aligned caches: 16-byte copies.
+        let plan = lower_sparse_case((1, 1, 64), 576, (8, 64, 64 * 656), 64).unwrap();
+        assert_eq!(plan.params.flags & FLAG_COPY8, 0);
+        // MODEL1 with one token per block (584-byte blocks) and a V3.2 stride padded by 8: 8-byte copies.
+        for (d_qk, cache) in [(512, (8, 1, 584)), (576, (8, 64, 64 * 656 + 8))] {
+            let plan = lower_sparse_case((1, 1, 64), d_qk, cache, 64).unwrap();
+            assert_eq!(plan.params.flags & FLAG_COPY8, FLAG_COPY8, "{cache:?}");
+        }
+        // A stride that is not a multiple of 8 is refused, naming the cache.
+        let e = lower_sparse_case((1, 1, 64), 576, (8, 64, 64 * 656 + 4), 64).unwrap_err();
+        assert!(
+            e.to_string().contains("k_cache") && e.to_string().contains("multiple of 8"),
+            "{e}"
+        );
     }
 }

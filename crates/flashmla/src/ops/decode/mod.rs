@@ -374,7 +374,7 @@ pub fn decode_dense_cuda(
 }
 
 /// Sparse FP8 decode on the GPU: validates the arguments and the caller-provided outputs, checks the kernels' limits
-/// (see [`launch`]: 16-byte aligned q rows, caches starting on 16 bytes with block strides that are multiples of 16)
+/// (see [`launch`]: 16-byte aligned q rows, caches starting on 8 bytes with block strides that are multiples of 8)
 /// and queues the schedule, split and combine kernels on `gpu`'s stream. Asynchronous. `workspace`: a contiguous f32
 /// buffer of at least [`launch::sparse_workspace_words`] elements, or `None` to allocate one for the call. Index
 /// and length values are data (no value is read on the host): an index outside `0..num_blocks * page_size` of its
