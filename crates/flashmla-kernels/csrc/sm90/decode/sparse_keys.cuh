@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/cp_async.cuh"
 #include "common/cp_async_group.cuh"
@@ -26,26 +27,14 @@
 #include "sm90/decode/config.cuh"
 #include "sm90/decode/params.h"
 #include "sm90/decode/schedule.cuh"
+#include "sm90/kv_quant/format.cuh"
 
 namespace flashmla::decode {
 
-// Byte layout of one format's token (docs/spec.md section 3).
+// The byte layout of a d_qk's cache format: the FP8 codec's traits (sm90/kv_quant/format.cuh, docs/spec.md
+// section 3), so the decode and the codec read the same bytes.
 template <int kDqk>
-struct Fp8Format;
-template <>
-struct Fp8Format<576> {  // V3.2: [512 e4m3][4 f32 scales][64 bf16], tokens contiguous
-    static constexpr int kDNope = 512;
-    static constexpr int kTokenBytes = 656;   // stride between tokens of a block
-    static constexpr int kRopeOffset = 528;
-    static constexpr int kSegments = 4;       // NoPE segments per lane
-};
-template <>
-struct Fp8Format<512> {  // MODEL1: per block [B x (448 e4m3, 64 bf16)] then [B x (7 e8m0 scales, pad)]
-    static constexpr int kDNope = 448;
-    static constexpr int kTokenBytes = 576;
-    static constexpr int kRopeOffset = 448;
-    static constexpr int kSegments = 4;       // segment 3 exists on lanes 0..3 only
-};
+using Fp8Format = std::conditional_t<kDqk == 576, kv_quant::FormatV32, kv_quant::FormatModel1>;
 
 // The raw index of key `key` of chunk c (-1 past the request's keys). Loaded a tile ahead of its use.
 __device__ __forceinline__ int sparse_index(const DecodeParams& p, const Chunk& c, int key) {
@@ -122,16 +111,15 @@ template <int kDqk>
 __device__ __forceinline__ uint4 load_scales(const Fp8Row& r) {
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
     if (r.block == nullptr) return v;
-    if constexpr (kDqk == 576) {
-        // Two 8-byte loads: a token's scales are 8-byte aligned whatever the (8-byte aligned) block stride.
-        const uint2* src = reinterpret_cast<const uint2*>(r.block + static_cast<int64_t>(r.t) * 656 + 512);
-        const uint2 a = __ldg(src), b = __ldg(src + 1);
-        v = make_uint4(a.x, a.y, b.x, b.y);
-    } else {
-        const uint2 e = __ldg(reinterpret_cast<const uint2*>(r.block + static_cast<int64_t>(r.page_size) * 576 +
-                                                             static_cast<int64_t>(r.t) * 8));
-        v.x = e.x;
-        v.y = e.y;
+    // 8-byte loads: a token's scale record is 8-byte aligned whatever the (8-byte aligned) block stride.
+    const uint2* src = reinterpret_cast<const uint2*>(r.block + Fp8Format<kDqk>::scale_offset(r.t, r.page_size));
+    const uint2 a = __ldg(src);
+    v.x = a.x;
+    v.y = a.y;
+    if constexpr (Fp8Format<kDqk>::kScaleRecordBytes > 8) {  // V3.2: four f32
+        const uint2 b = __ldg(src + 1);
+        v.z = b.x;
+        v.w = b.y;
     }
     return v;
 }
@@ -166,7 +154,7 @@ __device__ __forceinline__ void copy_nope_raw(uint32_t stage_addr, const RawLane
                                               const void* never_read, bool copy8) {
     using C = Config<kDqk>;
     const bool ok = r.block != nullptr;
-    const uint8_t* src = ok ? r.block + static_cast<int64_t>(r.t) * Fp8Format<kDqk>::kTokenBytes + 64 * s + 32 * lane.half
+    const uint8_t* src = ok ? r.block + Fp8Format<kDqk>::nope_offset(r.t) + 64 * s + 32 * lane.half
                             : static_cast<const uint8_t*>(never_read);
     const uint32_t slab = stage_addr + s * C::kSlabBytes;
     copy_piece(slab + lane.chunk(0), src, ok, copy8);
@@ -180,8 +168,7 @@ __device__ __forceinline__ void copy_rope(uint32_t stage_addr, const RawLane& la
     using C = Config<kDqk>;
     using F = Fp8Format<kDqk>;
     const bool ok = r.block != nullptr;
-    const uint8_t* src = ok ? r.block + static_cast<int64_t>(r.t) * F::kTokenBytes + F::kRopeOffset + 64 * lane.half
-                            : static_cast<const uint8_t*>(never_read);
+    const uint8_t* src = ok ? r.block + F::rope_offset(r.t) + 64 * lane.half : static_cast<const uint8_t*>(never_read);
     const uint32_t slab = stage_addr + (F::kDNope / kSw128ColsBf16) * C::kSlabBytes;
 #pragma unroll
     for (int j = 0; j < 4; ++j) copy_piece(slab + lane.chunk(j), src + 16 * j, ok, copy8);
