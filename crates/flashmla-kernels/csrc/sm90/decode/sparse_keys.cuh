@@ -73,11 +73,6 @@ __device__ __forceinline__ bool sparse_valid(const DecodeParams& p, const Chunk&
     return idx / page < blocks;
 }
 
-__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint4 v) {
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                 : "memory");
-}
-
 // Four e4m3 codes -> two bf16x2 words of code * scale (the code is exact in f16, the product is rounded to bf16 once,
 // to nearest even, as the CPU dequantiser does).
 __device__ __forceinline__ uint2 dequant4(uint32_t codes, float scale) {
