@@ -173,13 +173,16 @@ def _long_sparse_fwd(tokens):
 @pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
 def test_ctrl_c_interrupts_a_long_cpu_call():
     assert threading.current_thread() is threading.main_thread()
-    # One token per core is one wave of the CPU path's parallel loop; the long call is 50 waves.
+    # One token per core is one wave of the CPU path's parallel loop; the long call is 100 waves. The wave time is
+    # measured warm over 4 waves: a single cold wave also times the thread pool's start, and a delay derived from it
+    # could outlast the whole long call on a machine with few cores.
     wave = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    calibration = _long_sparse_fwd(wave)
+    calibration = _long_sparse_fwd(4 * wave)
+    calibration()
     t0 = time.perf_counter()
     calibration()
-    t_wave = time.perf_counter() - t0
-    call = _long_sparse_fwd(50 * wave)
+    t_wave = (time.perf_counter() - t0) / 4
+    call = _long_sparse_fwd(100 * wave)
     delay = max(0.05, 2 * t_wave)
     timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
     t0 = time.perf_counter()
@@ -190,5 +193,5 @@ def test_ctrl_c_interrupts_a_long_cpu_call():
     finally:
         timer.cancel()
     elapsed = time.perf_counter() - t0
-    # Uninterrupted, the call takes about 50 waves; interrupted, it stops within a wave of the signal.
+    # Uninterrupted, the call takes about 100 waves; interrupted, it stops within a wave of the signal.
     assert elapsed < delay + 20 * t_wave, f"stopped after {elapsed:.2f} s; a wave takes {t_wave:.3f} s"
