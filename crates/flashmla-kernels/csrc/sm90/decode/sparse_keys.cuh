@@ -53,6 +53,7 @@ struct Fp8Row {
     int page_size;  // of the key's cache (MODEL1 places a block's scales after its B tokens)
 };
 
+// The row of index `idx` at key position `key` (main or extra cache by position).
 __device__ __forceinline__ Fp8Row sparse_row(const DecodeParams& p, const Chunk& c, int key, int idx) {
     const bool extra = key >= c.main;
     const int page = extra ? p.extra_page_size : p.page_size;
@@ -65,12 +66,9 @@ __device__ __forceinline__ Fp8Row sparse_row(const DecodeParams& p, const Chunk&
     return {base + static_cast<int64_t>(blk) * stride, idx - blk * page, page};
 }
 
+// Whether index `idx` at key position `key` names a token of its cache (the consumers' mask).
 __device__ __forceinline__ bool sparse_valid(const DecodeParams& p, const Chunk& c, int key, int idx) {
-    if (idx < 0) return false;
-    const bool extra = key >= c.main;
-    const int page = extra ? p.extra_page_size : p.page_size;
-    const int blocks = extra ? p.extra_num_blocks : p.num_blocks;
-    return idx / page < blocks;
+    return sparse_row(p, c, key, idx).block != nullptr;
 }
 
 // Four e4m3 codes -> two bf16x2 words of code * scale (the code is exact in f16, the product is rounded to bf16 once,
