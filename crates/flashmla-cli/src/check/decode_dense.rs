@@ -7,19 +7,18 @@
 //! batch invariance (a request's output is bitwise the same alone and inside a larger batch) and workspace reuse
 //! (a second call with other `cache_seqlens` on the same workspace, as a replayed CUDA graph does).
 
-use super::{check, Case, Outcome};
+use super::{decode_outputs as outputs, Case, Outcome};
 use flashmla::cuda::Gpu;
 use flashmla::ops::decode::{
     decode_dense_cuda, launch::dense_workspace_words, validate_dense, DecodeOptions, DecodeOutput,
     DenseDecodeArgs,
 };
-use flashmla::reference::compare::{DECODE_LSE, DECODE_OUT};
 use flashmla::reference::decode::decode_dense;
 use flashmla::testing::{dense_case, rng, DenseCase, DenseSpec};
 use flashmla::{DType, HostData, HostTensor};
 use half::f16;
 
-/// Poison byte of the outputs: 0xFF.. is a NaN in bf16, f16 and f32.
+/// Poison byte of the workspace: 0xFF.. is a NaN in f32.
 const POISON: u8 = 0xFF;
 
 /// One dense case of the grid.
@@ -114,26 +113,7 @@ fn run_gpu(
     let bt = gpu.upload(&h.block_table)?;
     let sl = gpu.upload(&h.cache_seqlens)?;
     let sink = h.sink.as_ref().map(|s| gpu.upload(s)).transpose()?;
-    let out_shape = [p.batch, p.s_q, p.h_q, p.d_v];
-    let lse_shape = [p.batch, p.h_q, p.s_q];
-    let (out, lse) = if c.strided {
-        let o = HostTensor::new(
-            match c.dtype {
-                DType::F16 => HostData::F16(vec![f16::NAN; out_shape.iter().product()]),
-                _ => HostData::Bf16(vec![half::bf16::NAN; out_shape.iter().product()]),
-            },
-            &out_shape,
-        )?
-        .to_padded(&[1, 1, 1, 1])?;
-        let l = HostTensor::from_f32(vec![f32::NAN; lse_shape.iter().product()], &lse_shape)?
-            .to_padded(&[1, 1, 1])?;
-        (gpu.upload(&o)?, gpu.upload(&l)?)
-    } else {
-        (
-            gpu.alloc_filled(c.dtype, &out_shape, POISON)?,
-            gpu.alloc_filled(DType::F32, &lse_shape, POISON)?,
-        )
-    };
+    let (out, lse) = outputs::poisoned(gpu, c.dtype, [p.batch, p.s_q, p.h_q, p.d_v], c.strided)?;
     let sink_view = sink.as_ref().map(|s| s.view());
     let args = DenseDecodeArgs {
         q: &q.view(),
@@ -149,20 +129,17 @@ fn run_gpu(
         lse: lse.view(),
     };
     decode_dense_cuda(gpu, &args, &outputs, &c.options, workspace)?;
-    Ok((
-        gpu.download(&out)?.to_f32_vec()?,
-        gpu.download(&lse)?.to_f32_vec()?,
-    ))
+    outputs::read(gpu, &out, &lse)
 }
 
 fn run_case(gpu: &Gpu, c: &DenseCheck, seed: u64) -> flashmla::Result<Outcome> {
     let h = host_case(c, seed)?;
     let want = decode_dense::<f64>(&h.case.p, &h.case.inputs())?;
-    let (out, lse) = run_gpu(gpu, &h, c, None)?;
-    Ok(Outcome::from_checks(vec![
-        check("out", &out, &want.out, &DECODE_OUT),
-        check("lse", &lse, &want.lse, &DECODE_LSE),
-    ]))
+    Ok(Outcome::from_checks(outputs::judge(
+        "",
+        &run_gpu(gpu, &h, c, None)?,
+        &want,
+    )))
 }
 
 /// Workspace reuse: two calls on one caller-owned workspace with different `cache_seqlens` (and block tables),
@@ -197,9 +174,8 @@ fn run_reuse(gpu: &Gpu, c: &DenseCheck, seed: u64) -> flashmla::Result<Outcome> 
     let mut checks = Vec::new();
     for (name, h) in [("first", &first), ("second", &second)] {
         let want = decode_dense::<f64>(&h.case.p, &h.case.inputs())?;
-        let (out, lse) = run_gpu(gpu, h, c, Some(&ws.view()))?;
-        checks.push(check(&format!("{name} out"), &out, &want.out, &DECODE_OUT));
-        checks.push(check(&format!("{name} lse"), &lse, &want.lse, &DECODE_LSE));
+        let got = run_gpu(gpu, h, c, Some(&ws.view()))?;
+        checks.extend(outputs::judge(&format!("{name} "), &got, &want));
     }
     Ok(Outcome::from_checks(checks))
 }
@@ -209,7 +185,6 @@ fn run_reuse(gpu: &Gpu, c: &DenseCheck, seed: u64) -> flashmla::Result<Outcome> 
 fn run_invariance(gpu: &Gpu, c: &DenseCheck, seed: u64) -> flashmla::Result<Outcome> {
     let p0 = host_case(c, seed)?;
     let (out0, lse0) = run_gpu(gpu, &p0, c, None)?;
-    let per_req_out = p0.case.p.s_q * p0.case.p.h_q * p0.case.p.d_v;
     let mut checks = Vec::new();
     for extra in [1usize, 7, 40] {
         let mut big = c.clone();
@@ -237,25 +212,11 @@ fn run_invariance(gpu: &Gpu, c: &DenseCheck, seed: u64) -> flashmla::Result<Outc
             big.dtype,
         )?;
         h.sink = p0.sink.clone();
-        let (out, lse) = run_gpu(gpu, &h, &big, None)?;
-        let same_out = out[..per_req_out]
-            .iter()
-            .zip(&out0)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        let per_req_lse = p.h_q * p.s_q;
-        let same_lse = lse[..per_req_lse]
-            .iter()
-            .zip(&lse0)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        checks.push((
+        let got = run_gpu(gpu, &h, &big, None)?;
+        checks.push(outputs::bitwise(
             format!("batch {}", 1 + extra),
-            if same_out && same_lse {
-                Ok("bitwise equal".to_string())
-            } else {
-                Err(format!(
-                    "request 0 differs (out equal: {same_out}, lse equal: {same_lse})"
-                ))
-            },
+            &got,
+            (&out0, &lse0),
         ));
     }
     Ok(Outcome::from_checks(checks))

@@ -8,21 +8,20 @@
 //! element fails. Two more checks: batch invariance (a query's output is bitwise the same alone and inside a larger
 //! batch) and workspace reuse (a second call with other indices and lengths on the same workspace).
 
-use super::{check, Case, Outcome};
+use super::{decode_outputs as outputs, Case, Outcome};
 use flashmla::cuda::Gpu;
 use flashmla::fp8::KvFormat;
 use flashmla::ops::decode::{
     decode_sparse_cuda, launch::sparse_workspace_words, validate_sparse, DecodeOptions,
     DecodeOutput, ExtraKvArgs, SparseDecodeArgs,
 };
-use flashmla::reference::compare::{DECODE_LSE, DECODE_OUT};
 use flashmla::reference::decode::decode_sparse;
 use flashmla::testing::{
     rng, sparse_decode_case, SparseCacheCase, SparseCacheSpec, SparseDecodeCase,
 };
 use flashmla::{DType, DeviceView, HostData, HostTensor, Layout};
 
-/// Poison byte of the outputs: 0xFF.. is a NaN in bf16 and f32.
+/// Poison byte of the workspace: 0xFF.. is a NaN in f32.
 const POISON: u8 = 0xFF;
 
 /// One sparse case of the grid.
@@ -165,23 +164,8 @@ fn run_gpu(
     let main = up(&h.main)?;
     let extra = h.extra.as_ref().map(up).transpose()?;
     let sink = h.sink.as_ref().map(|s| gpu.upload(s)).transpose()?;
-    let out_shape = [p.batch, p.s_q, p.h_q, p.d_v];
-    let lse_shape = [p.batch, p.h_q, p.s_q];
-    let (out, lse) = if c.strided {
-        let o = HostTensor::new(
-            HostData::Bf16(vec![half::bf16::NAN; out_shape.iter().product()]),
-            &out_shape,
-        )?
-        .to_padded(&[1, 1, 1, 1])?;
-        let l = HostTensor::from_f32(vec![f32::NAN; lse_shape.iter().product()], &lse_shape)?
-            .to_padded(&[1, 1, 1])?;
-        (gpu.upload(&o)?, gpu.upload(&l)?)
-    } else {
-        (
-            gpu.alloc_filled(DType::Bf16, &out_shape, POISON)?,
-            gpu.alloc_filled(DType::F32, &lse_shape, POISON)?,
-        )
-    };
+    let (out, lse) =
+        outputs::poisoned(gpu, DType::Bf16, [p.batch, p.s_q, p.h_q, p.d_v], c.strided)?;
     let main_views = [main.0.view(), main.1.view()];
     let main_len = main.2.as_ref().map(|t| t.view());
     let extra_views = extra
@@ -202,20 +186,17 @@ fn run_gpu(
         lse: lse.view(),
     };
     decode_sparse_cuda(gpu, &a, &outputs, &c.options, workspace)?;
-    Ok((
-        gpu.download(&out)?.to_f32_vec()?,
-        gpu.download(&lse)?.to_f32_vec()?,
-    ))
+    outputs::read(gpu, &out, &lse)
 }
 
 fn run_case(gpu: &Gpu, c: &SparseCheck, seed: u64) -> flashmla::Result<Outcome> {
     let h = host_case(c, seed)?;
     let want = decode_sparse::<f64>(&h.case.p, &h.case.inputs())?;
-    let (out, lse) = run_gpu(gpu, &h, c, None)?;
-    Ok(Outcome::from_checks(vec![
-        check("out", &out, &want.out, &DECODE_OUT),
-        check("lse", &lse, &want.lse, &DECODE_LSE),
-    ]))
+    Ok(Outcome::from_checks(outputs::judge(
+        "",
+        &run_gpu(gpu, &h, c, None)?,
+        &want,
+    )))
 }
 
 /// Words of workspace a host case needs.
@@ -252,9 +233,8 @@ fn run_reuse(gpu: &Gpu, c: &SparseCheck, seed: u64) -> flashmla::Result<Outcome>
     let mut checks = Vec::new();
     for (name, h, cc) in [("first", &first, c), ("second", &second, &other)] {
         let want = decode_sparse::<f64>(&h.case.p, &h.case.inputs())?;
-        let (out, lse) = run_gpu(gpu, h, cc, Some(&ws.view()))?;
-        checks.push(check(&format!("{name} out"), &out, &want.out, &DECODE_OUT));
-        checks.push(check(&format!("{name} lse"), &lse, &want.lse, &DECODE_LSE));
+        let got = run_gpu(gpu, h, cc, Some(&ws.view()))?;
+        checks.extend(outputs::judge(&format!("{name} "), &got, &want));
     }
     Ok(Outcome::from_checks(checks))
 }
@@ -271,45 +251,35 @@ fn run_invariance(gpu: &Gpu, c: &SparseCheck, seed: u64) -> flashmla::Result<Out
             .map(|i| (i * 397 + 1500) % (c.main.topk as i32 + 50))
             .collect(),
     );
+    let full = host_case(&big, seed)?;
+    let d_qk = c.main.format.d_qk();
     let mut checks = Vec::new();
-    let mut first: Option<(Vec<f32>, Vec<f32>)> = None;
+    let mut alone: Option<(Vec<f32>, Vec<f32>)> = None;
     for b in [1usize, 2, 8, big_b] {
         // The first b requests of the big case: q, indices and lengths are prefixes (b is the outer dimension).
-        let mut h = host_case(&big, seed)?;
-        let d_qk = c.main.format.d_qk();
-        h.case.p.batch = b;
-        h.case.q.truncate(b * s_q * h_q * d_qk);
-        h.case.kv.indices.truncate(b * s_q * c.main.topk);
-        if let Some(t) = h.case.kv.topk_length.as_mut() {
+        let mut case = full.case.clone();
+        case.p.batch = b;
+        case.q.truncate(b * s_q * h_q * d_qk);
+        case.kv.indices.truncate(b * s_q * c.main.topk);
+        if let Some(t) = case.kv.topk_length.as_mut() {
             t.truncate(b);
         }
-        h.q = HostTensor::bf16_from_f32(&h.case.q, &[b, s_q, h_q, d_qk])?;
-        h.main = host_cache(&h.case.kv, b, s_q, false)?;
-        let (out, lse) = run_gpu(gpu, &h, &big, None)?;
-        let per_out = s_q * h_q * 512;
-        let per_lse = h_q * s_q;
-        match &first {
-            None => first = Some((out[..per_out].to_vec(), lse[..per_lse].to_vec())),
-            Some((o0, l0)) => {
-                let same_out = out[..per_out]
-                    .iter()
-                    .zip(o0)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                let same_lse = lse[..per_lse]
-                    .iter()
-                    .zip(l0)
-                    .all(|(a, b)| a.to_bits() == b.to_bits());
-                checks.push((
-                    format!("batch {b}"),
-                    if same_out && same_lse {
-                        Ok("bitwise equal".to_string())
-                    } else {
-                        Err(format!(
-                            "request 0 differs (out equal: {same_out}, lse equal: {same_lse})"
-                        ))
-                    },
-                ));
+        let h = HostCase {
+            q: HostTensor::bf16_from_f32(&case.q, &[b, s_q, h_q, d_qk])?,
+            main: host_cache(&case.kv, b, s_q, false)?,
+            extra: None,
+            sink: full.sink.clone(),
+            case,
+        };
+        let got = run_gpu(gpu, &h, &big, None)?;
+        match &alone {
+            None => {
+                alone = Some((
+                    got.0[..s_q * h_q * 512].to_vec(),
+                    got.1[..h_q * s_q].to_vec(),
+                ))
             }
+            Some((o0, l0)) => checks.push(outputs::bitwise(format!("batch {b}"), &got, (o0, l0))),
         }
     }
     Ok(Outcome::from_checks(checks))

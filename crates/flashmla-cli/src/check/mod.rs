@@ -2,6 +2,7 @@
 //! poisoned beforehand, and compares against the CPU reference (bit-exact or spec section 6 tolerances).
 
 mod decode_dense;
+mod decode_outputs;
 mod decode_sparse;
 mod kv_quant;
 mod sparse_bwd;
