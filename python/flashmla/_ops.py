@@ -219,6 +219,24 @@ def _sparse_bwd_fake(q, kv, out, d_out, indices, lse, sm_scale, attn_sink=None, 
 # Decode
 
 
+def _q_rows_16b(q: Tensor) -> Tensor:
+    """``q`` itself, or a contiguous copy when a CUDA ``q``'s rows are not 16-byte aligned (the decode kernels load
+    q rows in 16-byte chunks)."""
+    if q.is_cuda and (q.data_ptr() % 16 or any(s % 8 for s, n in zip(q.stride()[:-1], q.shape[:-1]) if n > 1)):
+        return q.contiguous()
+    return q
+
+
+def _decode_outputs(q: Tensor, b: int, s_q: int, h_q: int, d_v: int, dtype, words: int):
+    """``out``, ``lse`` and the workspace of a decode (the workspace, ``None`` on the host, holds the schedule and
+    the split partials: torch allocates it, so the caching allocator reuses it in stream order and a CUDA graph
+    capture takes it from the graph's private pool)."""
+    out = torch.empty((b, s_q, h_q, d_v), dtype=dtype, device=q.device)
+    lse = torch.empty((b, h_q, s_q), dtype=_F32, device=q.device)
+    workspace = torch.empty((words,), dtype=_F32, device=q.device) if words else None
+    return out, lse, workspace
+
+
 def _decode_dense_impl(
     q: Tensor,
     k_cache: Tensor,
@@ -230,8 +248,7 @@ def _decode_dense_impl(
     batch_invariant: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """The dense decode's body: what the custom op runs, and what eager calls on CUDA tensors run directly."""
-    if q.is_cuda and (q.data_ptr() % 16 or any(s % 8 for s, n in zip(q.stride()[:-1], q.shape[:-1]) if n > 1)):
-        q = q.contiguous()  # the kernel gathers q rows in 16-byte chunks
+    q = _q_rows_16b(q)
     ins = (
         _glue.desc(q, "q"),
         _glue.desc(k_cache, "k_cache"),
@@ -242,11 +259,7 @@ def _decode_dense_impl(
         _glue.desc_opt(attn_sink, "attn_sink"),
     )
     b, s_q, h_q, d_v, words = _native.decode_dense_plan(*ins, batch_invariant)
-    out = torch.empty((b, s_q, h_q, d_v), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h_q, s_q), dtype=_F32, device=q.device)
-    # The schedule and the split partials live in a torch-allocated workspace: stream-ordered reuse through the
-    # caching allocator, and inside a CUDA graph capture the graph's private pool.
-    workspace = torch.empty((words,), dtype=_F32, device=q.device) if words else None  # alive through the call
+    out, lse, workspace = _decode_outputs(q, b, s_q, h_q, d_v, q.dtype, words)  # workspace alive through the call
     ws = _glue.desc(workspace, "workspace") if words else None
     _run(
         _native.decode_dense,
@@ -310,16 +323,13 @@ def _decode_sparse_impl(
     batch_invariant: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """The sparse decode's body: what the custom op runs, and what eager calls on CUDA tensors run directly."""
-    if q.is_cuda and (q.data_ptr() % 16 or any(s % 8 for s, n in zip(q.stride()[:-1], q.shape[:-1]) if n > 1)):
-        q = q.contiguous()  # the kernel gathers q rows in 16-byte chunks
+    q = _q_rows_16b(q)
     args = _sparse_decode_descs(
         _glue.desc, _glue.desc_opt, q, k_cache, indices, topk_length, attn_sink,
         extra_k_cache, extra_indices, extra_topk_length,
     )
     b, s_q, h_q, d_v, words = _native.decode_sparse_plan(*args[:4], softmax_scale, *args[4:], batch_invariant)
-    out = torch.empty((b, s_q, h_q, d_v), dtype=_BF16, device=q.device)
-    lse = torch.empty((b, h_q, s_q), dtype=_F32, device=q.device)
-    workspace = torch.empty((words,), dtype=_F32, device=q.device) if words else None  # alive through the call
+    out, lse, workspace = _decode_outputs(q, b, s_q, h_q, d_v, _BF16, words)  # workspace alive through the call
     _run(
         _native.decode_sparse,
         q,
