@@ -404,13 +404,19 @@ class HostCostShape:
         return dict(self.fields_)
 
 
-#: `--host-cost`: a sparse prefill of one token (s_q 1, topk 128, h 64, s_kv 1024) and a dense decode of one
-#: token over 64 cached ones (b 1, s_q 1, h 128, page 64).
+#: `--host-cost`: a sparse prefill of one token (s_q 1, topk 128, h 64, s_kv 1024), a sparse FP8 decode of one
+#: token over 64 of 256 cached ones (b 1, s_q 1, h 64, V3.2 cache) and a dense decode of one token over 64 cached
+#: ones (b 1, s_q 1, h 128, page 64).
 HOST_COST_SHAPES = (
     HostCostShape(
         "sparse_fwd",
         (("s_q", 1), ("s_kv", 1024), ("topk", 128), ("h_q", 64), ("h_kv", 1), ("d_qk", 576), ("d_v", D_V),
          ("indices", "random"), ("attn_sink", False)),
+    ),
+    HostCostShape(
+        "decode_sparse",
+        (("b", 1), ("s_q", 1), ("h_q", 64), ("topk", 64), ("d_qk", 576), ("d_v", D_V), ("blocks", 4),
+         ("page_size", 64)),
     ),
     HostCostShape(
         "decode_dense",
@@ -735,11 +741,14 @@ def make_record(
 @dataclasses.dataclass
 class HostCost:
     """Per-call host figures of ``calls`` back-to-back calls, microseconds: CPU time of the process over the loop
-    and the final synchronisation, wall time of the same, and wall time of issuing the calls alone."""
+    and the final synchronisation, wall time of the same, wall time of issuing the calls alone, and wall time of
+    issuing them in short bursts on an idle stream (the host's own cost, even where the GPU is the limit of a
+    back-to-back loop)."""
 
     cpu_us: float
     wall_us: float
     issue_us: float
+    burst_issue_us: float
 
 
 def make_host_record(
@@ -758,6 +767,7 @@ def make_host_record(
         if cost is not None:
             rec[prefix + "wall_us"] = round(cost.wall_us, 2)
             rec[prefix + "issue_us"] = round(cost.issue_us, 2)
+            rec[prefix + "burst_issue_us"] = round(cost.burst_issue_us, 2)
     rec.update(calls=calls, notes=list(notes))
     rec.update(env)
     return rec

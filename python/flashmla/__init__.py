@@ -9,6 +9,11 @@ Main entry point for training: :func:`sparse_mla` (differentiable in ``q``, ``kv
 Drop-in replacements for the FlashMLA Python API are in :mod:`flashmla.compat`; pure-torch references are in
 :mod:`flashmla.reference`.
 
+Memory: each call allocates its outputs through torch. The CUDA decodes also need a workspace (the split-KV
+schedule and partial results): each CUDA stream keeps the largest one a decode has needed there and later decodes
+on that stream reuse it (they are ordered behind each other); a decode captured into a CUDA graph takes its own
+from the graph's pool. :func:`release_workspaces` gives the kept ones back to torch's caching allocator.
+
 Errors: invalid arguments raise ``ValueError`` (``TypeError`` for a wrong dtype), valid requests this build
 cannot serve raise ``NotImplementedError`` naming the op, CUDA failures raise ``RuntimeError``, a CPU call that
 needs more host memory than there is raises ``MemoryError``; Ctrl-C stops a long CPU call (``KeyboardInterrupt``).
@@ -40,6 +45,7 @@ __all__ = [
     "kv_dequantize",
     "kv_quantize",
     "kv_quantize_into",
+    "release_workspaces",
     "sparse_bwd",
     "sparse_fwd",
     "sparse_mla",
@@ -81,3 +87,12 @@ def sparse_mla(
 def kernels_built() -> dict:
     """``{family: bool}``: which GPU kernel families are embedded in this build."""
     return dict(_native.kernels_built())
+
+
+def release_workspaces() -> int:
+    """Gives the decode workspaces kept per CUDA stream back to torch's caching allocator; returns their bytes.
+
+    Later decodes allocate a new one as they need it. Call ``torch.cuda.empty_cache()`` afterwards to return the
+    memory to the driver as well.
+    """
+    return _native.release_workspaces()

@@ -1,9 +1,14 @@
 """The flashmla ops, registered with ``torch.library`` (namespace ``flashmla``).
 
-Each op has a real implementation (validate in Rust, allocate outputs through torch, run in Rust on torch's
-current stream), a fake implementation (shapes only, for ``torch.compile`` and meta tensors; it runs the same Rust
-validation whenever the shapes are concrete) and, for the sparse prefill forward, an autograd formula that calls
-the backward op. Outputs are allocated uninitialised (``torch.empty``): each op writes every element it returns.
+Each op has a real implementation (one native call: it validates, allocates the outputs through torch and runs on
+torch's current stream), a fake implementation (shapes only, for ``torch.compile`` and meta tensors; it runs the
+same Rust validation whenever the shapes are concrete) and, for the sparse prefill forward, an autograd formula
+that calls the backward op. Outputs are allocated uninitialised (``new_empty``): each op writes every element it
+returns.
+
+Eager calls on CUDA tensors that need no autograd call the native function directly: the dispatcher adds ~10 us
+of host time per call and these ops have no other backend. Tracing (``torch.compile``), meta tensors, CPU tensors
+and calls that record autograd go through the registered op.
 
 | op | returns |
 | --- | --- |
@@ -38,16 +43,6 @@ _F32 = torch.float32
 _BF16 = torch.bfloat16
 
 
-def _run(fn, anchor: Tensor, *args, **kwargs) -> None:
-    """Calls a native op on ``anchor``'s device and torch's current stream there.
-
-    Temporary tensors passed in ``args``/``kwargs`` may be freed when this returns: torch's caching allocator
-    reuses their memory in stream order on the same stream, after the op's kernels.
-    """
-    with _glue.on_device(anchor):
-        fn(*args, _glue.stream_of(anchor), **kwargs)
-
-
 def _rank_at_least(t: Tensor, name: str, rank: int) -> None:
     """The shape check fake implementations need before indexing a symbolic shape."""
     if t.dim() < rank:
@@ -73,35 +68,14 @@ def _sparse_fwd_op(
     ``[0, s_kv)`` are ignored), optional ``attn_sink [h_q]`` float32 and ``topk_length [s_q]`` int32. ``lse`` is
     a natural log, ``+inf`` for a token without valid entries.
     """
-    ins = (
-        _glue.desc(q, "q"),
-        _glue.desc(kv, "kv"),
-        _glue.desc(indices, "indices"),
-        sm_scale,
-        _glue.desc_opt(attn_sink, "attn_sink"),
-        _glue.desc_opt(topk_length, "topk_length"),
-    )
-    s_q, _s_kv, h_q, _d_qk, d_v, _topk = _native.sparse_fwd_check(*ins)
-    out = torch.empty((s_q, h_q, d_v), dtype=_BF16, device=q.device)
-    max_logits = torch.empty((s_q, h_q), dtype=_F32, device=q.device)
-    lse = torch.empty((s_q, h_q), dtype=_F32, device=q.device)
-    outs = (_glue.desc(out, "out"), _glue.desc(max_logits, "max_logits"), _glue.desc(lse, "lse"))
-    _run(_native.sparse_fwd, q, *ins, *outs)
-    return out, max_logits, lse
+    return _native.sparse_fwd(q, kv, indices, sm_scale, attn_sink, topk_length)
 
 
 @_sparse_fwd_op.register_fake
 def _sparse_fwd_fake(q, kv, indices, sm_scale, attn_sink=None, topk_length=None):
     _glue.check_same_device(q=q, kv=kv, indices=indices, attn_sink=attn_sink, topk_length=topk_length)
     if _glue.is_concrete(q, kv, indices, attn_sink, topk_length):
-        _native.sparse_fwd_check(
-            _glue.meta_desc(q, "q"),
-            _glue.meta_desc(kv, "kv"),
-            _glue.meta_desc(indices, "indices"),
-            sm_scale,
-            _glue.meta_desc_opt(attn_sink, "attn_sink"),
-            _glue.meta_desc_opt(topk_length, "topk_length"),
-        )
+        _native.sparse_fwd_check(q, kv, indices, sm_scale, attn_sink, topk_length)
     _rank_at_least(q, "q", 2)
     s_q, h_q = q.shape[0], q.shape[1]
     return (
@@ -163,33 +137,7 @@ def _sparse_bwd_op(
     ``d_q [s_q, h_q, d_qk]`` bf16, ``d_kv [s_kv, 1, d_qk]`` bf16 (float32 with ``d_kv_f32``), ``delta [s_q, h_q]``
     float32 and ``d_attn_sink [h_q]`` float32 (shape ``[0]`` without a sink). ``lse`` must be the forward's.
     """
-    named = ((q, "q"), (kv, "kv"), (out, "out"), (d_out, "d_out"), (indices, "indices"), (lse, "lse"))
-    ins = (
-        *(_glue.desc(t, n) for t, n in named),
-        sm_scale,
-        _glue.desc_opt(attn_sink, "attn_sink"),
-        _glue.desc_opt(topk_length, "topk_length"),
-    )
-    s_q, s_kv, h_q, d_qk, _d_v, _topk, ws_rows, ws_cols = _native.sparse_bwd_check(
-        *ins, "f32" if d_kv_f32 else "bf16"
-    )
-    dev = q.device
-    d_q = torch.empty((s_q, h_q, d_qk), dtype=_BF16, device=dev)
-    d_kv = torch.empty((s_kv, 1, d_qk), dtype=_F32 if d_kv_f32 else _BF16, device=dev)
-    delta = torch.empty((s_q, h_q), dtype=_F32, device=dev)
-    d_sink = torch.empty((h_q if attn_sink is not None else 0,), dtype=_F32, device=dev)
-    outs = (
-        _glue.desc(d_q, "d_q"),
-        _glue.desc(d_kv, "d_kv"),
-        _glue.desc(delta, "delta"),
-        _glue.desc(d_sink, "d_attn_sink") if attn_sink is not None else None,
-    )
-    # A bf16 d_kv is reduced in an f32 workspace first; allocating it here lets torch's caching allocator own it.
-    workspace = None
-    if q.is_cuda and not d_kv_f32 and ws_rows * ws_cols > 0:
-        workspace = _glue.desc(torch.empty((ws_rows, ws_cols), dtype=_F32, device=dev), "workspace")
-    _run(_native.sparse_bwd, q, *ins, *outs, workspace=workspace)
-    return d_q, d_kv, delta, d_sink
+    return _native.sparse_bwd(q, kv, out, d_out, indices, lse, sm_scale, attn_sink, topk_length, d_kv_f32)
 
 
 @_sparse_bwd_op.register_fake
@@ -197,13 +145,7 @@ def _sparse_bwd_fake(q, kv, out, d_out, indices, lse, sm_scale, attn_sink=None, 
     named = ((q, "q"), (kv, "kv"), (out, "out"), (d_out, "d_out"), (indices, "indices"), (lse, "lse"))
     _glue.check_same_device(**{n: t for t, n in named}, attn_sink=attn_sink, topk_length=topk_length)
     if _glue.is_concrete(q, kv, out, d_out, indices, lse, attn_sink, topk_length):
-        _native.sparse_bwd_check(
-            *(_glue.meta_desc(t, n) for t, n in named),
-            sm_scale,
-            _glue.meta_desc_opt(attn_sink, "attn_sink"),
-            _glue.meta_desc_opt(topk_length, "topk_length"),
-            "f32" if d_kv_f32 else "bf16",
-        )
+        _native.sparse_bwd_check(q, kv, out, d_out, indices, lse, sm_scale, attn_sink, topk_length, d_kv_f32)
     _rank_at_least(q, "q", 3)
     _rank_at_least(kv, "kv", 1)
     s_q, h_q, d_qk = q.shape[0], q.shape[1], q.shape[2]
@@ -219,60 +161,6 @@ def _sparse_bwd_fake(q, kv, out, d_out, indices, lse, sm_scale, attn_sink=None, 
 # Decode
 
 
-def _q_rows_16b(q: Tensor) -> Tensor:
-    """``q`` itself, or a contiguous copy when a CUDA ``q``'s rows are not 16-byte aligned (the decode kernels load
-    q rows in 16-byte chunks)."""
-    if q.is_cuda and (q.data_ptr() % 16 or any(s % 8 for s, n in zip(q.stride()[:-1], q.shape[:-1]) if n > 1)):
-        return q.contiguous()
-    return q
-
-
-def _decode_outputs(q: Tensor, b: int, s_q: int, h_q: int, d_v: int, dtype, words: int):
-    """``out``, ``lse`` and the workspace of a decode (the workspace, ``None`` on the host, holds the schedule and
-    the split partials: torch allocates it, so the caching allocator reuses it in stream order and a CUDA graph
-    capture takes it from the graph's private pool)."""
-    out = torch.empty((b, s_q, h_q, d_v), dtype=dtype, device=q.device)
-    lse = torch.empty((b, h_q, s_q), dtype=_F32, device=q.device)
-    workspace = torch.empty((words,), dtype=_F32, device=q.device) if words else None
-    return out, lse, workspace
-
-
-def _decode_dense_impl(
-    q: Tensor,
-    k_cache: Tensor,
-    block_table: Tensor,
-    cache_seqlens: Tensor,
-    softmax_scale: Optional[float] = None,
-    causal: bool = False,
-    attn_sink: Optional[Tensor] = None,
-    batch_invariant: bool = False,
-) -> Tuple[Tensor, Tensor]:
-    """The dense decode's body: what the custom op runs, and what eager calls on CUDA tensors run directly."""
-    q = _q_rows_16b(q)
-    ins = (
-        _glue.desc(q, "q"),
-        _glue.desc(k_cache, "k_cache"),
-        _glue.desc(block_table, "block_table"),
-        _glue.desc(cache_seqlens, "cache_seqlens"),
-        softmax_scale,
-        causal,
-        _glue.desc_opt(attn_sink, "attn_sink"),
-    )
-    b, s_q, h_q, d_v, words = _native.decode_dense_plan(*ins, batch_invariant)
-    out, lse, workspace = _decode_outputs(q, b, s_q, h_q, d_v, q.dtype, words)  # workspace alive through the call
-    ws = _glue.desc(workspace, "workspace") if words else None
-    _run(
-        _native.decode_dense,
-        q,
-        *ins,
-        _glue.desc(out, "out"),
-        _glue.desc(lse, "lse"),
-        workspace=ws,
-        batch_invariant=batch_invariant,
-    )
-    return out, lse
-
-
 @torch.library.custom_op("flashmla::decode_dense", mutates_args=())
 def _decode_dense_op(
     q: Tensor,
@@ -284,8 +172,14 @@ def _decode_dense_op(
     attn_sink: Optional[Tensor] = None,
     batch_invariant: bool = False,
 ) -> Tuple[Tensor, Tensor]:
-    """Dense decode over a paged bf16/fp16 cache (docs/spec.md section 4): ``(out [b, s_q, h_q, 512], lse [b, h_q, s_q])``."""
-    return _decode_dense_impl(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, attn_sink, batch_invariant)
+    """Dense decode over a paged bf16/fp16 cache (docs/spec.md section 4): ``(out [b, s_q, h_q, 512], lse [b, h_q, s_q])``.
+
+    On CUDA the workspace (the schedule and the split partials) is allocated through torch for the call, so the
+    caching allocator reuses it in stream order and a CUDA graph capture takes it from the graph's private pool.
+    """
+    return _native.decode_dense(
+        q, k_cache, block_table, cache_seqlens, softmax_scale, causal, attn_sink, batch_invariant
+    )
 
 
 @_decode_dense_op.register_fake
@@ -296,52 +190,10 @@ def _decode_dense_fake(
         q=q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens, attn_sink=attn_sink
     )
     if _glue.is_concrete(q, k_cache, block_table, cache_seqlens, attn_sink):
-        _native.decode_dense_check(
-            _glue.meta_desc(q, "q"),
-            _glue.meta_desc(k_cache, "k_cache"),
-            _glue.meta_desc(block_table, "block_table"),
-            _glue.meta_desc(cache_seqlens, "cache_seqlens"),
-            softmax_scale,
-            causal,
-            _glue.meta_desc_opt(attn_sink, "attn_sink"),
-        )
+        _native.decode_dense_check(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, attn_sink)
     _rank_at_least(q, "q", 3)
     b, s_q, h_q = q.shape[0], q.shape[1], q.shape[2]
     return q.new_empty((b, s_q, h_q, D_V)), q.new_empty((b, h_q, s_q), dtype=_F32)
-
-
-def _decode_sparse_impl(
-    q: Tensor,
-    k_cache: Tensor,
-    indices: Tensor,
-    topk_length: Optional[Tensor] = None,
-    softmax_scale: Optional[float] = None,
-    attn_sink: Optional[Tensor] = None,
-    extra_k_cache: Optional[Tensor] = None,
-    extra_indices: Optional[Tensor] = None,
-    extra_topk_length: Optional[Tensor] = None,
-    batch_invariant: bool = False,
-) -> Tuple[Tensor, Tensor]:
-    """The sparse decode's body: what the custom op runs, and what eager calls on CUDA tensors run directly."""
-    q = _q_rows_16b(q)
-    args = _sparse_decode_descs(
-        _glue.desc, _glue.desc_opt, q, k_cache, indices, topk_length, attn_sink,
-        extra_k_cache, extra_indices, extra_topk_length,
-    )
-    b, s_q, h_q, d_v, words = _native.decode_sparse_plan(*args[:4], softmax_scale, *args[4:], batch_invariant)
-    out, lse, workspace = _decode_outputs(q, b, s_q, h_q, d_v, _BF16, words)  # workspace alive through the call
-    _run(
-        _native.decode_sparse,
-        q,
-        *args[:4],
-        softmax_scale,
-        *args[4:],
-        _glue.desc(out, "out"),
-        _glue.desc(lse, "lse"),
-        workspace=_glue.desc(workspace, "workspace") if words else None,
-        batch_invariant=batch_invariant,
-    )
-    return out, lse
 
 
 @torch.library.custom_op("flashmla::decode_sparse", mutates_args=())
@@ -358,25 +210,9 @@ def _decode_sparse_op(
     batch_invariant: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """Sparse decode over an FP8 cache (spec sections 3 and 4): ``(out [b, s_q, h_q, 512] bf16, lse [b, h_q, s_q])``."""
-    return _decode_sparse_impl(
+    return _native.decode_sparse(
         q, k_cache, indices, topk_length, softmax_scale, attn_sink, extra_k_cache, extra_indices, extra_topk_length,
         batch_invariant,
-    )
-
-
-def _sparse_decode_descs(
-    d, d_opt, q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices, extra_topk_length
-):
-    """Descriptors in the native order, less ``softmax_scale`` (between the 4th and 5th)."""
-    return (
-        d(q, "q"),
-        d(k_cache, "k_cache"),
-        d(indices, "indices"),
-        d_opt(topk_length, "topk_length"),
-        d_opt(attn_sink, "attn_sink"),
-        d_opt(extra_k_cache, "extra_k_cache"),
-        d_opt(extra_indices, "extra_indices"),
-        d_opt(extra_topk_length, "extra_topk_length"),
     )
 
 
@@ -385,14 +221,15 @@ def _decode_sparse_fake(
     q, k_cache, indices, topk_length=None, softmax_scale=None, attn_sink=None,
     extra_k_cache=None, extra_indices=None, extra_topk_length=None, batch_invariant=False,
 ):
-    tensors = (q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices, extra_topk_length)
     _glue.check_same_device(
         q=q, k_cache=k_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
         extra_k_cache=extra_k_cache, extra_indices=extra_indices, extra_topk_length=extra_topk_length,
     )
-    if _glue.is_concrete(*tensors):
-        args = _sparse_decode_descs(_glue.meta_desc, _glue.meta_desc_opt, *tensors)
-        _native.decode_sparse_check(*args[:4], softmax_scale, *args[4:])
+    if _glue.is_concrete(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices, extra_topk_length):
+        _native.decode_sparse_check(
+            q, k_cache, indices, topk_length, softmax_scale, attn_sink, extra_k_cache, extra_indices,
+            extra_topk_length,
+        )
     _rank_at_least(q, "q", 3)
     b, s_q, h_q = q.shape[0], q.shape[1], q.shape[2]
     return q.new_empty((b, s_q, h_q, D_V), dtype=_BF16), q.new_empty((b, h_q, s_q), dtype=_F32)
@@ -405,10 +242,7 @@ def _decode_sparse_fake(
 @torch.library.custom_op("flashmla::kv_quantize", mutates_args=())
 def _kv_quantize_op(kv: Tensor) -> Tensor:
     """Quantises ``kv [num_blocks, page_size, 1, d_qk]`` bf16 into a new packed uint8 FP8 cache (docs/spec.md section 3)."""
-    shape = _native.kv_quantize_check(_glue.desc(kv, "kv"))
-    cache = torch.empty(shape, dtype=torch.uint8, device=kv.device)
-    kv_quantize_into(kv, cache)
-    return cache
+    return _native.kv_quantize(kv)
 
 
 def kv_quantize_into(kv: Tensor, cache: Tensor) -> Tensor:
@@ -418,14 +252,13 @@ def kv_quantize_into(kv: Tensor, cache: Tensor) -> Tensor:
     an eager-mode helper, not a registered op.
     """
     _glue.check_tensor_args(dict(kv=kv, cache=cache))
-    _run(_native.kv_quantize, kv, _glue.desc(kv, "kv"), _glue.desc(cache, "cache"))
-    return cache
+    return _native.kv_quantize(kv, cache)
 
 
 @_kv_quantize_op.register_fake
 def _kv_quantize_fake(kv):
     if _glue.is_concrete(kv):
-        _native.kv_quantize_check(_glue.meta_desc(kv, "kv"))
+        _native.kv_quantize_check(kv)
     _rank_at_least(kv, "kv", 4)
     bytes_per_token = _lookup_width(kv.shape[3], FP8_BYTES_PER_TOKEN, "kv.shape[3]")
     return kv.new_empty((kv.shape[0], kv.shape[1], 1, bytes_per_token), dtype=torch.uint8)
@@ -442,23 +275,34 @@ def _lookup_width(width, table: dict, arg: str) -> int:
 @torch.library.custom_op("flashmla::kv_dequantize", mutates_args=())
 def _kv_dequantize_op(cache: Tensor) -> Tensor:
     """Dequantises an FP8 cache ``[num_blocks, page_size, 1, 656 | 584]`` into bf16 ``[..., 1, 576 | 512]``."""
-    shape = _native.kv_dequantize_check(_glue.desc(cache, "cache"))
-    kv = torch.empty(shape, dtype=_BF16, device=cache.device)
-    _run(_native.kv_dequantize, cache, _glue.desc(cache, "cache"), _glue.desc(kv, "kv"))
-    return kv
+    return _native.kv_dequantize(cache)
 
 
 @_kv_dequantize_op.register_fake
 def _kv_dequantize_fake(cache):
     if _glue.is_concrete(cache):
-        _native.kv_dequantize_check(_glue.meta_desc(cache, "cache"))
+        _native.kv_dequantize_check(cache)
     _rank_at_least(cache, "cache", 4)
     d_qk = _lookup_width(cache.shape[3], FP8_D_QK, "cache.shape[3]")
     return cache.new_empty((cache.shape[0], cache.shape[1], 1, d_qk), dtype=_BF16)
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Public entry points: argument type checks (TypeError), then the registered op.
+# Public entry points: eager CUDA calls go straight to the native function; every other call checks its
+# argument types (TypeError) and goes through the registered op.
+
+
+def _direct(q) -> bool:
+    """Whether a call may skip the dispatcher: a plain CUDA tensor, not being traced.
+
+    Subclasses (fake, functional and other wrapper tensors) and ``torch.compile`` tracing take the registered op,
+    whose fake implementation and dispatch they rely on.
+    """
+    return type(q) is Tensor and q.is_cuda and not torch.compiler.is_compiling()
+
+
+def _needs_grad(*tensors: Optional[Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def sparse_fwd(
@@ -478,6 +322,8 @@ def sparse_fwd(
     (``max_logits`` is ``-inf`` and ``out`` 0 there). Differentiable in ``q``, ``kv`` and ``attn_sink`` through
     ``out``.
     """
+    if _direct(q) and not _needs_grad(q, kv, attn_sink):
+        return _native.sparse_fwd(q, kv, indices, float(sm_scale), attn_sink, topk_length)
     _glue.check_tensor_args(dict(q=q, kv=kv, indices=indices), dict(attn_sink=attn_sink, topk_length=topk_length))
     return _sparse_fwd_op(q, kv, indices, float(sm_scale), attn_sink, topk_length)
 
@@ -500,11 +346,14 @@ def sparse_bwd(
     float32 and ``d_attn_sink [h_q]`` float32 (shape ``[0]`` without a sink). ``out`` and ``lse`` must be the
     forward's outputs for the same arguments.
     """
+    args = (q, kv, out, d_out, indices, lse, float(sm_scale), attn_sink, topk_length, bool(d_kv_f32))
+    if _direct(q):
+        return _native.sparse_bwd(*args)
     _glue.check_tensor_args(
         dict(q=q, kv=kv, out=out, d_out=d_out, indices=indices, lse=lse),
         dict(attn_sink=attn_sink, topk_length=topk_length),
     )
-    return _sparse_bwd_op(q, kv, out, d_out, indices, lse, float(sm_scale), attn_sink, topk_length, bool(d_kv_f32))
+    return _sparse_bwd_op(*args)
 
 
 def decode_dense(
@@ -526,15 +375,13 @@ def decode_dense(
     changed in place. ``batch_invariant=True`` makes each request's result bitwise independent of the rest of the
     batch (fixed chunking; somewhat slower on skewed batches, more workspace).
     """
+    scale = None if softmax_scale is None else float(softmax_scale)
+    args = (q, k_cache, block_table, cache_seqlens, scale, bool(causal), attn_sink, bool(batch_invariant))
+    if _direct(q):
+        return _native.decode_dense(*args)
     _glue.check_tensor_args(
         dict(q=q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens), dict(attn_sink=attn_sink)
     )
-    scale = None if softmax_scale is None else float(softmax_scale)
-    args = (q, k_cache, block_table, cache_seqlens, scale, bool(causal), attn_sink, bool(batch_invariant))
-    if q.is_cuda and not torch.compiler.is_compiling():
-        # Eager CUDA calls skip the dispatcher (~10 us of host time per call; the op has no autograd formula and
-        # no other backend): the same body runs. Tracing (torch.compile) and meta tensors go through the op.
-        return _decode_dense_impl(*args)
     return _decode_dense_op(*args)
 
 
@@ -561,6 +408,13 @@ def decode_sparse(
     indices and lengths changed in place); the caches must start on 8 bytes with block strides that are multiples
     of 8 bytes (every packed cache is). ``batch_invariant=True``: each query's result is bitwise independent of the rest of the batch.
     """
+    scale = None if softmax_scale is None else float(softmax_scale)
+    args = (
+        q, k_cache, indices, topk_length, scale, attn_sink, extra_k_cache, extra_indices, extra_topk_length,
+        bool(batch_invariant),
+    )
+    if _direct(q):
+        return _native.decode_sparse(*args)
     _glue.check_tensor_args(
         dict(q=q, k_cache=k_cache, indices=indices),
         dict(
@@ -568,13 +422,6 @@ def decode_sparse(
             extra_topk_length=extra_topk_length,
         ),
     )
-    scale = None if softmax_scale is None else float(softmax_scale)
-    args = (
-        q, k_cache, indices, topk_length, scale, attn_sink, extra_k_cache, extra_indices, extra_topk_length,
-        bool(batch_invariant),
-    )
-    if q.is_cuda and not torch.compiler.is_compiling():
-        return _decode_sparse_impl(*args)  # eager CUDA: skip the dispatcher, as decode_dense does
     return _decode_sparse_op(*args)
 
 
@@ -584,13 +431,17 @@ def kv_quantize(kv: Tensor, out: Optional[Tensor] = None) -> Tensor:
     Returns a new packed uint8 cache ``[num_blocks, page_size, 1, 656 | 584]``, or fills ``out`` (uint8 or
     float8_e4m3fn, block stride may be padded; the bytes between blocks are left as they are) and returns it.
     """
-    _glue.check_tensor_args(dict(kv=kv), dict(out=out))
     if out is not None:
         return kv_quantize_into(kv, out)
+    if _direct(kv):
+        return _native.kv_quantize(kv)
+    _glue.check_tensor_args(dict(kv=kv))
     return _kv_quantize_op(kv)
 
 
 def kv_dequantize(cache: Tensor) -> Tensor:
     """Dequantises an FP8 cache ``[num_blocks, page_size, 1, 656 | 584]`` to bf16 ``[..., 1, 576 | 512]``."""
+    if _direct(cache):
+        return _native.kv_dequantize(cache)
     _glue.check_tensor_args(dict(cache=cache))
     return _kv_dequantize_op(cache)

@@ -257,6 +257,23 @@ def test_runs_on_torchs_current_stream():
     assert_spec_close("out (after the queued copy)", out, ref_forward(case)[0], TOL_PREFILL_OUT)
 
 
+def test_decode_runs_on_torchs_current_stream():
+    """The decodes' three launches go to the caller's current stream too (their q is written just before there)."""
+    q, cache, idx, _ = _sparse_decode_inputs(15, b=2, s_q=1, h_q=64, topk=128)
+    q, cache, idx = q.cuda(), cache.cuda(), idx.cuda()
+    flashmla.decode_sparse(q, cache, idx)
+    q_buf = torch.full_like(q, float("nan"))
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(BUSY_CYCLES)
+        q_buf.copy_(q)
+        got = flashmla.decode_sparse(q_buf, cache, idx)
+    side.synchronize()
+    want = flashmla.decode_sparse(q, cache, idx)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_does_not_synchronise():
     """A call returns while its stream is still busy with earlier work."""
     case = _small_case()
@@ -561,11 +578,18 @@ def test_decode_dense_compile_fullgraph():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def test_stream_of_is_torchs_current_stream():
-    from flashmla import _glue
-
-    t = torch.empty(1, device="cuda")
-    assert _glue.stream_of(t) == torch.cuda.current_stream().cuda_stream
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        assert _glue.stream_of(t) == side.cuda_stream
+def test_decode_workspace_kept_per_stream_grows_and_releases():
+    """Decodes of growing and shrinking size share the stream's kept workspace; each result is right."""
+    flashmla.release_workspaces()
+    cases = [
+        _sparse_decode_inputs(16, b=1, s_q=1, h_q=16, topk=64),
+        _sparse_decode_inputs(17, b=8, s_q=2, h_q=128, topk=512),
+        _sparse_decode_inputs(18, b=2, s_q=1, h_q=64, topk=128),
+    ]
+    for q, cache, idx, lengths in cases:
+        got = flashmla.decode_sparse(q.cuda(), cache.cuda(), idx.cuda(), lengths.cuda())
+        want = flashmla.decode_sparse(q, cache, idx, lengths)
+        assert_spec_close("out", got[0], want[0], (1e-3, 2.01 / 128, 5e-6))
+        assert_spec_close("lse", got[1], want[1], (1e-6, 8.01 / 65536, None))
+    assert flashmla.release_workspaces() > 0
+    assert flashmla.release_workspaces() == 0

@@ -25,6 +25,15 @@ def test_version_and_build_info():
         assert flashmla._native.NVCC_VERSION
 
 
+def test_release_workspaces_without_cuda_decodes_is_zero():
+    """CPU decodes keep no workspace: there is nothing to release."""
+    q = torch.zeros(1, 1, 4, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 64, 1, 576, dtype=torch.bfloat16)
+    flashmla.decode_dense(q, cache, torch.zeros(1, 1, dtype=torch.int32), torch.full((1,), 5, dtype=torch.int32))
+    if not torch.cuda.is_available():
+        assert flashmla.release_workspaces() == 0
+
+
 def test_concurrent_calls_from_threads():
     """The GIL is released during a call; concurrent calls on separate inputs give the serial results."""
     cases = [make_sparse_case(70 + i, s_q=4, s_kv=32, h_q=4, d_qk=576, topk=16) for i in range(4)]

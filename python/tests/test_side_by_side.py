@@ -372,10 +372,11 @@ def test_make_record_with_one_side_missing():
 
 def test_host_record_and_table():
     shape = core.HOST_COST_SHAPES[0]
-    rec = core.make_host_record(shape, "flashmla.sparse_fwd", core.HostCost(40.0, 41.0, 39.0),
-                                core.HostCost(20.0, 21.0, 19.0), 2000, ENV)
+    rec = core.make_host_record(shape, "flashmla.sparse_fwd", core.HostCost(40.0, 41.0, 39.0, 15.0),
+                                core.HostCost(20.0, 21.0, 19.0, 12.5), 2000, ENV)
     assert rec["op"] == "host_cost" and rec["call"] == "sparse_fwd" and rec["api"] == "flashmla.sparse_fwd"
     assert rec["regime"] == "host" and rec["vs_peer"] == pytest.approx(0.5) and rec["peer_wall_us"] == 21.0
+    assert rec["burst_issue_us"] == 15.0 and rec["peer_burst_issue_us"] == 12.5
     assert rec["s_q"] == 1 and rec["topk"] == 128 and rec["h_q"] == 64
 
     good = core.make_record("sparse_fwd", "shape A", {}, "short", {OURS: stats(90.0), PEER: stats(100.0)},

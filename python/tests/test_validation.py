@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flashmla
-from flashmla import _glue, _native
+from flashmla import _native
 from mla_cases import make_sparse_case
 
 
@@ -62,38 +62,23 @@ def test_sparse_bwd_rejects_bad_lse():
         flashmla.sparse_bwd(a["q"], a["kv"], out, out.float(), a["indices"], lse, a["sm_scale"])
 
 
-def test_native_rejects_unknown_dtype_and_null_pointer():
+def test_native_rejects_unknown_dtype_and_non_tensors():
     a = _args()
-    d = list(_glue.desc(a["q"], "q"))
-    d[1] = "complex64"
+    q64 = a["q"].to(torch.complex64)
     with pytest.raises(TypeError, match="`q.dtype`"):
-        _native.sparse_fwd_check(tuple(d), _glue.desc(a["kv"], "kv"), _glue.desc(a["indices"], "indices"), 0.1)
-    out = torch.empty(3, 2, 512, dtype=torch.bfloat16)
-    stats = [torch.empty(3, 2) for _ in range(2)]
-    null_q = (0,) + _glue.desc(a["q"], "q")[1:]
-    with pytest.raises(ValueError, match="data_ptr"):
-        _native.sparse_fwd(
-            null_q, _glue.desc(a["kv"], "kv"), _glue.desc(a["indices"], "indices"), 0.1, None, None,
-            _glue.desc(out, "out"), _glue.desc(stats[0], "max_logits"), _glue.desc(stats[1], "lse"), 0,
-        )
-
-
-def test_native_rejects_output_of_wrong_shape():
-    a = _args()
-    args = [_glue.desc(a[k], k) for k in ("q", "kv", "indices")]
-    with pytest.raises(ValueError, match="`out"):
-        _native.sparse_fwd(
-            *args, 0.1, None, None,
-            _glue.desc(torch.empty(3, 2, 511, dtype=torch.bfloat16), "out"),
-            _glue.desc(torch.empty(3, 2), "max_logits"),
-            _glue.desc(torch.empty(3, 2), "lse"),
-            0,
-        )
+        _native.sparse_fwd_check(q64, a["kv"], a["indices"], 0.1)
+    with pytest.raises(TypeError, match="`q.dtype`"):
+        _native.sparse_fwd(q64, a["kv"], a["indices"], 0.1)
+    with pytest.raises(TypeError, match="`kv`: expected a torch.Tensor, got list"):
+        _native.sparse_fwd(a["q"], a["kv"].tolist(), a["indices"], 0.1)
+    with pytest.raises(TypeError, match="`attn_sink`: expected a torch.Tensor, got int"):
+        _native.decode_sparse(a["q"], a["kv"], a["indices"], None, None, 3)
 
 
 def test_unsupported_device_is_a_value_error():
-    with pytest.raises(ValueError, match="device"):
-        _glue.desc(torch.empty(1, device="meta"), "q")
+    a = _args()
+    with pytest.raises(ValueError, match="`q.device`: expected a cpu or cuda tensor, got meta"):
+        _native.sparse_fwd(a["q"].to("meta"), a["kv"], a["indices"], 0.1)
 
 
 def test_kv_quant_rejects():

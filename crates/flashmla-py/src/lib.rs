@@ -1,9 +1,10 @@
 //! `flashmla._native`: the PyO3 extension module behind the `flashmla` Python package (`python/flashmla/`).
 //!
-//! Bindings only: torch-free entry points that take tensor descriptors (`(data_ptr, dtype, shape, strides,
-//! device)` tuples, see [`tensor`]) built by the Python layer, which owns everything torch-specific (output
-//! allocation through torch's allocator, the current stream, autograd, `torch.library` registration). Built
-//! with the stable ABI (abi3, CPython 3.9+) by maturin from the repository's `pyproject.toml`.
+//! Bindings only: one entry point per op that takes torch tensors, reads their metadata through the tensor
+//! protocol (see [`tensor`]), allocates the outputs through torch and runs on torch's current stream; the Python
+//! layer owns the rest of what is torch-specific (autograd, `torch.library` registration, `torch.compile`). The
+//! module does not link torch: it calls the torch Python API it is handed. Built with the stable ABI (abi3,
+//! CPython 3.9+) by maturin from the repository's `pyproject.toml`.
 //!
 //! Errors: see [`errors`] for how `flashmla::Error` maps to Python exceptions; no panic reaches Python.
 
@@ -27,15 +28,14 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::sparse_bwd_check, m)?)?;
     m.add_function(wrap_pyfunction!(ops::sparse_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(ops::decode_dense_check, m)?)?;
-    m.add_function(wrap_pyfunction!(ops::decode_dense_plan, m)?)?;
     m.add_function(wrap_pyfunction!(ops::decode_dense, m)?)?;
     m.add_function(wrap_pyfunction!(ops::decode_sparse_check, m)?)?;
-    m.add_function(wrap_pyfunction!(ops::decode_sparse_plan, m)?)?;
     m.add_function(wrap_pyfunction!(ops::decode_sparse, m)?)?;
     m.add_function(wrap_pyfunction!(ops::kv_quantize_check, m)?)?;
     m.add_function(wrap_pyfunction!(ops::kv_quantize, m)?)?;
     m.add_function(wrap_pyfunction!(ops::kv_dequantize_check, m)?)?;
     m.add_function(wrap_pyfunction!(ops::kv_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(ops::kernels_built, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::release_workspaces, m)?)?;
     Ok(())
 }

@@ -1,23 +1,25 @@
 //! The entry points of `flashmla._native`, two per op:
 //!
-//! * `<op>_check(inputs...)`: validates the inputs' metadata (never reads data) and returns the dimensions the
-//!   Python layer needs to allocate outputs. Used by the real implementation and by the fake (meta)
-//!   implementation under `torch.compile`, so both raise the same errors.
-//! * `<op>(inputs..., outputs..., stream)`: runs the op into torch-allocated outputs. Host tensors run the CPU
-//!   reference (inputs copied in, results copied into the outputs); CUDA tensors run the kernel on `stream`
-//!   (torch's current stream of the tensors' device) with no copy and no synchronisation.
+//! * `<op>(inputs...)`: one call does the whole op. It reads the torch tensors ([`crate::tensor`]), validates
+//!   them, allocates the outputs (and any workspace) through torch, runs, and returns the outputs. Host tensors run
+//!   the CPU reference (inputs copied in, results copied into the outputs); CUDA tensors run the kernels on torch's
+//!   current stream of the tensors' device, with no copy and no synchronisation. The eager Python API calls this
+//!   directly, and it is the body of the registered `torch.library` op.
+//! * `<op>_check(inputs...)`: validates the inputs' metadata only (never reads data) and returns the dimensions
+//!   of the outputs: the fake (meta) implementation under `torch.compile` runs it, so both raise the same errors.
 //!
 //! The GIL is released while an op runs; a CPU run goes through [`run_cpu`], so that Ctrl-C stops it
-//! (`KeyboardInterrupt`). Every entry point goes through [`guard`]: library errors become the matching Python
-//! exceptions and no panic crosses into Python.
+//! (`KeyboardInterrupt`). A CUDA run leaves the thread's current CUDA context (torch's current device) as it found
+//! it. Every entry point goes through [`guard`]: library errors become the matching Python exceptions and no
+//! panic crosses into Python.
 //!
-//! Wiring a new GPU kernel is one function below (`<op>_gpu`): call `flashmla::ops::<family>::<op>_cuda` with the
+//! Wiring a new GPU kernel is its op's `cuda` closure below: call `flashmla::ops::<family>::<op>_cuda` with the
 //! handle, the argument views and the output views.
 
 use crate::errors::guard;
 use crate::gpu::gpu_for;
 use crate::interrupt::run_cpu;
-use crate::tensor::{parse_dtype, placement, Desc, RawDesc};
+use crate::tensor::{current_stream, desc, desc_opt, new_output, stream_workspace, Desc, Read};
 use flashmla::cuda::Gpu;
 use flashmla::ops::decode::{self, DecodeOutput, DenseDecodeArgs, ExtraKvArgs, SparseDecodeArgs};
 use flashmla::ops::kv_quant::{
@@ -25,8 +27,52 @@ use flashmla::ops::kv_quant::{
 };
 use flashmla::ops::sparse_bwd::{self as bwd_op, SparseBwdArgs, SparseBwdOutput};
 use flashmla::ops::sparse_fwd::{self as fwd_op, SparseFwdArgs, SparseFwdOutput};
-use flashmla::{DeviceView, Error, HostTensor, Location, Result};
+use flashmla::{CancelToken, DType, DeviceView, HostTensor, Location, Result, TensorMeta};
 use pyo3::prelude::*;
+
+type Tensor<'py> = Bound<'py, PyAny>;
+
+/// Where a call runs: the host, or a CUDA device with the handle of torch's current stream there.
+enum Place {
+    Host,
+    Cuda(Gpu),
+}
+
+impl Place {
+    /// The place of a call whose first tensor is `first` (the library checks that every other tensor lives there
+    /// too).
+    fn of(py: Python<'_>, op: &'static str, first: &Desc) -> PyResult<Place> {
+        Ok(match first.location() {
+            Location::Host => Place::Host,
+            Location::Cuda(device) => {
+                let stream = current_stream(py, device)?;
+                Place::Cuda(guard(op, || gpu_for(device, stream))?)
+            }
+        })
+    }
+
+    fn location(&self) -> Location {
+        match self {
+            Place::Host => Location::Host,
+            Place::Cuda(gpu) => Location::Cuda(gpu.ordinal()),
+        }
+    }
+}
+
+/// Runs an op where its tensors live: `host` on a helper thread that Ctrl-C can cancel, or `cuda` with the GIL
+/// released, leaving the thread's current CUDA context as it was.
+fn run<T: Send>(
+    py: Python<'_>,
+    op: &'static str,
+    place: &Place,
+    host: impl FnOnce(&CancelToken) -> Result<T> + Send,
+    cuda: impl FnOnce(&Gpu) -> Result<T> + Send,
+) -> PyResult<T> {
+    match place {
+        Place::Host => run_cpu(py, op, host),
+        Place::Cuda(gpu) => py.detach(|| guard(op, || gpu.restoring_context(|| cuda(gpu)))),
+    }
+}
 
 /// Host copies of optional inputs.
 fn host_opt(d: &Option<Desc>) -> Result<Option<HostTensor>> {
@@ -41,33 +87,56 @@ fn device_opt(d: &Option<Desc>) -> Result<Option<DeviceView>> {
 // ---------------------------------------------------------------------------------------------------------------
 // Sparse prefill forward
 
-/// The sparse forward's input descriptors.
-struct FwdDescs {
-    q: Desc,
-    kv: Desc,
-    indices: Desc,
-    attn_sink: Option<Desc>,
-    topk_length: Option<Desc>,
+/// The sparse forward's inputs, as descriptions (`Desc`), host copies or device views.
+struct FwdIn<T> {
+    q: T,
+    kv: T,
+    indices: T,
+    attn_sink: Option<T>,
+    topk_length: Option<T>,
 }
 
-impl FwdDescs {
-    fn new(
-        q: &RawDesc,
-        kv: &RawDesc,
-        indices: &RawDesc,
-        attn_sink: &Option<RawDesc>,
-        topk_length: &Option<RawDesc>,
-    ) -> Result<Self> {
-        Ok(FwdDescs {
-            q: Desc::new("q", q)?,
-            kv: Desc::new("kv", kv)?,
-            indices: Desc::new("indices", indices)?,
-            attn_sink: Desc::opt("attn_sink", attn_sink)?,
-            topk_length: Desc::opt("topk_length", topk_length)?,
+impl FwdIn<Desc> {
+    fn read(
+        q: &Tensor<'_>,
+        kv: &Tensor<'_>,
+        indices: &Tensor<'_>,
+        attn_sink: Option<&Tensor<'_>>,
+        topk_length: Option<&Tensor<'_>>,
+        read: Read,
+    ) -> PyResult<Self> {
+        Ok(FwdIn {
+            q: desc(q, "q", read)?,
+            kv: desc(kv, "kv", read)?,
+            indices: desc(indices, "indices", read)?,
+            attn_sink: desc_opt(attn_sink, "attn_sink", read)?,
+            topk_length: desc_opt(topk_length, "topk_length", read)?,
         })
     }
 
-    fn args(&self, sm_scale: f32) -> SparseFwdArgs<'_, Desc> {
+    fn host(&self) -> Result<FwdIn<HostTensor>> {
+        Ok(FwdIn {
+            q: self.q.to_host()?,
+            kv: self.kv.to_host()?,
+            indices: self.indices.to_host()?,
+            attn_sink: host_opt(&self.attn_sink)?,
+            topk_length: host_opt(&self.topk_length)?,
+        })
+    }
+
+    fn device(&self) -> Result<FwdIn<DeviceView>> {
+        Ok(FwdIn {
+            q: self.q.to_device()?,
+            kv: self.kv.to_device()?,
+            indices: self.indices.to_device()?,
+            attn_sink: device_opt(&self.attn_sink)?,
+            topk_length: device_opt(&self.topk_length)?,
+        })
+    }
+}
+
+impl<T> FwdIn<T> {
+    fn args(&self, sm_scale: f32) -> SparseFwdArgs<'_, T> {
         SparseFwdArgs {
             q: &self.q,
             kv: &self.kv,
@@ -79,19 +148,19 @@ impl FwdDescs {
     }
 }
 
-/// Validates a sparse forward and returns `(s_q, s_kv, h_q, d_qk, d_v, topk)`.
+/// Validates a sparse forward's metadata and returns `(s_q, s_kv, h_q, d_qk, d_v, topk)`.
 #[pyfunction]
 #[pyo3(signature = (q, kv, indices, sm_scale, attn_sink=None, topk_length=None))]
 pub fn sparse_fwd_check(
-    q: RawDesc,
-    kv: RawDesc,
-    indices: RawDesc,
+    q: &Tensor<'_>,
+    kv: &Tensor<'_>,
+    indices: &Tensor<'_>,
     sm_scale: f32,
-    attn_sink: Option<RawDesc>,
-    topk_length: Option<RawDesc>,
+    attn_sink: Option<&Tensor<'_>>,
+    topk_length: Option<&Tensor<'_>>,
 ) -> PyResult<(usize, usize, usize, usize, usize, usize)> {
+    let d = FwdIn::read(q, kv, indices, attn_sink, topk_length, Read::Meta)?;
     guard("sparse_fwd", || {
-        let d = FwdDescs::new(&q, &kv, &indices, &attn_sink, &topk_length)?;
         let dims = fwd_op::validate(&d.args(sm_scale))?;
         Ok((
             dims.s_q, dims.s_kv, dims.h_q, dims.d_qk, dims.d_v, dims.topk,
@@ -99,96 +168,106 @@ pub fn sparse_fwd_check(
     })
 }
 
-/// Runs the sparse forward into `out [s_q, h_q, d_v]` bf16, `max_logits` and `lse [s_q, h_q]` f32.
+/// The sparse forward: `(out [s_q, h_q, d_v] bf16, max_logits [s_q, h_q] f32, lse [s_q, h_q] f32)`.
 #[pyfunction]
-#[pyo3(signature = (q, kv, indices, sm_scale, attn_sink, topk_length, out, max_logits, lse, stream=0))]
-#[allow(clippy::too_many_arguments)]
-pub fn sparse_fwd(
-    py: Python<'_>,
-    q: RawDesc,
-    kv: RawDesc,
-    indices: RawDesc,
+#[pyo3(signature = (q, kv, indices, sm_scale, attn_sink=None, topk_length=None))]
+pub fn sparse_fwd<'py>(
+    q: &Tensor<'py>,
+    kv: &Tensor<'py>,
+    indices: &Tensor<'py>,
     sm_scale: f32,
-    attn_sink: Option<RawDesc>,
-    topk_length: Option<RawDesc>,
-    out: RawDesc,
-    max_logits: RawDesc,
-    lse: RawDesc,
-    stream: u64,
-) -> PyResult<()> {
-    let (d, outs) = guard("sparse_fwd", || {
-        let d = FwdDescs::new(&q, &kv, &indices, &attn_sink, &topk_length)?;
-        let outs = SparseFwdOutput {
-            out: Desc::new("out", &out)?,
-            max_logits: Desc::new("max_logits", &max_logits)?,
-            lse: Desc::new("lse", &lse)?,
-        };
-        let dims = fwd_op::validate(&d.args(sm_scale))?;
-        fwd_op::validate_output(&dims, placement(&d.q), &outs)?;
-        Ok((d, outs))
-    })?;
-    match placement(&d.q) {
-        Location::Host => run_cpu(py, "sparse_fwd", |cancel| {
-            let (q, kv, idx) = (d.q.to_host()?, d.kv.to_host()?, d.indices.to_host()?);
-            let (sink, len) = (host_opt(&d.attn_sink)?, host_opt(&d.topk_length)?);
-            let args = SparseFwdArgs {
-                q: &q,
-                kv: &kv,
-                indices: &idx,
-                sm_scale,
-                attn_sink: sink.as_ref(),
-                topk_length: len.as_ref(),
-            };
-            let res = fwd_op::sparse_fwd_cpu_with(&args, cancel)?;
+    attn_sink: Option<&Tensor<'py>>,
+    topk_length: Option<&Tensor<'py>>,
+) -> PyResult<(Tensor<'py>, Tensor<'py>, Tensor<'py>)> {
+    let py = q.py();
+    let d = FwdIn::read(q, kv, indices, attn_sink, topk_length, Read::Data)?;
+    let place = Place::of(py, "sparse_fwd", &d.q)?;
+    let loc = place.location();
+    let dims = guard("sparse_fwd", || fwd_op::validate(&d.args(sm_scale)))?;
+    let (s_q, h_q) = (dims.s_q, dims.h_q);
+    let (out, out_d) = new_output(q, "out", &[s_q, h_q, dims.d_v], DType::Bf16, loc)?;
+    let (max_logits, max_d) = new_output(q, "max_logits", &[s_q, h_q], DType::F32, loc)?;
+    let (lse, lse_d) = new_output(q, "lse", &[s_q, h_q], DType::F32, loc)?;
+    let outs = SparseFwdOutput {
+        out: out_d,
+        max_logits: max_d,
+        lse: lse_d,
+    };
+    run(
+        py,
+        "sparse_fwd",
+        &place,
+        |cancel| {
+            let res = fwd_op::sparse_fwd_cpu_with(&d.host()?.args(sm_scale), cancel)?;
             outs.out.write_host(&res.out)?;
             outs.max_logits.write_host(&res.max_logits)?;
             outs.lse.write_host(&res.lse)
-        }),
-        Location::Cuda(device) => py.detach(|| {
-            guard("sparse_fwd", || {
-                let (q, kv, idx) = (d.q.to_device()?, d.kv.to_device()?, d.indices.to_device()?);
-                let (sink, len) = (device_opt(&d.attn_sink)?, device_opt(&d.topk_length)?);
-                let views = SparseFwdOutput {
-                    out: outs.out.to_device()?,
-                    max_logits: outs.max_logits.to_device()?,
-                    lse: outs.lse.to_device()?,
-                };
-                let args = SparseFwdArgs {
-                    q: &q,
-                    kv: &kv,
-                    indices: &idx,
-                    sm_scale,
-                    attn_sink: sink.as_ref(),
-                    topk_length: len.as_ref(),
-                };
-                sparse_fwd_gpu(&gpu_for(device, stream)?, &args, &views)
-            })
-        }),
-    }
-}
-
-/// GPU path of the sparse forward (shapes the kernel does not cover come back as `Unsupported`).
-fn sparse_fwd_gpu(
-    gpu: &Gpu,
-    args: &SparseFwdArgs<'_, DeviceView>,
-    out: &SparseFwdOutput<DeviceView>,
-) -> Result<()> {
-    fwd_op::sparse_fwd_cuda(gpu, args, out)
+        },
+        |gpu| {
+            let views = SparseFwdOutput {
+                out: outs.out.to_device()?,
+                max_logits: outs.max_logits.to_device()?,
+                lse: outs.lse.to_device()?,
+            };
+            fwd_op::sparse_fwd_cuda(gpu, &d.device()?.args(sm_scale), &views)
+        },
+    )?;
+    Ok((out, max_logits, lse))
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Sparse prefill backward
 
-/// The sparse backward's input descriptors.
-struct BwdDescs {
-    fwd: FwdDescs,
-    out: Desc,
-    d_out: Desc,
-    lse: Desc,
+/// The sparse backward's inputs.
+struct BwdIn<T> {
+    fwd: FwdIn<T>,
+    out: T,
+    d_out: T,
+    lse: T,
 }
 
-impl BwdDescs {
-    fn args(&self, sm_scale: f32, d_kv_dtype: flashmla::DType) -> SparseBwdArgs<'_, Desc> {
+impl BwdIn<Desc> {
+    #[allow(clippy::too_many_arguments)]
+    fn read(
+        q: &Tensor<'_>,
+        kv: &Tensor<'_>,
+        out: &Tensor<'_>,
+        d_out: &Tensor<'_>,
+        indices: &Tensor<'_>,
+        lse: &Tensor<'_>,
+        attn_sink: Option<&Tensor<'_>>,
+        topk_length: Option<&Tensor<'_>>,
+        read: Read,
+    ) -> PyResult<Self> {
+        Ok(BwdIn {
+            fwd: FwdIn::read(q, kv, indices, attn_sink, topk_length, read)?,
+            out: desc(out, "out", read)?,
+            d_out: desc(d_out, "d_out", read)?,
+            lse: desc(lse, "lse", read)?,
+        })
+    }
+
+    fn host(&self) -> Result<BwdIn<HostTensor>> {
+        Ok(BwdIn {
+            fwd: self.fwd.host()?,
+            out: self.out.to_host()?,
+            d_out: self.d_out.to_host()?,
+            lse: self.lse.to_host()?,
+        })
+    }
+
+    fn device(&self) -> Result<BwdIn<DeviceView>> {
+        Ok(BwdIn {
+            fwd: self.fwd.device()?,
+            out: self.out.to_device()?,
+            d_out: self.d_out.to_device()?,
+            lse: self.lse.to_device()?,
+        })
+    }
+}
+
+impl<T> BwdIn<T> {
+    fn args(&self, sm_scale: f32, d_kv_dtype: DType) -> SparseBwdArgs<'_, T> {
         SparseBwdArgs {
             q: &self.fwd.q,
             kv: &self.fwd.kv,
@@ -204,138 +283,116 @@ impl BwdDescs {
     }
 }
 
-/// Parses the sparse backward's inputs.
-#[allow(clippy::too_many_arguments)]
-fn bwd_descs(
-    q: &RawDesc,
-    kv: &RawDesc,
-    out: &RawDesc,
-    d_out: &RawDesc,
-    indices: &RawDesc,
-    lse: &RawDesc,
-    attn_sink: &Option<RawDesc>,
-    topk_length: &Option<RawDesc>,
-) -> Result<BwdDescs> {
-    Ok(BwdDescs {
-        fwd: FwdDescs::new(q, kv, indices, attn_sink, topk_length)?,
-        out: Desc::new("out", out)?,
-        d_out: Desc::new("d_out", d_out)?,
-        lse: Desc::new("lse", lse)?,
-    })
+fn d_kv_dtype(d_kv_f32: bool) -> DType {
+    if d_kv_f32 {
+        DType::F32
+    } else {
+        DType::Bf16
+    }
 }
 
-/// `(s_q, s_kv, h_q, d_qk, d_v, topk, ws_rows, ws_cols)` of [`sparse_bwd_check`].
-type BwdCheck = (usize, usize, usize, usize, usize, usize, usize, usize);
-
-/// Validates a sparse backward and returns `(s_q, s_kv, h_q, d_qk, d_v, topk, ws_rows, ws_cols)`: the dims and
-/// the shape of the f32 workspace a GPU run needs when `d_kv` is bf16 (the caller allocates it so that torch's
-/// allocator owns it); `d_kv_dtype` is `"bf16"` or `"f32"`.
+/// Validates a sparse backward's metadata and returns `(s_q, s_kv, h_q, d_qk, d_v, topk)`.
 #[pyfunction]
-#[pyo3(signature = (q, kv, out, d_out, indices, lse, sm_scale, attn_sink=None, topk_length=None, d_kv_dtype="bf16"))]
+#[pyo3(signature = (q, kv, out, d_out, indices, lse, sm_scale, attn_sink=None, topk_length=None, d_kv_f32=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn sparse_bwd_check(
-    q: RawDesc,
-    kv: RawDesc,
-    out: RawDesc,
-    d_out: RawDesc,
-    indices: RawDesc,
-    lse: RawDesc,
+    q: &Tensor<'_>,
+    kv: &Tensor<'_>,
+    out: &Tensor<'_>,
+    d_out: &Tensor<'_>,
+    indices: &Tensor<'_>,
+    lse: &Tensor<'_>,
     sm_scale: f32,
-    attn_sink: Option<RawDesc>,
-    topk_length: Option<RawDesc>,
-    d_kv_dtype: &str,
-) -> PyResult<BwdCheck> {
+    attn_sink: Option<&Tensor<'_>>,
+    topk_length: Option<&Tensor<'_>>,
+    d_kv_f32: bool,
+) -> PyResult<(usize, usize, usize, usize, usize, usize)> {
+    let d = BwdIn::read(
+        q,
+        kv,
+        out,
+        d_out,
+        indices,
+        lse,
+        attn_sink,
+        topk_length,
+        Read::Meta,
+    )?;
     guard("sparse_bwd", || {
-        let d = bwd_descs(
-            &q,
-            &kv,
-            &out,
-            &d_out,
-            &indices,
-            &lse,
-            &attn_sink,
-            &topk_length,
-        )?;
-        let d_kv_dtype = parse_dtype("d_kv", d_kv_dtype, &bwd_op::D_KV_DTYPES)?;
-        let dims = bwd_op::validate(&d.args(sm_scale, d_kv_dtype))?;
-        let f = dims.fwd;
-        let [ws_rows, ws_cols] =
-            bwd_op::workspace_shape(&dims, &bwd_op::SparseBwdOptions::default());
-        Ok((
-            f.s_q, f.s_kv, f.h_q, f.d_qk, f.d_v, f.topk, ws_rows, ws_cols,
-        ))
+        let f = bwd_op::validate(&d.args(sm_scale, d_kv_dtype(d_kv_f32)))?.fwd;
+        Ok((f.s_q, f.s_kv, f.h_q, f.d_qk, f.d_v, f.topk))
     })
 }
 
-/// Runs the sparse backward into `d_q [s_q, h_q, d_qk]` bf16, `d_kv [s_kv, 1, d_qk]` (bf16 or f32: its dtype
-/// picks the variant), `delta [s_q, h_q]` f32 and, with a sink, `d_attn_sink [h_q]` f32.
+/// The sparse backward: `(d_q [s_q, h_q, d_qk] bf16, d_kv [s_kv, 1, d_qk] bf16 (f32 with d_kv_f32),
+/// delta [s_q, h_q] f32, d_attn_sink [h_q] f32 (shape [0] without a sink))`.
+///
+/// A bf16 `d_kv` is reduced in an f32 workspace on the GPU first; it is allocated through torch for the call.
 #[pyfunction]
-#[pyo3(signature = (
-    q, kv, out, d_out, indices, lse, sm_scale, attn_sink, topk_length, d_q, d_kv, delta, d_attn_sink, stream=0,
-    workspace=None
-))]
+#[pyo3(signature = (q, kv, out, d_out, indices, lse, sm_scale, attn_sink=None, topk_length=None, d_kv_f32=false))]
 #[allow(clippy::too_many_arguments)]
-pub fn sparse_bwd(
-    py: Python<'_>,
-    q: RawDesc,
-    kv: RawDesc,
-    out: RawDesc,
-    d_out: RawDesc,
-    indices: RawDesc,
-    lse: RawDesc,
+pub fn sparse_bwd<'py>(
+    q: &Tensor<'py>,
+    kv: &Tensor<'py>,
+    out: &Tensor<'py>,
+    d_out: &Tensor<'py>,
+    indices: &Tensor<'py>,
+    lse: &Tensor<'py>,
     sm_scale: f32,
-    attn_sink: Option<RawDesc>,
-    topk_length: Option<RawDesc>,
-    d_q: RawDesc,
-    d_kv: RawDesc,
-    delta: RawDesc,
-    d_attn_sink: Option<RawDesc>,
-    stream: u64,
-    workspace: Option<RawDesc>,
-) -> PyResult<()> {
-    let (d, outs, d_kv_dtype) = guard("sparse_bwd", || {
-        let d = bwd_descs(
-            &q,
-            &kv,
-            &out,
-            &d_out,
-            &indices,
-            &lse,
-            &attn_sink,
-            &topk_length,
-        )?;
-        let outs = SparseBwdOutput {
-            d_q: Desc::new("d_q", &d_q)?,
-            d_kv: Desc::new("d_kv", &d_kv)?,
-            delta: Desc::new("delta", &delta)?,
-            d_attn_sink: Desc::opt("d_attn_sink", &d_attn_sink)?,
-        };
-        let d_kv_dtype = flashmla::TensorMeta::dtype(&outs.d_kv);
-        let dims = bwd_op::validate(&d.args(sm_scale, d_kv_dtype))?;
-        bwd_op::validate_output(&dims, placement(&d.fwd.q), &outs)?;
-        Ok((d, outs, d_kv_dtype))
+    attn_sink: Option<&Tensor<'py>>,
+    topk_length: Option<&Tensor<'py>>,
+    d_kv_f32: bool,
+) -> PyResult<(Tensor<'py>, Tensor<'py>, Tensor<'py>, Tensor<'py>)> {
+    let py = q.py();
+    let d = BwdIn::read(
+        q,
+        kv,
+        out,
+        d_out,
+        indices,
+        lse,
+        attn_sink,
+        topk_length,
+        Read::Data,
+    )?;
+    let place = Place::of(py, "sparse_bwd", &d.fwd.q)?;
+    let loc = place.location();
+    let dkv_dtype = d_kv_dtype(d_kv_f32);
+    let dims = guard("sparse_bwd", || {
+        bwd_op::validate(&d.args(sm_scale, dkv_dtype))
     })?;
-    match placement(&d.fwd.q) {
-        Location::Host => run_cpu(py, "sparse_bwd", |cancel| {
-            let f = &d.fwd;
-            let (q, kv, idx) = (f.q.to_host()?, f.kv.to_host()?, f.indices.to_host()?);
-            let (sink, len) = (host_opt(&f.attn_sink)?, host_opt(&f.topk_length)?);
-            let (out, d_out, lse) = (d.out.to_host()?, d.d_out.to_host()?, d.lse.to_host()?);
-            let res = bwd_op::sparse_bwd_cpu_with(
-                &SparseBwdArgs {
-                    q: &q,
-                    kv: &kv,
-                    out: &out,
-                    d_out: &d_out,
-                    indices: &idx,
-                    lse: &lse,
-                    sm_scale,
-                    attn_sink: sink.as_ref(),
-                    topk_length: len.as_ref(),
-                    d_kv_dtype,
-                },
-                cancel,
-            )?;
+    let f = dims.fwd;
+    let (d_q, d_q_d) = new_output(q, "d_q", &[f.s_q, f.h_q, f.d_qk], DType::Bf16, loc)?;
+    let (d_kv, d_kv_d) = new_output(q, "d_kv", &[f.s_kv, 1, f.d_qk], dkv_dtype, loc)?;
+    let (delta, delta_d) = new_output(q, "delta", &[f.s_q, f.h_q], DType::F32, loc)?;
+    let sink_rows = if attn_sink.is_some() { f.h_q } else { 0 };
+    let (d_sink, d_sink_d) = new_output(q, "d_attn_sink", &[sink_rows], DType::F32, loc)?;
+    let outs = SparseBwdOutput {
+        d_q: d_q_d,
+        d_kv: d_kv_d,
+        delta: delta_d,
+        d_attn_sink: attn_sink.is_some().then_some(d_sink_d),
+    };
+    let options = bwd_op::SparseBwdOptions::default();
+    let [ws_rows, ws_cols] = bwd_op::workspace_shape(&dims, &options);
+    let workspace = match loc {
+        Location::Cuda(_) if !d_kv_f32 && ws_rows * ws_cols > 0 => Some(new_output(
+            q,
+            "workspace",
+            &[ws_rows, ws_cols],
+            DType::F32,
+            loc,
+        )?),
+        _ => None,
+    };
+    let ws = workspace.as_ref().map(|(_, d)| d);
+    run(
+        py,
+        "sparse_bwd",
+        &place,
+        |cancel| {
+            let h = d.host()?;
+            let res = bwd_op::sparse_bwd_cpu_with(&h.args(sm_scale, dkv_dtype), cancel)?;
             outs.d_q.write_host(&res.d_q)?;
             outs.d_kv.write_host(&res.d_kv)?;
             outs.delta.write_host(&res.delta)?;
@@ -343,75 +400,153 @@ pub fn sparse_bwd(
                 (Some(dst), Some(v)) => dst.write_host(v),
                 _ => Ok(()),
             }
-        }),
-        Location::Cuda(device) => py.detach(|| {
-            guard("sparse_bwd", || {
-                let f = &d.fwd;
-                let (q, kv, idx) = (f.q.to_device()?, f.kv.to_device()?, f.indices.to_device()?);
-                let (sink, len) = (device_opt(&f.attn_sink)?, device_opt(&f.topk_length)?);
-                let (out, d_out, lse) =
-                    (d.out.to_device()?, d.d_out.to_device()?, d.lse.to_device()?);
-                let views = SparseBwdOutput {
-                    d_q: outs.d_q.to_device()?,
-                    d_kv: outs.d_kv.to_device()?,
-                    delta: outs.delta.to_device()?,
-                    d_attn_sink: device_opt(&outs.d_attn_sink)?,
-                };
-                let args = SparseBwdArgs {
-                    q: &q,
-                    kv: &kv,
-                    out: &out,
-                    d_out: &d_out,
-                    indices: &idx,
-                    lse: &lse,
-                    sm_scale,
-                    attn_sink: sink.as_ref(),
-                    topk_length: len.as_ref(),
-                    d_kv_dtype,
-                };
-                let ws = device_opt(&Desc::opt("workspace", &workspace)?)?;
-                bwd_op::sparse_bwd_cuda_with(
-                    &gpu_for(device, stream)?,
-                    &args,
-                    &views,
-                    &bwd_op::SparseBwdOptions::default(),
-                    ws.as_ref(),
-                )
-            })
-        }),
-    }
+        },
+        |gpu| {
+            let views = SparseBwdOutput {
+                d_q: outs.d_q.to_device()?,
+                d_kv: outs.d_kv.to_device()?,
+                delta: outs.delta.to_device()?,
+                d_attn_sink: device_opt(&outs.d_attn_sink)?,
+            };
+            let ws = ws.map(Desc::to_device).transpose()?;
+            bwd_op::sparse_bwd_cuda_with(
+                gpu,
+                &d.device()?.args(sm_scale, dkv_dtype),
+                &views,
+                &options,
+                ws.as_ref(),
+            )
+        },
+    )?;
+    Ok((d_q, d_kv, delta, d_sink))
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Decode
 
-/// The dense decode's input descriptors.
-struct DenseDescs {
-    q: Desc,
-    k_cache: Desc,
-    block_table: Desc,
-    cache_seqlens: Desc,
-    attn_sink: Option<Desc>,
+/// Whether a CUDA `q`'s rows start on 16 bytes (the decode kernels load q rows in 16-byte chunks): its address
+/// and every stride but the last (of a dimension with more than one entry) multiples of 16 bytes.
+fn rows_16b(q: &Desc) -> bool {
+    let elem = q.dtype().size_bytes();
+    let layout = q.layout();
+    let dims = layout.shape().len().saturating_sub(1);
+    q.location() == Location::Host
+        || (q.ptr() % 16 == 0
+            && layout.shape()[..dims]
+                .iter()
+                .zip(layout.strides())
+                .all(|(&n, &s)| n <= 1 || (s * elem) % 16 == 0))
 }
 
-impl DenseDescs {
-    fn new(
-        q: &RawDesc,
-        k_cache: &RawDesc,
-        block_table: &RawDesc,
-        cache_seqlens: &RawDesc,
-        attn_sink: &Option<RawDesc>,
-    ) -> Result<Self> {
-        Ok(DenseDescs {
-            q: Desc::new("q", q)?,
-            k_cache: Desc::new("k_cache", k_cache)?,
-            block_table: Desc::new("block_table", block_table)?,
-            cache_seqlens: Desc::new("cache_seqlens", cache_seqlens)?,
-            attn_sink: Desc::opt("attn_sink", attn_sink)?,
+/// `q` itself, or a contiguous copy when its rows are not 16-byte aligned ([`rows_16b`]); with its description.
+fn q_rows_16b<'py>(q: &Tensor<'py>, d: Desc) -> PyResult<(Tensor<'py>, Desc)> {
+    if rows_16b(&d) {
+        return Ok((q.clone(), d));
+    }
+    let copy = q.call_method0(pyo3::intern!(q.py(), "contiguous"))?;
+    let d = desc(&copy, "q", Read::Data)?;
+    Ok((copy, d))
+}
+
+/// The GPU decode's options from the Python flags.
+fn decode_options(batch_invariant: bool) -> decode::DecodeOptions {
+    decode::DecodeOptions {
+        batch_invariant,
+        ..decode::DecodeOptions::default()
+    }
+}
+
+/// A decode's outputs `(out [b, s_q, h_q, d_v], lse [b, h_q, s_q] f32)` and, on CUDA, its workspace of
+/// `words(sm_count)` f32 words (the schedule and the split partials; see [`stream_workspace`]).
+#[allow(clippy::type_complexity)]
+fn decode_outputs<'py>(
+    q: &Tensor<'py>,
+    op: &'static str,
+    [b, s_q, h_q, d_v]: [usize; 4],
+    dtype: DType,
+    place: &Place,
+    words: impl FnOnce(usize) -> Result<usize>,
+) -> PyResult<(
+    Tensor<'py>,
+    Tensor<'py>,
+    DecodeOutput<Desc>,
+    Option<(Tensor<'py>, Desc)>,
+)> {
+    let loc = place.location();
+    let (out, out_d) = new_output(q, "out", &[b, s_q, h_q, d_v], dtype, loc)?;
+    let (lse, lse_d) = new_output(q, "lse", &[b, h_q, s_q], DType::F32, loc)?;
+    let workspace = match place {
+        Place::Cuda(gpu) => {
+            let (words, capturing) = guard(op, || {
+                Ok((words(gpu.info().sm_count as usize)?, gpu.is_capturing()?))
+            })?;
+            Some(stream_workspace(
+                q,
+                gpu.ordinal(),
+                gpu.stream(),
+                capturing,
+                words,
+            )?)
+        }
+        Place::Host => None,
+    };
+    let outs = DecodeOutput {
+        out: out_d,
+        lse: lse_d,
+    };
+    Ok((out, lse, outs, workspace))
+}
+
+/// The dense decode's inputs.
+struct DenseIn<T> {
+    q: T,
+    k_cache: T,
+    block_table: T,
+    cache_seqlens: T,
+    attn_sink: Option<T>,
+}
+
+impl DenseIn<Desc> {
+    fn read(
+        q: &Tensor<'_>,
+        k_cache: &Tensor<'_>,
+        block_table: &Tensor<'_>,
+        cache_seqlens: &Tensor<'_>,
+        attn_sink: Option<&Tensor<'_>>,
+        read: Read,
+    ) -> PyResult<Self> {
+        Ok(DenseIn {
+            q: desc(q, "q", read)?,
+            k_cache: desc(k_cache, "k_cache", read)?,
+            block_table: desc(block_table, "block_table", read)?,
+            cache_seqlens: desc(cache_seqlens, "cache_seqlens", read)?,
+            attn_sink: desc_opt(attn_sink, "attn_sink", read)?,
         })
     }
 
-    fn args(&self, softmax_scale: Option<f32>, causal: bool) -> DenseDecodeArgs<'_, Desc> {
+    fn host(&self) -> Result<DenseIn<HostTensor>> {
+        Ok(DenseIn {
+            q: self.q.to_host()?,
+            k_cache: self.k_cache.to_host()?,
+            block_table: self.block_table.to_host()?,
+            cache_seqlens: self.cache_seqlens.to_host()?,
+            attn_sink: host_opt(&self.attn_sink)?,
+        })
+    }
+
+    fn device(&self) -> Result<DenseIn<DeviceView>> {
+        Ok(DenseIn {
+            q: self.q.to_device()?,
+            k_cache: self.k_cache.to_device()?,
+            block_table: self.block_table.to_device()?,
+            cache_seqlens: self.cache_seqlens.to_device()?,
+            attn_sink: device_opt(&self.attn_sink)?,
+        })
+    }
+}
+
+impl<T> DenseIn<T> {
+    fn args(&self, softmax_scale: Option<f32>, causal: bool) -> DenseDecodeArgs<'_, T> {
         DenseDecodeArgs {
             q: &self.q,
             k_cache: &self.k_cache,
@@ -424,199 +559,177 @@ impl DenseDescs {
     }
 }
 
-/// Validates a dense decode and returns `(b, s_q, h_q, d_v)` (`out` has q's dtype).
+/// Validates a dense decode's metadata and returns `(b, s_q, h_q, d_v)` (`out` has q's dtype).
 #[pyfunction]
 #[pyo3(signature = (q, k_cache, block_table, cache_seqlens, softmax_scale=None, causal=false, attn_sink=None))]
 pub fn decode_dense_check(
-    q: RawDesc,
-    k_cache: RawDesc,
-    block_table: RawDesc,
-    cache_seqlens: RawDesc,
+    q: &Tensor<'_>,
+    k_cache: &Tensor<'_>,
+    block_table: &Tensor<'_>,
+    cache_seqlens: &Tensor<'_>,
     softmax_scale: Option<f32>,
     causal: bool,
-    attn_sink: Option<RawDesc>,
+    attn_sink: Option<&Tensor<'_>>,
 ) -> PyResult<(usize, usize, usize, usize)> {
+    let d = DenseIn::read(
+        q,
+        k_cache,
+        block_table,
+        cache_seqlens,
+        attn_sink,
+        Read::Meta,
+    )?;
     guard("decode_dense", || {
-        let d = DenseDescs::new(&q, &k_cache, &block_table, &cache_seqlens, &attn_sink)?;
         let dims = decode::validate_dense(&d.args(softmax_scale, causal))?;
         Ok((dims.batch, dims.s_q, dims.h_q, dims.d_v))
     })
 }
 
-/// Validates a dense decode and returns `(b, s_q, h_q, d_v, workspace_words)`: the f32 words of workspace a GPU
-/// run needs (the caller allocates it, so that torch's caching allocator and CUDA-graph pools serve it), 0 on the
-/// host.
+/// The dense decode: `(out [b, s_q, h_q, d_v] (q's dtype), lse [b, h_q, s_q] f32)`. On CUDA the schedule, split
+/// and combine are queued on torch's current stream, with a workspace allocated through torch for the call.
 #[pyfunction]
 #[pyo3(signature = (q, k_cache, block_table, cache_seqlens, softmax_scale=None, causal=false, attn_sink=None,
     batch_invariant=false))]
 #[allow(clippy::too_many_arguments)]
-pub fn decode_dense_plan(
-    q: RawDesc,
-    k_cache: RawDesc,
-    block_table: RawDesc,
-    cache_seqlens: RawDesc,
+pub fn decode_dense<'py>(
+    q: &Tensor<'py>,
+    k_cache: &Tensor<'py>,
+    block_table: &Tensor<'py>,
+    cache_seqlens: &Tensor<'py>,
     softmax_scale: Option<f32>,
     causal: bool,
-    attn_sink: Option<RawDesc>,
+    attn_sink: Option<&Tensor<'py>>,
     batch_invariant: bool,
-) -> PyResult<(usize, usize, usize, usize, usize)> {
-    guard("decode_dense", || {
-        let d = DenseDescs::new(&q, &k_cache, &block_table, &cache_seqlens, &attn_sink)?;
-        let dims = decode::validate_dense(&d.args(softmax_scale, causal))?;
-        let words = match placement(&d.q) {
-            Location::Cuda(device) => {
-                let sms = gpu_for(device, 0)?.info().sm_count as usize;
-                decode::launch::dense_workspace_words(&dims, &decode_options(batch_invariant), sms)?
-            }
-            _ => 0,
-        };
-        Ok((dims.batch, dims.s_q, dims.h_q, dims.d_v, words))
-    })
-}
-
-/// The GPU decode's options from the Python flags.
-fn decode_options(batch_invariant: bool) -> decode::DecodeOptions {
-    decode::DecodeOptions {
-        batch_invariant,
-        ..decode::DecodeOptions::default()
-    }
-}
-
-/// Runs a dense decode into `out [b, s_q, h_q, d_v]` (q's dtype) and `lse [b, h_q, s_q]` f32. On CUDA,
-/// `workspace` is an f32 vector of the words [`decode_dense_plan`] returned.
-#[pyfunction]
-#[pyo3(signature = (q, k_cache, block_table, cache_seqlens, softmax_scale, causal, attn_sink, out, lse, stream=0,
-    workspace=None, batch_invariant=false))]
-#[allow(clippy::too_many_arguments)]
-pub fn decode_dense(
-    py: Python<'_>,
-    q: RawDesc,
-    k_cache: RawDesc,
-    block_table: RawDesc,
-    cache_seqlens: RawDesc,
-    softmax_scale: Option<f32>,
-    causal: bool,
-    attn_sink: Option<RawDesc>,
-    out: RawDesc,
-    lse: RawDesc,
-    stream: u64,
-    workspace: Option<RawDesc>,
-    batch_invariant: bool,
-) -> PyResult<()> {
-    let (d, outs) = guard("decode_dense", || {
-        let d = DenseDescs::new(&q, &k_cache, &block_table, &cache_seqlens, &attn_sink)?;
-        let outs = DecodeOutput {
-            out: Desc::new("out", &out)?,
-            lse: Desc::new("lse", &lse)?,
-        };
-        decode::validate_dense(&d.args(softmax_scale, causal))?;
-        Ok((d, outs))
+) -> PyResult<(Tensor<'py>, Tensor<'py>)> {
+    let py = q.py();
+    let mut d = DenseIn::read(
+        q,
+        k_cache,
+        block_table,
+        cache_seqlens,
+        attn_sink,
+        Read::Data,
+    )?;
+    let (_q_alive, q_d) = q_rows_16b(q, d.q.clone())?;
+    d.q = q_d;
+    let place = Place::of(py, "decode_dense", &d.q)?;
+    let dims = guard("decode_dense", || {
+        decode::validate_dense(&d.args(softmax_scale, causal))
     })?;
-    match placement(&d.q) {
-        Location::Host => run_cpu(py, "decode_dense", |cancel| {
-            let (q, k, bt, sl) = (
-                d.q.to_host()?,
-                d.k_cache.to_host()?,
-                d.block_table.to_host()?,
-                d.cache_seqlens.to_host()?,
-            );
-            let sink = host_opt(&d.attn_sink)?;
-            let res = decode::decode_dense_cpu_with(
-                &DenseDecodeArgs {
-                    q: &q,
-                    k_cache: &k,
-                    block_table: &bt,
-                    cache_seqlens: &sl,
-                    softmax_scale,
-                    causal,
-                    attn_sink: sink.as_ref(),
-                },
-                cancel,
-            )?;
+    let options = decode_options(batch_invariant);
+    let shape = [dims.batch, dims.s_q, dims.h_q, dims.d_v];
+    let (out, lse, outs, workspace) =
+        decode_outputs(q, "decode_dense", shape, dims.dtype, &place, |sms| {
+            decode::launch::dense_workspace_words(&dims, &options, sms)
+        })?;
+    let ws = workspace.as_ref().map(|(_, d)| d);
+    run(
+        py,
+        "decode_dense",
+        &place,
+        |cancel| {
+            let res =
+                decode::decode_dense_cpu_with(&d.host()?.args(softmax_scale, causal), cancel)?;
             outs.out.write_host(&res.out)?;
             outs.lse.write_host(&res.lse)
-        }),
-        Location::Cuda(device) => py.detach(|| {
-            guard("decode_dense", || {
-                let (q, k, bt, sl) = (
-                    d.q.to_device()?,
-                    d.k_cache.to_device()?,
-                    d.block_table.to_device()?,
-                    d.cache_seqlens.to_device()?,
-                );
-                let sink = device_opt(&d.attn_sink)?;
-                let args = DenseDecodeArgs {
-                    q: &q,
-                    k_cache: &k,
-                    block_table: &bt,
-                    cache_seqlens: &sl,
-                    softmax_scale,
-                    causal,
-                    attn_sink: sink.as_ref(),
-                };
-                let views = DecodeOutput {
-                    out: outs.out.to_device()?,
-                    lse: outs.lse.to_device()?,
-                };
-                let ws = device_opt(&Desc::opt("workspace", &workspace)?)?;
-                decode::decode_dense_cuda(
-                    &gpu_for(device, stream)?,
-                    &args,
-                    &views,
-                    &decode_options(batch_invariant),
-                    ws.as_ref(),
-                )
-            })
-        }),
-    }
+        },
+        |gpu| {
+            let views = DecodeOutput {
+                out: outs.out.to_device()?,
+                lse: outs.lse.to_device()?,
+            };
+            let ws = ws.map(Desc::to_device).transpose()?;
+            decode::decode_dense_cuda(
+                gpu,
+                &d.device()?.args(softmax_scale, causal),
+                &views,
+                &options,
+                ws.as_ref(),
+            )
+        },
+    )?;
+    Ok((out, lse))
 }
 
-/// The sparse decode's input descriptors.
-struct SparseDecodeDescs {
-    q: Desc,
-    k_cache: Desc,
-    indices: Desc,
-    topk_length: Option<Desc>,
-    attn_sink: Option<Desc>,
-    extra: Option<(Desc, Desc, Option<Desc>)>,
+/// The sparse decode's inputs.
+struct SparseIn<T> {
+    q: T,
+    k_cache: T,
+    indices: T,
+    topk_length: Option<T>,
+    attn_sink: Option<T>,
+    /// `(extra_k_cache, extra_indices, extra_topk_length)`.
+    extra: Option<(T, T, Option<T>)>,
 }
 
-impl SparseDecodeDescs {
+impl SparseIn<Desc> {
     #[allow(clippy::too_many_arguments)]
-    fn new(
-        q: &RawDesc,
-        k_cache: &RawDesc,
-        indices: &RawDesc,
-        topk_length: &Option<RawDesc>,
-        attn_sink: &Option<RawDesc>,
-        extra_k_cache: &Option<RawDesc>,
-        extra_indices: &Option<RawDesc>,
-        extra_topk_length: &Option<RawDesc>,
-    ) -> Result<Self> {
+    fn read(
+        q: &Tensor<'_>,
+        k_cache: &Tensor<'_>,
+        indices: &Tensor<'_>,
+        topk_length: Option<&Tensor<'_>>,
+        attn_sink: Option<&Tensor<'_>>,
+        extra_k_cache: Option<&Tensor<'_>>,
+        extra_indices: Option<&Tensor<'_>>,
+        extra_topk_length: Option<&Tensor<'_>>,
+        read: Read,
+    ) -> PyResult<Self> {
         let extra = match (extra_k_cache, extra_indices) {
             (Some(c), Some(i)) => Some((
-                Desc::new("extra_k_cache", c)?,
-                Desc::new("extra_indices", i)?,
-                Desc::opt("extra_topk_length", extra_topk_length)?,
+                desc(c, "extra_k_cache", read)?,
+                desc(i, "extra_indices", read)?,
+                desc_opt(extra_topk_length, "extra_topk_length", read)?,
             )),
             (None, None) if extra_topk_length.is_none() => None,
-            _ => return Err(Error::invalid(
-                "extra_k_cache",
-                "extra_k_cache and extra_indices given together (extra_topk_length only with them)",
-                "only some of them",
-            )),
+            _ => {
+                return Err(pyo3::exceptions::PyValueError::new_err(
+                    "invalid argument `extra_k_cache`: expected extra_k_cache and extra_indices given together \
+                     (extra_topk_length only with them), got only some of them",
+                ))
+            }
         };
-        Ok(SparseDecodeDescs {
-            q: Desc::new("q", q)?,
-            k_cache: Desc::new("k_cache", k_cache)?,
-            indices: Desc::new("indices", indices)?,
-            topk_length: Desc::opt("topk_length", topk_length)?,
-            attn_sink: Desc::opt("attn_sink", attn_sink)?,
+        Ok(SparseIn {
+            q: desc(q, "q", read)?,
+            k_cache: desc(k_cache, "k_cache", read)?,
+            indices: desc(indices, "indices", read)?,
+            topk_length: desc_opt(topk_length, "topk_length", read)?,
+            attn_sink: desc_opt(attn_sink, "attn_sink", read)?,
             extra,
         })
     }
 
-    fn args(&self, softmax_scale: Option<f32>) -> SparseDecodeArgs<'_, Desc> {
+    fn host(&self) -> Result<SparseIn<HostTensor>> {
+        Ok(SparseIn {
+            q: self.q.to_host()?,
+            k_cache: self.k_cache.to_host()?,
+            indices: self.indices.to_host()?,
+            topk_length: host_opt(&self.topk_length)?,
+            attn_sink: host_opt(&self.attn_sink)?,
+            extra: match &self.extra {
+                Some((c, i, l)) => Some((c.to_host()?, i.to_host()?, host_opt(l)?)),
+                None => None,
+            },
+        })
+    }
+
+    fn device(&self) -> Result<SparseIn<DeviceView>> {
+        Ok(SparseIn {
+            q: self.q.to_device()?,
+            k_cache: self.k_cache.to_device()?,
+            indices: self.indices.to_device()?,
+            topk_length: device_opt(&self.topk_length)?,
+            attn_sink: device_opt(&self.attn_sink)?,
+            extra: match &self.extra {
+                Some((c, i, l)) => Some((c.to_device()?, i.to_device()?, device_opt(l)?)),
+                None => None,
+            },
+        })
+    }
+}
+
+impl<T> SparseIn<T> {
+    fn args(&self, softmax_scale: Option<f32>) -> SparseDecodeArgs<'_, T> {
         SparseDecodeArgs {
             q: &self.q,
             k_cache: &self.k_cache,
@@ -636,7 +749,7 @@ impl SparseDecodeDescs {
     }
 }
 
-/// Validates a sparse FP8 decode and returns `(b, s_q, h_q, d_v)` (`out` is bf16).
+/// Validates a sparse FP8 decode's metadata and returns `(b, s_q, h_q, d_v)` (`out` is bf16).
 #[pyfunction]
 #[pyo3(signature = (
     q, k_cache, indices, topk_length=None, softmax_scale=None, attn_sink=None,
@@ -644,288 +757,223 @@ impl SparseDecodeDescs {
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn decode_sparse_check(
-    q: RawDesc,
-    k_cache: RawDesc,
-    indices: RawDesc,
-    topk_length: Option<RawDesc>,
+    q: &Tensor<'_>,
+    k_cache: &Tensor<'_>,
+    indices: &Tensor<'_>,
+    topk_length: Option<&Tensor<'_>>,
     softmax_scale: Option<f32>,
-    attn_sink: Option<RawDesc>,
-    extra_k_cache: Option<RawDesc>,
-    extra_indices: Option<RawDesc>,
-    extra_topk_length: Option<RawDesc>,
+    attn_sink: Option<&Tensor<'_>>,
+    extra_k_cache: Option<&Tensor<'_>>,
+    extra_indices: Option<&Tensor<'_>>,
+    extra_topk_length: Option<&Tensor<'_>>,
 ) -> PyResult<(usize, usize, usize, usize)> {
+    let d = SparseIn::read(
+        q,
+        k_cache,
+        indices,
+        topk_length,
+        attn_sink,
+        extra_k_cache,
+        extra_indices,
+        extra_topk_length,
+        Read::Meta,
+    )?;
     guard("decode_sparse", || {
-        let d = SparseDecodeDescs::new(
-            &q,
-            &k_cache,
-            &indices,
-            &topk_length,
-            &attn_sink,
-            &extra_k_cache,
-            &extra_indices,
-            &extra_topk_length,
-        )?;
         let dims = decode::validate_sparse(&d.args(softmax_scale))?;
         Ok((dims.batch, dims.s_q, dims.h_q, dims.d_v))
     })
 }
 
-/// Validates a sparse FP8 decode and returns `(b, s_q, h_q, d_v, workspace_words)`: the f32 words of workspace a
-/// GPU run needs (allocated by the caller, as for the dense decode), 0 on the host.
+/// The sparse FP8 decode: `(out [b, s_q, h_q, d_v] bf16, lse [b, h_q, s_q] f32)`; on CUDA as for
+/// [`decode_dense`].
 #[pyfunction]
 #[pyo3(signature = (
     q, k_cache, indices, topk_length=None, softmax_scale=None, attn_sink=None,
     extra_k_cache=None, extra_indices=None, extra_topk_length=None, batch_invariant=false
 ))]
 #[allow(clippy::too_many_arguments)]
-pub fn decode_sparse_plan(
-    q: RawDesc,
-    k_cache: RawDesc,
-    indices: RawDesc,
-    topk_length: Option<RawDesc>,
+pub fn decode_sparse<'py>(
+    q: &Tensor<'py>,
+    k_cache: &Tensor<'py>,
+    indices: &Tensor<'py>,
+    topk_length: Option<&Tensor<'py>>,
     softmax_scale: Option<f32>,
-    attn_sink: Option<RawDesc>,
-    extra_k_cache: Option<RawDesc>,
-    extra_indices: Option<RawDesc>,
-    extra_topk_length: Option<RawDesc>,
+    attn_sink: Option<&Tensor<'py>>,
+    extra_k_cache: Option<&Tensor<'py>>,
+    extra_indices: Option<&Tensor<'py>>,
+    extra_topk_length: Option<&Tensor<'py>>,
     batch_invariant: bool,
-) -> PyResult<(usize, usize, usize, usize, usize)> {
-    guard("decode_sparse", || {
-        let d = SparseDecodeDescs::new(
-            &q,
-            &k_cache,
-            &indices,
-            &topk_length,
-            &attn_sink,
-            &extra_k_cache,
-            &extra_indices,
-            &extra_topk_length,
-        )?;
-        let dims = decode::validate_sparse(&d.args(softmax_scale))?;
-        let words = match placement(&d.q) {
-            Location::Cuda(device) => {
-                let sms = gpu_for(device, 0)?.info().sm_count as usize;
-                decode::launch::sparse_workspace_words(
-                    &dims,
-                    &decode_options(batch_invariant),
-                    sms,
-                )?
-            }
-            _ => 0,
-        };
-        Ok((dims.batch, dims.s_q, dims.h_q, dims.d_v, words))
-    })
-}
-
-/// Runs a sparse FP8 decode into `out [b, s_q, h_q, d_v]` bf16 and `lse [b, h_q, s_q]` f32. On CUDA,
-/// `workspace` is an f32 vector of the words [`decode_sparse_plan`] returned.
-#[pyfunction]
-#[pyo3(signature = (
-    q, k_cache, indices, topk_length, softmax_scale, attn_sink, extra_k_cache, extra_indices, extra_topk_length,
-    out, lse, stream=0, workspace=None, batch_invariant=false
-))]
-#[allow(clippy::too_many_arguments)]
-pub fn decode_sparse(
-    py: Python<'_>,
-    q: RawDesc,
-    k_cache: RawDesc,
-    indices: RawDesc,
-    topk_length: Option<RawDesc>,
-    softmax_scale: Option<f32>,
-    attn_sink: Option<RawDesc>,
-    extra_k_cache: Option<RawDesc>,
-    extra_indices: Option<RawDesc>,
-    extra_topk_length: Option<RawDesc>,
-    out: RawDesc,
-    lse: RawDesc,
-    stream: u64,
-    workspace: Option<RawDesc>,
-    batch_invariant: bool,
-) -> PyResult<()> {
-    let (d, outs) = guard("decode_sparse", || {
-        let d = SparseDecodeDescs::new(
-            &q,
-            &k_cache,
-            &indices,
-            &topk_length,
-            &attn_sink,
-            &extra_k_cache,
-            &extra_indices,
-            &extra_topk_length,
-        )?;
-        let outs = DecodeOutput {
-            out: Desc::new("out", &out)?,
-            lse: Desc::new("lse", &lse)?,
-        };
-        decode::validate_sparse(&d.args(softmax_scale))?;
-        Ok((d, outs))
+) -> PyResult<(Tensor<'py>, Tensor<'py>)> {
+    let py = q.py();
+    let mut d = SparseIn::read(
+        q,
+        k_cache,
+        indices,
+        topk_length,
+        attn_sink,
+        extra_k_cache,
+        extra_indices,
+        extra_topk_length,
+        Read::Data,
+    )?;
+    let (_q_alive, q_d) = q_rows_16b(q, d.q.clone())?;
+    d.q = q_d;
+    let place = Place::of(py, "decode_sparse", &d.q)?;
+    let dims = guard("decode_sparse", || {
+        decode::validate_sparse(&d.args(softmax_scale))
     })?;
-    match placement(&d.q) {
-        Location::Host => run_cpu(py, "decode_sparse", |cancel| {
-            let (q, k, idx) = (d.q.to_host()?, d.k_cache.to_host()?, d.indices.to_host()?);
-            let (len, sink) = (host_opt(&d.topk_length)?, host_opt(&d.attn_sink)?);
-            let extra = match &d.extra {
-                Some((c, i, l)) => Some((c.to_host()?, i.to_host()?, host_opt(l)?)),
-                None => None,
-            };
-            let res = decode::decode_sparse_cpu_with(
-                &SparseDecodeArgs {
-                    q: &q,
-                    k_cache: &k,
-                    indices: &idx,
-                    topk_length: len.as_ref(),
-                    softmax_scale,
-                    attn_sink: sink.as_ref(),
-                    extra: extra
-                        .as_ref()
-                        .map(|(k_cache, indices, topk_length)| ExtraKvArgs {
-                            k_cache,
-                            indices,
-                            topk_length: topk_length.as_ref(),
-                        }),
-                },
-                cancel,
-            )?;
+    let options = decode_options(batch_invariant);
+    let shape = [dims.batch, dims.s_q, dims.h_q, dims.d_v];
+    let (out, lse, outs, workspace) =
+        decode_outputs(q, "decode_sparse", shape, DType::Bf16, &place, |sms| {
+            decode::launch::sparse_workspace_words(&dims, &options, sms)
+        })?;
+    let ws = workspace.as_ref().map(|(_, d)| d);
+    run(
+        py,
+        "decode_sparse",
+        &place,
+        |cancel| {
+            let res = decode::decode_sparse_cpu_with(&d.host()?.args(softmax_scale), cancel)?;
             outs.out.write_host(&res.out)?;
             outs.lse.write_host(&res.lse)
-        }),
-        Location::Cuda(device) => py.detach(|| {
-            guard("decode_sparse", || {
-                let (q, k, idx) = (
-                    d.q.to_device()?,
-                    d.k_cache.to_device()?,
-                    d.indices.to_device()?,
-                );
-                let (len, sink) = (device_opt(&d.topk_length)?, device_opt(&d.attn_sink)?);
-                let extra = match &d.extra {
-                    Some((c, i, l)) => Some((c.to_device()?, i.to_device()?, device_opt(l)?)),
-                    None => None,
-                };
-                let args = SparseDecodeArgs {
-                    q: &q,
-                    k_cache: &k,
-                    indices: &idx,
-                    topk_length: len.as_ref(),
-                    softmax_scale,
-                    attn_sink: sink.as_ref(),
-                    extra: extra
-                        .as_ref()
-                        .map(|(k_cache, indices, topk_length)| ExtraKvArgs {
-                            k_cache,
-                            indices,
-                            topk_length: topk_length.as_ref(),
-                        }),
-                };
-                let views = DecodeOutput {
-                    out: outs.out.to_device()?,
-                    lse: outs.lse.to_device()?,
-                };
-                let ws = device_opt(&Desc::opt("workspace", &workspace)?)?;
-                decode::decode_sparse_cuda(
-                    &gpu_for(device, stream)?,
-                    &args,
-                    &views,
-                    &decode_options(batch_invariant),
-                    ws.as_ref(),
-                )
-            })
-        }),
-    }
+        },
+        |gpu| {
+            let views = DecodeOutput {
+                out: outs.out.to_device()?,
+                lse: outs.lse.to_device()?,
+            };
+            let ws = ws.map(Desc::to_device).transpose()?;
+            decode::decode_sparse_cuda(
+                gpu,
+                &d.device()?.args(softmax_scale),
+                &views,
+                &options,
+                ws.as_ref(),
+            )
+        },
+    )?;
+    Ok((out, lse))
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // FP8 KV-cache quantise / dequantise
 
-/// Validates a quantise input and returns the packed cache shape `(num_blocks, page_size, 1, bytes_per_token)`.
+/// Validates a quantise input's metadata and returns the packed cache shape `(num_blocks, page_size, 1,
+/// bytes_per_token)`.
 #[pyfunction]
-pub fn kv_quantize_check(kv: RawDesc) -> PyResult<(usize, usize, usize, usize)> {
+pub fn kv_quantize_check(kv: &Tensor<'_>) -> PyResult<(usize, usize, usize, usize)> {
+    let kv = desc(kv, "kv", Read::Meta)?;
     guard("kv_quantize", || {
-        let kv = Desc::new("kv", &kv)?;
         let [a, b, c, d] = kv_quant::validate_quantize(&QuantizeArgs { kv: &kv })?.cache_shape();
         Ok((a, b, c, d))
     })
 }
 
-/// Quantises `kv` into `cache` (u8 or f8e4m3, any valid block stride; the bytes between blocks keep their
-/// values).
+/// Quantises `kv` into `cache` and returns it: a new packed u8 cache when `cache` is `None`, else the given one
+/// (u8 or f8e4m3, any valid block stride; the bytes between blocks keep their values).
 #[pyfunction]
-#[pyo3(signature = (kv, cache, stream=0))]
-pub fn kv_quantize(py: Python<'_>, kv: RawDesc, cache: RawDesc, stream: u64) -> PyResult<()> {
-    py.detach(|| {
-        guard("kv_quantize", || {
-            let (kv, cache) = (Desc::new("kv", &kv)?, Desc::new("cache", &cache)?);
-            let dims = kv_quant::validate_quantize(&QuantizeArgs { kv: &kv })?;
-            kv_quant::validate_quantize_output(
-                &dims,
-                &QuantizeOutput {
-                    cache: cache.clone(),
+#[pyo3(signature = (kv, cache=None))]
+pub fn kv_quantize<'py>(kv: &Tensor<'py>, cache: Option<&Tensor<'py>>) -> PyResult<Tensor<'py>> {
+    let py = kv.py();
+    let kv_d = desc(kv, "kv", Read::Data)?;
+    let place = Place::of(py, "kv_quantize", &kv_d)?;
+    let loc = place.location();
+    let dims = guard("kv_quantize", || {
+        kv_quant::validate_quantize(&QuantizeArgs { kv: &kv_d })
+    })?;
+    let (cache, cache_d) = match cache {
+        Some(c) => (c.clone(), desc(c, "cache", Read::Data)?),
+        None => new_output(kv, "cache", &dims.cache_shape(), DType::U8, loc)?,
+    };
+    guard("kv_quantize", || {
+        kv_quant::validate_quantize_output(
+            &dims,
+            &QuantizeOutput {
+                cache: cache_d.clone(),
+            },
+        )
+    })?;
+    run(
+        py,
+        "kv_quantize",
+        &place,
+        |_| {
+            let host_kv = kv_d.to_host()?;
+            let filled =
+                kv_quant::quantize_cpu_into(&QuantizeArgs { kv: &host_kv }, cache_d.to_host()?)?;
+            cache_d.write_host(&filled)
+        },
+        |gpu| {
+            kv_quant::quantize_cuda(
+                gpu,
+                &QuantizeArgs {
+                    kv: &kv_d.to_device()?,
                 },
-            )?;
-            match placement(&kv) {
-                Location::Host => {
-                    let host_kv = kv.to_host()?;
-                    let filled = kv_quant::quantize_cpu_into(
-                        &QuantizeArgs { kv: &host_kv },
-                        cache.to_host()?,
-                    )?;
-                    cache.write_host(&filled)
-                }
-                Location::Cuda(device) => kv_quant::quantize_cuda(
-                    &gpu_for(device, stream)?,
-                    &QuantizeArgs {
-                        kv: &kv.to_device()?,
-                    },
-                    &QuantizeOutput {
-                        cache: cache.to_device()?,
-                    },
-                ),
-            }
-        })
-    })
+                &QuantizeOutput {
+                    cache: cache_d.to_device()?,
+                },
+            )
+        },
+    )?;
+    Ok(cache)
 }
 
-/// Validates a dequantise input and returns the values' shape `(num_blocks, page_size, 1, d_qk)`.
+/// Validates a dequantise input's metadata and returns the values' shape `(num_blocks, page_size, 1, d_qk)`.
 #[pyfunction]
-pub fn kv_dequantize_check(cache: RawDesc) -> PyResult<(usize, usize, usize, usize)> {
+pub fn kv_dequantize_check(cache: &Tensor<'_>) -> PyResult<(usize, usize, usize, usize)> {
+    let cache = desc(cache, "cache", Read::Meta)?;
     guard("kv_dequantize", || {
-        let cache = Desc::new("cache", &cache)?;
         let [a, b, c, d] =
             kv_quant::validate_dequantize(&DequantizeArgs { cache: &cache })?.kv_shape();
         Ok((a, b, c, d))
     })
 }
 
-/// Dequantises `cache` into `kv [num_blocks, page_size, 1, d_qk]` bf16.
+/// Dequantises `cache` into a new `kv [num_blocks, page_size, 1, d_qk]` bf16.
 #[pyfunction]
-#[pyo3(signature = (cache, kv, stream=0))]
-pub fn kv_dequantize(py: Python<'_>, cache: RawDesc, kv: RawDesc, stream: u64) -> PyResult<()> {
-    py.detach(|| {
-        guard("kv_dequantize", || {
-            let (cache, kv) = (Desc::new("cache", &cache)?, Desc::new("kv", &kv)?);
-            let dims = kv_quant::validate_dequantize(&DequantizeArgs { cache: &cache })?;
-            kv_quant::validate_dequantize_output(&dims, &DequantizeOutput { kv: kv.clone() })?;
-            match placement(&cache) {
-                Location::Host => {
-                    let host_cache = cache.to_host()?;
-                    let res = kv_quant::dequantize_cpu(&DequantizeArgs { cache: &host_cache })?;
-                    kv.write_host(&res.kv)
-                }
-                Location::Cuda(device) => kv_quant::dequantize_cuda(
-                    &gpu_for(device, stream)?,
-                    &DequantizeArgs {
-                        cache: &cache.to_device()?,
-                    },
-                    &DequantizeOutput {
-                        kv: kv.to_device()?,
-                    },
-                ),
-            }
-        })
-    })
+pub fn kv_dequantize<'py>(cache: &Tensor<'py>) -> PyResult<Tensor<'py>> {
+    let py = cache.py();
+    let cache_d = desc(cache, "cache", Read::Data)?;
+    let place = Place::of(py, "kv_dequantize", &cache_d)?;
+    let loc = place.location();
+    let dims = guard("kv_dequantize", || {
+        kv_quant::validate_dequantize(&DequantizeArgs { cache: &cache_d })
+    })?;
+    let (kv, kv_d) = new_output(cache, "kv", &dims.kv_shape(), DType::Bf16, loc)?;
+    run(
+        py,
+        "kv_dequantize",
+        &place,
+        |_| {
+            let host_cache = cache_d.to_host()?;
+            let res = kv_quant::dequantize_cpu(&DequantizeArgs { cache: &host_cache })?;
+            kv_d.write_host(&res.kv)
+        },
+        |gpu| {
+            kv_quant::dequantize_cuda(
+                gpu,
+                &DequantizeArgs {
+                    cache: &cache_d.to_device()?,
+                },
+                &DequantizeOutput {
+                    kv: kv_d.to_device()?,
+                },
+            )
+        },
+    )?;
+    Ok(kv)
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Build information
+
+/// Drops the decode workspaces kept per CUDA stream and returns the bytes they held (see
+/// `crate::tensor::stream_workspace`).
+#[pyfunction]
+pub fn release_workspaces() -> usize {
+    crate::tensor::release_workspaces()
+}
 
 /// Every kernel family with whether its cubin is embedded in this build: `[(family, built), ...]`.
 #[pyfunction]

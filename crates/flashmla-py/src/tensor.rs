@@ -1,55 +1,99 @@
-//! Tensor descriptors handed over by the Python layer, and their conversion to the library's tensor types.
+//! Torch tensors as the library sees them: their metadata read through the tensor protocol, and output allocation.
 //!
-//! Python describes each torch tensor as a tuple `(data_ptr, dtype, shape, strides, device)`:
-//! `data_ptr` is `tensor.data_ptr()` (the address of element `[0, 0, ...]`, storage offset included), `dtype` one
-//! of `bf16`, `f16`, `f32`, `i32`, `u8`, `f8e4m3` (any other name, e.g. torch's `int64`, describes a dtype
-//! flashmla does not compute on: validation then names it and lists what the argument accepts), `shape` and
-//! `strides` in elements, `device` the CUDA ordinal or `-1` for the CPU.
-//! The Python caller keeps every tensor alive for the duration of the call (the descriptors are built from
-//! arguments it holds), which is what makes reading and writing through `data_ptr` sound.
+//! Every entry point takes torch tensors as they are and reads, for each, what the library needs:
+//! `data_ptr()` (the address of element `[0, 0, ...]`, storage offset included), `dtype` (one of bfloat16,
+//! float16, float32, int32, uint8, float8_e4m3fn; any other, e.g. int64, describes a dtype flashmla does not
+//! compute on: validation then names it and lists what the argument accepts), `shape` and `stride()` in elements,
+//! and the device (`get_device()` of a CUDA tensor, or the host). The Python caller keeps every tensor alive for
+//! the duration of the call (they are its arguments, or outputs this module allocated and returns), which is
+//! what makes reading and writing through `data_ptr` sound. Reading these from Rust costs about half of what
+//! building the same description in Python did, and the one native call per op does it once.
 //!
 //! * CPU inputs are copied into a [`HostTensor`] (the storage span only, any strides kept); CPU outputs are
 //!   allocated by torch and filled by [`Desc::write_host`].
 //! * CUDA tensors become [`DeviceView`]s: no copy, the kernels read and write torch's memory.
+//! * Outputs and workspaces are allocated by torch ([`new_output`]: `like.new_empty(shape, dtype=...)`), so its
+//!   caching allocator serves them in stream order and a CUDA graph capture takes them from the graph's pool.
 
 use flashmla::alloc::try_filled;
 use flashmla::{
     DType, DeviceView, Error, HostData, HostTensor, Layout, Location, Result, TensorMeta,
 };
 use half::{bf16, f16};
-use pyo3::FromPyObject;
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyType};
 
-/// The tuple Python sends for one tensor: `(data_ptr, dtype, shape, strides, device)`.
-#[derive(Debug, Clone, FromPyObject)]
-pub struct RawDesc(pub u64, pub String, pub Vec<usize>, pub Vec<usize>, pub i64);
+/// What this module takes from torch, looked up once per process.
+struct Torch {
+    /// `torch.Tensor`.
+    tensor: Py<PyType>,
+    /// Each dtype flashmla computes on, its torch object and `{"dtype": object}` for `new_empty`.
+    dtypes: Vec<(DType, Py<PyAny>, Py<PyDict>)>,
+    /// `torch._C._cuda_getCurrentRawStream` (what torch's own generated code calls), where this torch has it.
+    raw_stream: Option<Py<PyAny>>,
+    /// `torch.cuda.current_stream`, the public fallback.
+    current_stream: Py<PyAny>,
+}
 
-/// The dtype of a name the Python layer uses (`torch.bfloat16` -> `"bf16"`, ...), or `None` for any other name.
-fn known_dtype(name: &str) -> Option<DType> {
-    Some(match name {
-        "bf16" => DType::Bf16,
-        "f16" => DType::F16,
-        "f32" => DType::F32,
-        "i32" => DType::I32,
-        "u8" => DType::U8,
-        "f8e4m3" => DType::F8E4M3,
-        _ => return None,
+fn torch(py: Python<'_>) -> PyResult<&'static Torch> {
+    static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
+    TORCH.get_or_try_init(py, || {
+        let torch = py.import("torch")?;
+        let mut dtypes = Vec::new();
+        for (dtype, name) in [
+            (DType::Bf16, "bfloat16"),
+            (DType::F16, "float16"),
+            (DType::F32, "float32"),
+            (DType::I32, "int32"),
+            (DType::U8, "uint8"),
+            (DType::F8E4M3, "float8_e4m3fn"),
+        ] {
+            // float8_e4m3fn is missing from old torch builds: such a torch simply never passes one.
+            if let Ok(obj) = torch.getattr(name) {
+                let kwargs = PyDict::new(py);
+                kwargs.set_item("dtype", &obj)?;
+                dtypes.push((dtype, obj.unbind(), kwargs.unbind()));
+            }
+        }
+        let raw_stream = torch
+            .getattr("_C")
+            .and_then(|c| c.getattr("_cuda_getCurrentRawStream"))
+            .ok()
+            .map(Bound::unbind);
+        Ok::<_, PyErr>(Torch {
+            tensor: torch.getattr("Tensor")?.cast_into::<PyType>()?.unbind(),
+            dtypes,
+            raw_stream,
+            current_stream: torch.getattr("cuda")?.getattr("current_stream")?.unbind(),
+        })
     })
 }
 
-/// A dtype name that must be one of `allowed` (an option such as `d_kv`'s dtype); anything else is refused with
-/// a `TypeError` naming the argument and listing `allowed`.
-pub fn parse_dtype(arg: &str, name: &str, allowed: &[DType]) -> Result<DType> {
-    match known_dtype(name) {
-        Some(d) if allowed.contains(&d) => Ok(d),
-        _ => {
-            let names: Vec<&str> = allowed.iter().map(|d| d.name()).collect();
-            Err(Error::invalid(
-                format!("{arg}.dtype"),
-                format!("one of [{}]", names.join(", ")),
-                name,
-            ))
-        }
+/// The raw `CUstream` of torch's current stream on CUDA device `device`.
+pub fn current_stream(py: Python<'_>, device: usize) -> PyResult<u64> {
+    let t = torch(py)?;
+    match &t.raw_stream {
+        Some(f) => f.bind(py).call1((device,))?.extract(),
+        None => t
+            .current_stream
+            .bind(py)
+            .call1((device,))?
+            .getattr(intern!(py, "cuda_stream"))?
+            .extract(),
     }
+}
+
+/// How a tensor is read: the data of a real one, or only the metadata of a fake one (a fake or meta tensor under
+/// `torch.compile` has no memory: its address is never read, and a `meta` device counts as the host).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Read {
+    /// A real tensor: its memory is read or written by the call.
+    Data,
+    /// Metadata only, for validation.
+    Meta,
 }
 
 /// One described tensor, checked: one stride per dimension, a known place. Its dtype may be one flashmla does not
@@ -60,7 +104,7 @@ pub struct Desc {
     ptr: u64,
     /// The dtype, or a placeholder when `foreign` is set.
     dtype: DType,
-    /// The name Python gave a dtype flashmla does not know.
+    /// The name torch gives a dtype flashmla does not know.
     foreign: Option<String>,
     layout: Layout,
     location: Location,
@@ -81,39 +125,126 @@ impl TensorMeta for Desc {
     }
 }
 
-impl Desc {
-    /// Checks a raw descriptor of argument `arg`.
-    pub fn new(arg: &'static str, raw: &RawDesc) -> Result<Desc> {
-        let RawDesc(ptr, dtype_name, shape, strides, device) = raw;
-        let (dtype, foreign) = match known_dtype(dtype_name) {
-            Some(d) => (d, None),
-            // A placeholder: every validation checks the dtype through `expect_dtype`, which sees `foreign`.
-            None => (DType::U8, Some(dtype_name.clone())),
-        };
-        let layout = Layout::strided(shape, strides).map_err(|_| {
-            Error::invalid(
-                format!("{arg}.stride"),
-                format!("{} strides", shape.len()),
-                strides.len(),
-            )
-        })?;
-        let location = match usize::try_from(*device) {
-            Ok(ordinal) => Location::Cuda(ordinal),
-            Err(_) => Location::Host,
-        };
-        Ok(Desc {
-            arg,
-            ptr: *ptr,
-            dtype,
-            foreign,
-            layout,
-            location,
-        })
+/// `TypeError` naming `arg` when `obj` is not a torch tensor.
+fn expect_tensor(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<()> {
+    if obj.is_instance(torch(obj.py())?.tensor.bind(obj.py()))? {
+        return Ok(());
     }
+    let got = obj.get_type().name()?;
+    Err(PyTypeError::new_err(format!(
+        "invalid argument `{arg}`: expected a torch.Tensor, got {got}"
+    )))
+}
 
-    /// An optional descriptor.
-    pub fn opt(arg: &'static str, raw: &Option<RawDesc>) -> Result<Option<Desc>> {
-        raw.as_ref().map(|r| Desc::new(arg, r)).transpose()
+/// Reads the description of tensor argument `arg` (`TypeError` when it is not a tensor).
+pub fn desc(obj: &Bound<'_, PyAny>, arg: &'static str, read: Read) -> PyResult<Desc> {
+    let py = obj.py();
+    expect_tensor(obj, arg)?;
+    let location = if obj.getattr(intern!(py, "is_cuda"))?.extract::<bool>()? {
+        Location::Cuda(obj.call_method0(intern!(py, "get_device"))?.extract()?)
+    } else {
+        let device = obj.getattr(intern!(py, "device"))?;
+        let kind = device.getattr(intern!(py, "type"))?;
+        match (kind.extract::<String>()?.as_str(), read) {
+            ("cpu", _) | ("meta", Read::Meta) => Location::Host,
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "invalid argument `{arg}.device`: expected a cpu or cuda tensor, got {}",
+                    device.str()?
+                )))
+            }
+        }
+    };
+    let shape: Vec<usize> = obj.getattr(intern!(py, "shape"))?.extract()?;
+    let strides: Vec<usize> = obj.call_method0(intern!(py, "stride"))?.extract()?;
+    let dtype_obj = obj.getattr(intern!(py, "dtype"))?;
+    let known = torch(py)?
+        .dtypes
+        .iter()
+        .find(|(_, o, _)| o.bind(py).is(&dtype_obj))
+        .map(|(d, _, _)| *d);
+    let (dtype, foreign) = match known {
+        Some(d) => (d, None),
+        // A placeholder: every validation checks the dtype through `expect_dtype`, which sees `foreign`.
+        None => {
+            let name = dtype_obj.str()?.to_string();
+            let name = name.strip_prefix("torch.").unwrap_or(&name).to_string();
+            (DType::U8, Some(name))
+        }
+    };
+    let numel = shape.iter().try_fold(1usize, |n, &s| n.checked_mul(s));
+    let ptr = match (read, numel) {
+        (Read::Data, Some(n)) if n > 0 => obj.call_method0(intern!(py, "data_ptr"))?.extract()?,
+        _ => 0,
+    };
+    let layout = Layout::strided(&shape, &strides).map_err(|_| {
+        PyValueError::new_err(format!(
+            "invalid argument `{arg}.stride`: expected {} strides, got {}",
+            shape.len(),
+            strides.len()
+        ))
+    })?;
+    Ok(Desc {
+        arg,
+        ptr,
+        dtype,
+        foreign,
+        layout,
+        location,
+    })
+}
+
+/// [`desc`] of an optional argument (`None` stays `None`).
+pub fn desc_opt(
+    obj: Option<&Bound<'_, PyAny>>,
+    arg: &'static str,
+    read: Read,
+) -> PyResult<Option<Desc>> {
+    obj.map(|o| desc(o, arg, read)).transpose()
+}
+
+/// A new contiguous tensor of `shape` and `dtype` on `like`'s device (`like.new_empty`, uninitialised), and its
+/// description as output `arg`.
+pub fn new_output<'py>(
+    like: &Bound<'py, PyAny>,
+    arg: &'static str,
+    shape: &[usize],
+    dtype: DType,
+    location: Location,
+) -> PyResult<(Bound<'py, PyAny>, Desc)> {
+    let py = like.py();
+    let kwargs = torch(py)?
+        .dtypes
+        .iter()
+        .find(|(d, _, _)| *d == dtype)
+        .map(|(_, _, k)| k.bind(py))
+        .ok_or_else(|| PyTypeError::new_err(format!("this torch has no {} dtype", dtype.name())))?;
+    let t = like.call_method(
+        intern!(py, "new_empty"),
+        (PyTuple::new(py, shape)?,),
+        Some(kwargs),
+    )?;
+    let numel: usize = shape.iter().product();
+    let ptr = if numel > 0 {
+        t.call_method0(intern!(py, "data_ptr"))?.extract()?
+    } else {
+        0
+    };
+    let desc = Desc {
+        arg,
+        ptr,
+        dtype,
+        foreign: None,
+        layout: Layout::contiguous(shape),
+        location,
+    };
+    Ok((t, desc))
+}
+
+impl Desc {
+    /// The address of element `[0, 0, ...]` (0 for an empty tensor or a metadata-only description).
+    pub fn ptr(&self) -> u64 {
+        self.ptr
     }
 
     /// Elements the storage must hold behind `ptr` (the layout's span), refusing a foreign dtype (its element
@@ -269,8 +400,75 @@ fn host_bytes(data: &HostData) -> &[u8] {
     }
 }
 
-/// Where a call runs: the location of its first tensor argument (the library checks that every other tensor
-/// lives there too).
-pub fn placement(first: &Desc) -> Location {
-    first.location()
+/// One decode workspace kept for a `(device, stream)`: the torch tensor, its length in f32 words, its address.
+struct Kept {
+    tensor: Py<PyAny>,
+    words: usize,
+    ptr: u64,
+}
+
+fn kept() -> &'static std::sync::Mutex<std::collections::HashMap<(usize, u64), Kept>> {
+    static KEPT: std::sync::OnceLock<
+        std::sync::Mutex<std::collections::HashMap<(usize, u64), Kept>>,
+    > = std::sync::OnceLock::new();
+    KEPT.get_or_init(Default::default)
+}
+
+/// An f32 workspace of at least `words` words for work queued on `stream` of CUDA `device`, described as
+/// `workspace`.
+///
+/// Outside CUDA-graph capture it is the one kept for that stream (allocated through torch the first time, and
+/// again, larger, when a call needs more): every call on a stream is ordered after the previous one there, so
+/// they can share it, and the decode saves an allocation per call. While the stream is being captured the call
+/// gets a fresh tensor instead, which torch takes from the graph's private pool, so replays never share memory
+/// with eager calls. [`release_workspaces`] drops the kept ones.
+pub fn stream_workspace<'py>(
+    like: &Bound<'py, PyAny>,
+    device: usize,
+    stream: u64,
+    capturing: bool,
+    words: usize,
+) -> PyResult<(Bound<'py, PyAny>, Desc)> {
+    let py = like.py();
+    let loc = Location::Cuda(device);
+    if capturing {
+        return new_output(like, "workspace", &[words], DType::F32, loc);
+    }
+    let found = {
+        let map = kept().lock().unwrap_or_else(|p| p.into_inner());
+        map.get(&(device, stream))
+            .filter(|k| k.words >= words)
+            .map(|k| (k.tensor.clone_ref(py), k.words, k.ptr))
+    };
+    if let Some((tensor, words, ptr)) = found {
+        let desc = Desc {
+            arg: "workspace",
+            ptr,
+            dtype: DType::F32,
+            foreign: None,
+            layout: Layout::contiguous(&[words]),
+            location: loc,
+        };
+        return Ok((tensor.into_bound(py), desc));
+    }
+    let (tensor, desc) = new_output(like, "workspace", &[words], DType::F32, loc)?;
+    // The tensor this replaces is freed once the lock is released: torch reuses its memory only for later work on
+    // the same stream, behind the calls already queued there.
+    let replaced = kept().lock().unwrap_or_else(|p| p.into_inner()).insert(
+        (device, stream),
+        Kept {
+            tensor: tensor.clone().unbind(),
+            words,
+            ptr: desc.ptr,
+        },
+    );
+    drop(replaced);
+    Ok((tensor, desc))
+}
+
+/// Drops the workspaces kept for every stream (their memory goes back to torch's caching allocator); returns how
+/// many bytes they held.
+pub fn release_workspaces() -> usize {
+    let old = std::mem::take(&mut *kept().lock().unwrap_or_else(|p| p.into_inner()));
+    old.values().map(|k| k.words * 4).sum()
 }

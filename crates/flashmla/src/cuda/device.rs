@@ -374,8 +374,30 @@ impl Gpu {
         Ok((free, total))
     }
 
+    /// Runs `f` (which uses this handle) and then makes the context that was current on the calling thread before
+    /// current again, when `f` changed it.
+    ///
+    /// Every entry point binds this device's primary context to the thread; the CUDA runtime (and so PyTorch)
+    /// reads its current device from that binding. A host application that drives several devices calls through
+    /// this to keep its own current device: one `cuCtxGetCurrent` before, and a rebind only when it differs.
+    pub fn restoring_context<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let mut prev: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one handle; the driver is loaded (this handle exists).
+        check("cuCtxGetCurrent", unsafe {
+            sys::cuCtxGetCurrent(&mut prev)
+        })?;
+        let res = f();
+        if prev != self.inner.ctx.raw {
+            // SAFETY: `prev` was current on this thread a moment ago (or null, which unbinds): a context the
+            // application keeps alive, as it did before this call.
+            let r = check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(prev) });
+            return res.and_then(|v| r.map(|()| v));
+        }
+        res
+    }
+
     /// Whether the stream is being captured into a CUDA graph (synchronising it would then be an error).
-    pub(crate) fn is_capturing(&self) -> Result<bool> {
+    pub fn is_capturing(&self) -> Result<bool> {
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         // SAFETY: the stream is alive as long as `self`; writes one enum.
         check("cuStreamIsCapturing", unsafe {
