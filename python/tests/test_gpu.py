@@ -342,6 +342,11 @@ def test_second_device_keeps_current_device():
     assert out.device == torch.device("cuda:1")
     assert torch.cuda.current_device() == 0
     assert_spec_close("out (cuda:1)", out, ref_forward(case)[0], TOL_PREFILL_OUT)
+    q, cache, idx, lengths = _sparse_decode_inputs(19, b=2, s_q=1, h_q=64, topk=128)
+    got = flashmla.decode_sparse(q.to("cuda:1"), cache.to("cuda:1"), idx.to("cuda:1"), lengths.to("cuda:1"))
+    assert got[0].device == torch.device("cuda:1") and torch.cuda.current_device() == 0
+    want = flashmla.decode_sparse(q, cache, idx, lengths)
+    assert_spec_close("decode out (cuda:1)", got[0], want[0], (1e-3, 2.01 / 128, 5e-6))
 
 
 # ------------------------------------------------------------------------------------------------------------

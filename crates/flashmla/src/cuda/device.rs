@@ -192,8 +192,9 @@ fn sync_launches_default() -> bool {
 /// One CUDA device: its primary context (shared with the CUDA runtime and PyTorch), one stream every operation of
 /// this handle is ordered on, and the cache of loaded kernel modules. Cheap to clone (shared state).
 ///
-/// Thread-safe: each call binds the context to the calling thread. Work from clones of one `Gpu` goes to the
-/// same stream, so it is ordered.
+/// Thread-safe: each call binds the context to the calling thread (opening a handle puts the thread's previous
+/// context back; [`Gpu::restoring_context`] does the same around any other calls). Work from clones of one `Gpu`
+/// goes to the same stream, so it is ordered.
 #[derive(Clone)]
 pub struct Gpu {
     pub(crate) inner: Arc<GpuInner>,
@@ -254,6 +255,9 @@ impl Gpu {
 
     fn open(ordinal: usize, stream: StreamChoice) -> Result<Gpu> {
         let version = driver::init()?;
+        // Opening binds the device's primary context; the thread's current context (a host application's current
+        // device) is put back afterwards, as every entry point run through `restoring_context` does.
+        let _restore = ContextRestore::save()?;
         let count = Self::device_count()?;
         if ordinal >= count {
             return Err(Error::invalid(
@@ -312,6 +316,7 @@ impl Gpu {
     /// As [`Gpu::with_external_stream`]: `stream` must be valid and outlive the returned handle, its clones and
     /// the tensors it allocates.
     pub unsafe fn with_stream(&self, stream: u64) -> Result<Gpu> {
+        let _restore = ContextRestore::save()?;
         self.inner.bind()?;
         let s = stream as usize as sys::CUstream;
         check_stream_context(s, &self.inner.ctx)?;
@@ -381,19 +386,10 @@ impl Gpu {
     /// reads its current device from that binding. A host application that drives several devices calls through
     /// this to keep its own current device: one `cuCtxGetCurrent` before, and a rebind only when it differs.
     pub fn restoring_context<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
-        let mut prev: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: writes one handle; the driver is loaded (this handle exists).
-        check("cuCtxGetCurrent", unsafe {
-            sys::cuCtxGetCurrent(&mut prev)
-        })?;
+        let restore = ContextRestore::save()?;
         let res = f();
-        if prev != self.inner.ctx.raw {
-            // SAFETY: `prev` was current on this thread a moment ago (or null, which unbinds): a context the
-            // application keeps alive, as it did before this call.
-            let r = check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(prev) });
-            return res.and_then(|v| r.map(|()| v));
-        }
-        res
+        let r = restore.restore();
+        res.and_then(|v| r.map(|()| v))
     }
 
     /// Whether the stream is being captured into a CUDA graph (synchronising it would then be an error).
@@ -404,6 +400,52 @@ impl Gpu {
             sys::cuStreamIsCapturing(self.inner.stream, &mut status)
         })?;
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+}
+
+/// The context current on the calling thread when it was saved, made current again by [`ContextRestore::restore`]
+/// or on drop (after an early return), when it changed meanwhile.
+struct ContextRestore {
+    prev: sys::CUcontext,
+    done: bool,
+}
+
+impl ContextRestore {
+    /// Saves the current context (the driver must be initialised).
+    fn save() -> Result<Self> {
+        let mut prev: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one handle.
+        check("cuCtxGetCurrent", unsafe {
+            sys::cuCtxGetCurrent(&mut prev)
+        })?;
+        Ok(ContextRestore { prev, done: false })
+    }
+
+    fn rebind(&self) -> Result<()> {
+        let mut now: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one handle.
+        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut now) })?;
+        if now == self.prev {
+            return Ok(());
+        }
+        // SAFETY: `prev` was current on this thread a moment ago (or null, which unbinds): a context the
+        // application keeps alive, as it did before this call.
+        check("cuCtxSetCurrent", unsafe {
+            sys::cuCtxSetCurrent(self.prev)
+        })
+    }
+
+    fn restore(mut self) -> Result<()> {
+        self.done = true;
+        self.rebind()
+    }
+}
+
+impl Drop for ContextRestore {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.rebind();
+        }
     }
 }
 
