@@ -122,6 +122,8 @@ class FlashMLASchedMeta:
     # FlashMLA keeps its tile-scheduler tensors here; this implementation schedules inside the call.
     tile_scheduler_metadata: Optional[Tensor] = None
     num_splits: Optional[Tensor] = None
+    # `config` as a plain tuple, the cheap comparison every later call makes.
+    _key: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
 
 
 def get_mla_metadata(*args, **kwargs) -> Tuple[FlashMLASchedMeta, None]:
@@ -184,22 +186,25 @@ def flash_mla_with_kvcache(
             f"got {type(tile_scheduler_metadata).__name__}"
         )
     sparse = indices is not None
-    if tile_scheduler_metadata is not None:
-        _record_or_check(
-            tile_scheduler_metadata,
-            FlashMLASchedMeta.Config(
-                b=q.shape[0],
-                s_q=q.shape[1],
-                h_q=q.shape[2],
-                page_block_size=k_cache.shape[1],
-                h_k=k_cache.shape[2],
-                causal=causal,
-                is_fp8_kvcache=is_fp8_kvcache,
-                topk=indices.shape[-1] if sparse else None,
-                extra_page_block_size=extra_k_cache.shape[1] if extra_k_cache is not None else None,
-                extra_topk=extra_indices_in_kvcache.shape[-1] if extra_indices_in_kvcache is not None else None,
-            ),
+    meta = tile_scheduler_metadata
+    if meta is not None:
+        q_shape, cache_shape = q.shape, k_cache.shape
+        # The fields of FlashMLASchedMeta.Config, in order.
+        key = (
+            q_shape[0],
+            q_shape[1],
+            q_shape[2],
+            cache_shape[1],
+            cache_shape[2],
+            causal,
+            is_fp8_kvcache,
+            indices.shape[-1] if sparse else None,
+            extra_k_cache.shape[1] if extra_k_cache is not None else None,
+            extra_indices_in_kvcache.shape[-1] if extra_indices_in_kvcache is not None else None,
         )
+        if key != meta._key:
+            _record_or_check(meta, FlashMLASchedMeta.Config(*key))
+            meta._key = key
     if sparse:
         if causal:
             raise ValueError("invalid argument `causal`: expected False with sparse attention (`indices` given)")

@@ -125,9 +125,12 @@ impl TensorMeta for Desc {
     }
 }
 
-/// `TypeError` naming `arg` when `obj` is not a torch tensor.
-fn expect_tensor(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<()> {
-    if obj.is_instance(torch(obj.py())?.tensor.bind(obj.py()))? {
+/// `TypeError` naming `arg` when `obj` is not a torch tensor (a plain `torch.Tensor` is recognised by its type
+/// alone; subclasses through `isinstance`).
+fn expect_tensor(obj: &Bound<'_, PyAny>, arg: &str, torch: &Torch) -> PyResult<()> {
+    let py = obj.py();
+    let tensor = torch.tensor.bind(py);
+    if obj.get_type().is(tensor) || obj.is_instance(tensor)? {
         return Ok(());
     }
     let got = obj.get_type().name()?;
@@ -136,11 +139,20 @@ fn expect_tensor(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<()> {
     )))
 }
 
+/// The entries of a tuple of sizes (`torch.Size`, the tuple `stride()` returns).
+fn sizes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    match obj.cast::<PyTuple>() {
+        Ok(t) => t.iter().map(|v| v.extract::<usize>()).collect(),
+        Err(_) => obj.extract(),
+    }
+}
+
 /// Reads the description of tensor argument `arg` (`TypeError` when it is not a tensor).
 pub fn desc(obj: &Bound<'_, PyAny>, arg: &'static str, read: Read) -> PyResult<Desc> {
     let py = obj.py();
-    expect_tensor(obj, arg)?;
-    let location = if obj.getattr(intern!(py, "is_cuda"))?.extract::<bool>()? {
+    let torch = torch(py)?;
+    expect_tensor(obj, arg, torch)?;
+    let location = if obj.getattr(intern!(py, "is_cuda"))?.is_truthy()? {
         Location::Cuda(obj.call_method0(intern!(py, "get_device"))?.extract()?)
     } else {
         let device = obj.getattr(intern!(py, "device"))?;
@@ -155,10 +167,10 @@ pub fn desc(obj: &Bound<'_, PyAny>, arg: &'static str, read: Read) -> PyResult<D
             }
         }
     };
-    let shape: Vec<usize> = obj.getattr(intern!(py, "shape"))?.extract()?;
-    let strides: Vec<usize> = obj.call_method0(intern!(py, "stride"))?.extract()?;
+    let shape = sizes(&obj.getattr(intern!(py, "shape"))?)?;
+    let strides = sizes(&obj.call_method0(intern!(py, "stride"))?)?;
     let dtype_obj = obj.getattr(intern!(py, "dtype"))?;
-    let known = torch(py)?
+    let known = torch
         .dtypes
         .iter()
         .find(|(_, o, _)| o.bind(py).is(&dtype_obj))
