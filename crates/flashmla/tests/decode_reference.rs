@@ -340,6 +340,25 @@ fn mla_shape(num_sms: usize) -> ScheduleShape {
 }
 
 #[test]
+fn a_lone_long_request_is_split_over_at_most_max_request_parts() {
+    // b 1, s_k 4096 on 132 SMs with h_q 64: 132 parts would give each a single tile; the cap keeps 32 or fewer.
+    let shape = ScheduleShape {
+        h_q: 64,
+        ..mla_shape(132)
+    };
+    let parts_of = |cfg: &ScheduleConfig| {
+        let s = decode_schedule(&shape, cfg, &[4096]);
+        (s.chunks.len(), s.tile_budget)
+    };
+    assert_eq!(parts_of(&ScheduleConfig::default()), (22, 3));
+    let uncapped = ScheduleConfig {
+        max_request_parts: 0,
+        ..ScheduleConfig::default()
+    };
+    assert_eq!(parts_of(&uncapped), (64, 1));
+}
+
+#[test]
 fn schedule_worked_example() {
     let s = decode_schedule(
         &mla_shape(16),
@@ -439,6 +458,7 @@ fn schedule_covers_every_key_once_with_bounded_chunks_and_load() {
             rows_per_cta: 64,
             keys_per_tile: [1, 16, 64][rng.random_range(0..3)],
             chunk_overhead_tiles: rng.random_range(1..6),
+            max_request_parts: [0, 1, 3, 32][rng.random_range(0..4)],
         };
         let s = decode_schedule(&shape, &cfg, &keys);
         check_schedule_properties(
@@ -498,6 +518,7 @@ fn schedule_driven_split_equals_unsplit_dense_and_sparse() {
         rows_per_cta: 64,
         keys_per_tile: 4,
         chunk_overhead_tiles: 1,
+        max_request_parts: 0,
     };
     let mut sp = spec(&[0, 45, 3, 70], (2, 4, 1), 8, true);
     sp.sink = true;

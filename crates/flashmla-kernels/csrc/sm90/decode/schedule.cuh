@@ -6,9 +6,10 @@
 // tile k at S_b + overhead + k. The line is cut into parts of `budget` units; part p processes every key tile on
 // [p * budget, (p + 1) * budget), one chunk per request it meets. A request without keys is handled (out = 0,
 // lse = +inf) by the part holding its unit S_b + overhead - 1.
-//   balanced (fixed_budget == 0): budget = ceil(L / grid_parts), so the grid's parts share the work evenly; when
-//     every request has the same segment s and rounding the budget up to a multiple of s costs at most 1/16 more,
-//     the budget is rounded up (whole requests per part, none split);
+//   balanced (fixed_budget == 0): budget = ceil(L / grid_parts), so the grid's parts share the work evenly, but at
+//     least ceil(longest segment / max_request_parts) (a lone long request is not cut into more partials than pay
+//     off); when every request has the same segment s and rounding the budget up to a multiple of s costs at most
+//     1/16 more, the budget is rounded up (whole requests per part, none split);
 //   batch-invariant (fixed_budget > 0): every request's segment is rounded up to a multiple of the fixed budget,
 //     so its chunk boundaries depend only on its own length, never on the rest of the batch.
 // A request whose tiles span parts f_b < l_b is "split": each of its chunks writes a normalised f32 partial to slot
@@ -72,11 +73,13 @@ __device__ __forceinline__ void write_schedule(const DecodeParams& p) {
     __shared__ int64_t warp_sums[kScheduleThreads / 32];
     __shared__ int64_t carry_s;
     __shared__ int uniform_s;  // every request has the same segment
+    __shared__ int longest_s;  // the longest segment (segments fit in int: the host bounds the line)
     const int t = static_cast<int>(threadIdx.x);
     const int lane = t % 32, warp = t / 32;
     if (t == 0) {
         carry_s = 0;
         uniform_s = 1;
+        longest_s = 0;
     }
     __syncthreads();
     const int64_t seg0 = segment_of(p, request_len(p, 0));
@@ -84,6 +87,7 @@ __device__ __forceinline__ void write_schedule(const DecodeParams& p) {
         const int b = base + t;
         const int64_t seg = b < p.batch ? segment_of(p, request_len(p, b)) : 0;
         if (b < p.batch && seg != seg0) uniform_s = 0;  // benign race: every writer stores 0
+        if (b < p.batch) atomicMax(&longest_s, static_cast<int>(seg));
         int64_t incl = seg;
 #pragma unroll
         for (int d = 1; d < 32; d *= 2) {
@@ -117,6 +121,9 @@ __device__ __forceinline__ void write_schedule(const DecodeParams& p) {
             parts = line / budget;
         } else {
             budget = max(static_cast<int64_t>(1), (line + p.grid_parts - 1) / p.grid_parts);
+            if (p.max_request_parts > 0) {
+                budget = max(budget, static_cast<int64_t>((longest_s + p.max_request_parts - 1) / p.max_request_parts));
+            }
             // A uniform batch whose parts can hold whole requests at a cost of at most 1/16 more per part takes
             // whole requests: no request is split, so no partials and no combine work (see `aligned_budget` in
             // reference/decode/schedule.rs, the same rule).

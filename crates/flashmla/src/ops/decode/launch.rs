@@ -32,7 +32,7 @@ use crate::error::{Error, Result};
 use crate::ops::layout::{
     expect_element_aligned, expect_offsets_fit_i64, expect_rows_16b, rows_aligned, stride_param,
 };
-use crate::reference::decode::CHUNK_OVERHEAD_TILES;
+use crate::reference::decode::{CHUNK_OVERHEAD_TILES, MAX_REQUEST_PARTS};
 use crate::tensor::{DType, DeviceView, Location, TensorMeta};
 use crate::validate::{expect_location, to_i32};
 
@@ -196,6 +196,10 @@ device_params! {
         pub chunk_overhead: i32,
         /// 0: balanced schedule; > 0: batch-invariant with this budget.
         pub fixed_budget: i32,
+        /// Balanced schedule: most parts one request is split over (0: no bound).
+        pub max_request_parts: i32,
+        /// 0; keeps the struct free of padding.
+        pub reserved: i32,
         /// `FLAG_*` bits.
         pub flags: u32,
         /// `softmax_scale * log2(e)`.
@@ -551,6 +555,7 @@ pub fn lower(
         max_parts: to_i32("schedule parts", geometry.max_parts)?,
         chunk_overhead: CHUNK_OVERHEAD_TILES as i32,
         fixed_budget: to_i32("options.chunk_tiles", geometry.fixed_budget)?,
+        max_request_parts: MAX_REQUEST_PARTS as i32,
         req_tokens: 1,
         flags: (if dims.causal && dims.s_q > 1 {
             FLAG_CAUSAL
@@ -786,6 +791,7 @@ pub fn lower_sparse(
         max_parts: to_i32("schedule parts", geometry.max_parts)?,
         chunk_overhead: CHUNK_OVERHEAD_TILES as i32,
         fixed_budget: to_i32("options.chunk_tiles", geometry.fixed_budget)?,
+        max_request_parts: MAX_REQUEST_PARTS as i32,
         flags: FLAG_SPARSE
             | if copy16 { 0 } else { FLAG_COPY8 }
             | if rows_aligned(&out.out, 4) {

@@ -11,6 +11,12 @@ pub const KEYS_PER_TILE: usize = 64;
 /// Fixed cost of one chunk, in key tiles: loading its Q tile (64 x 576 bf16, about one KV tile), writing the
 /// f32 partial (64 x 512 x 4 B, about two tiles of traffic, but contiguous) and reading it back in the combine.
 pub const CHUNK_OVERHEAD_TILES: usize = 4;
+/// Most parts the balanced schedule splits one request over: the budget is at least `ceil(segment / 32)` units for
+/// the longest request's segment. Each part of a split request writes a 64 x 512 f32 partial per row tile and the
+/// combine reads them all, so a lone long request cut into one part per SM pays more in partials than it gains in
+/// parallel tiles (H100, b 1, s_k 4K: 48.6 -> 34.5 us at h_q 64, 31.9 -> 25.2 at h_q 16 with 33 parts instead of
+/// 132; b 1, h_q 128, s_k 16K: 68.0 -> 54.5 with 33 instead of 66).
+pub const MAX_REQUEST_PARTS: usize = 32;
 
 /// The tile sizes and costs the heuristic assumes (the GPU kernel's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,6 +27,8 @@ pub struct ScheduleConfig {
     pub keys_per_tile: usize,
     /// Cost of one chunk beyond its tiles, in tiles ([`CHUNK_OVERHEAD_TILES`]; at least 1 is used).
     pub chunk_overhead_tiles: usize,
+    /// Most parts one request is split over ([`MAX_REQUEST_PARTS`]; 0: no bound).
+    pub max_request_parts: usize,
 }
 
 impl Default for ScheduleConfig {
@@ -29,6 +37,7 @@ impl Default for ScheduleConfig {
             rows_per_cta: ROWS_PER_CTA,
             keys_per_tile: KEYS_PER_TILE,
             chunk_overhead_tiles: CHUNK_OVERHEAD_TILES,
+            max_request_parts: MAX_REQUEST_PARTS,
         }
     }
 }
@@ -124,8 +133,8 @@ pub fn aligned_budget(budget: usize, tiles: &[usize], overhead: usize) -> usize 
 ///    requests on a line in order, each as its overhead followed by its tiles: request `b` starts at
 ///    `S_b = sum_{c < b} (overhead + tiles_c)` and its tile `k` sits at `S_b + overhead + k`. The line has
 ///    length `L = S_batch`.
-/// 3. Cut the line into `num_parts` pieces of `budget = ceil(L / num_parts)` units ([`aligned_budget`] may round it
-///    up to whole requests for a uniform batch): tile `k` of request `b`
+/// 3. Cut the line into pieces of `budget = max(ceil(L / num_parts), ceil(max_b segment_b / max_request_parts))`
+///    units ([`aligned_budget`] may round it up to whole requests for a uniform batch): tile `k` of request `b`
 ///    goes to part `(S_b + overhead + k) / budget`; a request's consecutive tiles in one part form a chunk.
 ///    A request without keys gets one empty chunk in the part of its last overhead unit,
 ///    `(S_b + overhead - 1) / budget`.
@@ -167,7 +176,12 @@ pub fn decode_schedule(
         .map(|&n| n.div_ceil(keys_per_tile))
         .collect();
     let line: usize = tiles.iter().map(|&t| overhead + t).sum();
-    let budget = aligned_budget(line.div_ceil(num_parts).max(1), &tiles, overhead);
+    let longest = tiles.iter().map(|&t| overhead + t).max().unwrap_or(0);
+    let floor = match config.max_request_parts {
+        0 => 1,
+        m => longest.div_ceil(m).max(1),
+    };
+    let budget = aligned_budget(line.div_ceil(num_parts).max(floor), &tiles, overhead);
 
     let mut chunks = Vec::with_capacity(DecodeSchedule::max_chunks(num_keys.len(), num_parts));
     let mut request_chunks = Vec::with_capacity(num_keys.len() + 1);
