@@ -598,3 +598,31 @@ def test_decode_workspace_kept_per_stream_grows_and_releases():
         assert_spec_close("lse", got[1], want[1], (1e-6, 8.01 / 65536, None))
     assert flashmla.release_workspaces() > 0
     assert flashmla.release_workspaces() == 0
+
+
+def test_decodes_from_threads_on_one_stream_share_its_workspace_safely():
+    """Threads decoding on the same stream (sharing its kept workspace) get the results of serial calls."""
+    import threading
+
+    cases = []
+    for i in range(4):
+        q, cache, idx, lengths = _sparse_decode_inputs(30 + i, b=1 + i, s_q=1, h_q=64, topk=64 * (1 + i))
+        cases.append((q.cuda(), cache.cuda(), idx.cuda(), lengths.cuda()))
+    want = [flashmla.decode_sparse(*c) for c in cases]
+    torch.cuda.synchronize()
+    got = [[] for _ in cases]
+
+    def work(i):
+        for _ in range(50):
+            got[i].append(flashmla.decode_sparse(*cases[i]))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    for i, results in enumerate(got):
+        assert len(results) == 50
+        for out, lse in results:
+            assert torch.equal(out, want[i][0]) and torch.equal(lse, want[i][1])

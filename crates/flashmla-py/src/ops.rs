@@ -8,9 +8,9 @@
 //! * `<op>_check(inputs...)`: validates the inputs' metadata only (never reads data) and returns the dimensions
 //!   of the outputs: the fake (meta) implementation under `torch.compile` runs it, so both raise the same errors.
 //!
-//! The GIL is released while an op runs; a CPU run goes through [`run_cpu`], so that Ctrl-C stops it
-//! (`KeyboardInterrupt`). A CUDA run leaves the thread's current CUDA context (torch's current device) as it found
-//! it. Every entry point goes through [`guard`]: library errors become the matching Python exceptions and no
+//! The GIL is released while a CPU op runs (it goes through [`run_cpu`], so that Ctrl-C stops it:
+//! `KeyboardInterrupt`); a CUDA run, which only queues launches, keeps it (see [`run`]) and leaves the thread's
+//! current CUDA context (torch's current device) as it found it. Every entry point goes through [`guard`]: library errors become the matching Python exceptions and no
 //! panic crosses into Python.
 //!
 //! Wiring a new GPU kernel is its op's `cuda` closure below: call `flashmla::ops::<family>::<op>_cuda` with the
@@ -59,18 +59,22 @@ impl Place {
     }
 }
 
-/// Runs an op where its tensors live: `host` on a helper thread that Ctrl-C can cancel, or `cuda` with the GIL
-/// released, leaving the thread's current CUDA context as it was.
+/// Runs an op where its tensors live: `host` on a helper thread that Ctrl-C can cancel (the GIL released), or `cuda`
+/// leaving the thread's current CUDA context as it was.
+///
+/// A CUDA run keeps the GIL (it only queues launches, as torch's own ops do): the decodes of one stream share that
+/// stream's kept workspace, and holding the GIL from taking it to the last launch keeps two Python threads from
+/// interleaving their launches on it.
 fn run<T: Send>(
     py: Python<'_>,
     op: &'static str,
     place: &Place,
     host: impl FnOnce(&CancelToken) -> Result<T> + Send,
-    cuda: impl FnOnce(&Gpu) -> Result<T> + Send,
+    cuda: impl FnOnce(&Gpu) -> Result<T>,
 ) -> PyResult<T> {
     match place {
         Place::Host => run_cpu(py, op, host),
-        Place::Cuda(gpu) => py.detach(|| guard(op, || gpu.restoring_context(|| cuda(gpu)))),
+        Place::Cuda(gpu) => guard(op, || gpu.restoring_context(|| cuda(gpu))),
     }
 }
 
