@@ -42,5 +42,6 @@ impl Real for f64 {
 }
 
 pub mod decode;
+pub mod dense_prefill;
 pub mod sparse_bwd;
 pub mod sparse_fwd;
