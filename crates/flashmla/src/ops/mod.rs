@@ -3,6 +3,7 @@
 
 pub mod contract;
 pub mod decode;
+pub mod dense_prefill;
 pub mod kv_quant;
 mod layout;
 pub mod sparse_bwd;

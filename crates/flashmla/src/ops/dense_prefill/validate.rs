@@ -1,0 +1,134 @@
+//! Shape, dtype and placement checks of the dense varlen prefill (docs/spec.md section 5).
+
+use super::{DensePrefillArgs, DensePrefillBwdArgs};
+use crate::error::{Error, Result};
+use crate::tensor::{DType, TensorMeta};
+use crate::validate::{
+    expect_dim, expect_dtype, expect_last_dim_contiguous, expect_location, expect_rank,
+};
+
+/// The `(d, d_v)` pairs of the op: DeepSeek's MHA form of MLA (128 NoPE + 64 RoPE for q/k, 128 for v) and plain
+/// 128-wide heads.
+pub const HEAD_DIMS: [(usize, usize); 2] = [(192, 128), (128, 128)];
+
+/// Validated dimensions of a dense varlen prefill.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DensePrefillDims {
+    /// Sequences `b` (`cu_seqlens` hold `b + 1` offsets).
+    pub batch: usize,
+    /// Query rows of all sequences.
+    pub total_q: usize,
+    /// Key rows of all sequences.
+    pub total_k: usize,
+    /// Query heads.
+    pub h_q: usize,
+    /// Key/value heads (`h_q % h_k == 0`).
+    pub h_k: usize,
+    /// Query/key width.
+    pub d: usize,
+    /// Value width.
+    pub d_v: usize,
+    /// The logit scale (given, or `d^-0.5`).
+    pub softmax_scale: f32,
+    /// Bottom-right causal masking.
+    pub causal: bool,
+    /// Element type of `q`, `k`, `v` and `out`.
+    pub dtype: DType,
+}
+
+/// Checks a forward's arguments and returns its dimensions. The offsets' values are checked where they are read
+/// (the CPU path checks them all: start 0, non-decreasing, ending at the row counts).
+pub fn validate<T: TensorMeta>(args: &DensePrefillArgs<'_, T>) -> Result<DensePrefillDims> {
+    let loc = args.q.location();
+    for (name, t) in [
+        ("q", args.q),
+        ("k", args.k),
+        ("v", args.v),
+        ("cu_seqlens_q", args.cu_seqlens_q),
+        ("cu_seqlens_k", args.cu_seqlens_k),
+    ] {
+        expect_location(name, t, loc)?;
+    }
+    expect_dtype("q", args.q, &[DType::Bf16, DType::F16])?;
+    let dtype = args.q.dtype();
+    expect_dtype("k", args.k, &[dtype])?;
+    expect_dtype("v", args.v, &[dtype])?;
+    expect_dtype("cu_seqlens_q", args.cu_seqlens_q, &[DType::I32])?;
+    expect_dtype("cu_seqlens_k", args.cu_seqlens_k, &[DType::I32])?;
+    for (name, t) in [("q", args.q), ("k", args.k), ("v", args.v)] {
+        expect_rank(name, t, 3)?;
+        expect_last_dim_contiguous(name, t)?;
+    }
+    expect_rank("cu_seqlens_q", args.cu_seqlens_q, 1)?;
+    expect_rank("cu_seqlens_k", args.cu_seqlens_k, 1)?;
+    let [total_q, h_q, d] = [0, 1, 2].map(|i| args.q.shape()[i]);
+    let [total_k, h_k, _] = [0, 1, 2].map(|i| args.k.shape()[i]);
+    let d_v = args.v.shape()[2];
+    if !HEAD_DIMS.contains(&(d, d_v)) {
+        return Err(Error::invalid(
+            "q.shape[2]",
+            format!("(d, d_v) one of {HEAD_DIMS:?}"),
+            format!("({d}, {d_v})"),
+        ));
+    }
+    expect_dim("k", args.k, 2, d, "d, from q")?;
+    expect_dim("v", args.v, 0, total_k, "total_k, from k")?;
+    expect_dim("v", args.v, 1, h_k, "h_k, from k")?;
+    if h_k == 0 || h_q == 0 || h_q % h_k != 0 {
+        return Err(Error::invalid(
+            "q.shape[1]",
+            format!("a positive multiple of h_k = {h_k}"),
+            h_q,
+        ));
+    }
+    let offsets = args.cu_seqlens_q.shape()[0];
+    if offsets < 2 {
+        return Err(Error::invalid(
+            "cu_seqlens_q.shape[0]",
+            "b + 1 >= 2 offsets",
+            offsets,
+        ));
+    }
+    expect_dim(
+        "cu_seqlens_k",
+        args.cu_seqlens_k,
+        0,
+        offsets,
+        "b + 1, from cu_seqlens_q",
+    )?;
+    let softmax_scale = match args.softmax_scale {
+        None => (d as f32).powf(-0.5),
+        Some(s) if s.is_finite() && s > 0.0 => s,
+        Some(s) => return Err(Error::invalid("softmax_scale", "a finite value > 0", s)),
+    };
+    Ok(DensePrefillDims {
+        batch: offsets - 1,
+        total_q,
+        total_k,
+        h_q,
+        h_k,
+        d,
+        d_v,
+        softmax_scale,
+        causal: args.causal,
+        dtype,
+    })
+}
+
+/// Checks a backward's arguments (the forward's, plus `out`, `d_out` `[total_q, h_q, d_v]` of q's dtype and `lse`
+/// `[h_q, total_q]` f32) and returns the dimensions.
+pub fn validate_bwd<T: TensorMeta>(args: &DensePrefillBwdArgs<'_, T>) -> Result<DensePrefillDims> {
+    let dims = validate(&args.fwd)?;
+    let loc = args.fwd.q.location();
+    let out_shape = [dims.total_q, dims.h_q, dims.d_v];
+    for (name, t) in [("out", args.out), ("d_out", args.d_out)] {
+        expect_location(name, t, loc)?;
+        expect_dtype(name, t, &[dims.dtype])?;
+        crate::validate::expect_shape(name, t, &out_shape)?;
+        expect_last_dim_contiguous(name, t)?;
+    }
+    expect_location("lse", args.lse, loc)?;
+    expect_dtype("lse", args.lse, &[DType::F32])?;
+    crate::validate::expect_shape("lse", args.lse, &[dims.h_q, dims.total_q])?;
+    Ok(dims)
+}
