@@ -16,6 +16,8 @@ and calls that record autograd go through the registered op.
 | ``flashmla::sparse_bwd(q, kv, out, d_out, indices, lse, sm_scale, attn_sink?, topk_length?, d_kv_f32)`` | ``(d_q, d_kv, delta, d_attn_sink)`` |
 | ``flashmla::decode_dense(q, k_cache, block_table, cache_seqlens, softmax_scale?, causal, attn_sink?)`` | ``(out, lse)`` |
 | ``flashmla::decode_sparse(q, k_cache, indices, topk_length?, softmax_scale?, attn_sink?, extra...?)`` | ``(out, lse)`` |
+| ``flashmla::dense_prefill_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale?, causal)`` | ``(out, lse)`` |
+| ``flashmla::dense_prefill_bwd(q, k, v, out, d_out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale?, causal)`` | ``(d_q, d_k, d_v)`` |
 | ``flashmla::kv_quantize(kv)`` / ``flashmla::kv_dequantize(cache)`` | ``cache`` / ``kv`` |
 
 Without a sink, ``sparse_bwd`` returns an empty ``d_attn_sink`` (shape ``[0]``): custom ops return tensors only.
@@ -236,6 +238,85 @@ def _decode_sparse_fake(
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Dense varlen prefill (docs/spec.md section 5; the CPU reference in this build, CUDA tensors raise
+# NotImplementedError)
+
+
+@torch.library.custom_op("flashmla::dense_prefill_fwd", mutates_args=())
+def _dense_prefill_fwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+) -> Tuple[Tensor, Tensor]:
+    """Dense varlen prefill forward: ``(out [total_q, h_q, d_v], lse [h_q, total_q] f32)``."""
+    return _native.dense_prefill_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+
+
+@_dense_prefill_fwd_op.register_fake
+def _dense_prefill_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False):
+    _glue.check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if _glue.is_concrete(q, k, v, cu_seqlens_q, cu_seqlens_k):
+        _native.dense_prefill_fwd_check(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+    _rank_at_least(q, "q", 3)
+    _rank_at_least(v, "v", 3)
+    total_q, h_q = q.shape[0], q.shape[1]
+    return q.new_empty((total_q, h_q, v.shape[2])), q.new_empty((h_q, total_q), dtype=_F32)
+
+
+def _dense_prefill_setup(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
+    ctx.softmax_scale, ctx.causal = softmax_scale, causal
+    ctx.mark_non_differentiable(lse)
+
+
+def _dense_prefill_backward(ctx, d_out, _d_lse):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse = ctx.saved_tensors
+    d_q, d_k, d_v = _dense_prefill_bwd_op(
+        q, k, v, out, d_out.contiguous(), lse, cu_seqlens_q, cu_seqlens_k, ctx.softmax_scale, ctx.causal
+    )
+    need = ctx.needs_input_grad
+    return (d_q if need[0] else None, d_k if need[1] else None, d_v if need[2] else None, None, None, None, None)
+
+
+_dense_prefill_fwd_op.register_autograd(_dense_prefill_backward, setup_context=_dense_prefill_setup)
+
+
+@torch.library.custom_op("flashmla::dense_prefill_bwd", mutates_args=())
+def _dense_prefill_bwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    d_out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Dense varlen prefill backward from the forward's ``out`` and ``lse``: ``(d_q, d_k, d_v)`` in q's dtype."""
+    return _native.dense_prefill_bwd(q, k, v, out, d_out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+
+
+@_dense_prefill_bwd_op.register_fake
+def _dense_prefill_bwd_fake(q, k, v, out, d_out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False):
+    _glue.check_same_device(
+        q=q, k=k, v=v, out=out, d_out=d_out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k
+    )
+    if _glue.is_concrete(q, k, v, out, d_out, lse, cu_seqlens_q, cu_seqlens_k):
+        _native.dense_prefill_bwd_check(
+            q, k, v, out, d_out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
+        )
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# ------------------------------------------------------------------------------------------------------------
 # FP8 KV cache
 
 
@@ -423,6 +504,28 @@ def decode_sparse(
         ),
     )
     return _decode_sparse_op(*args)
+
+
+def dense_prefill(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+) -> Tuple[Tensor, Tensor]:
+    """Dense MHA prefill over packed sequences (docs/spec.md section 5): ``(out [total_q, h_q, d_v], lse [h_q, total_q])``.
+
+    ``q [total_q, h_q, d]``, ``k [total_k, h_k, d]``, ``v [total_k, h_k, d_v]`` bf16/fp16 with ``(d, d_v)`` (192, 128)
+    or (128, 128) and ``h_q % h_k == 0``; ``cu_seqlens_q`` / ``cu_seqlens_k`` ``[b + 1]`` int32 sequence offsets
+    (0, non-decreasing, ending at the row counts); ``softmax_scale`` defaults to ``d ** -0.5``; ``causal`` is
+    bottom-right aligned. A row that attends to no key gets ``out`` 0 and ``lse`` ``+inf``. Differentiable in ``q``,
+    ``k`` and ``v``. This build runs it on the CPU (the reference); CUDA tensors raise ``NotImplementedError``.
+    """
+    _glue.check_tensor_args(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k))
+    scale = None if softmax_scale is None else float(softmax_scale)
+    return _dense_prefill_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, bool(causal))
 
 
 def kv_quantize(kv: Tensor, out: Optional[Tensor] = None) -> Tensor:

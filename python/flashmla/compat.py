@@ -7,7 +7,8 @@
 * :func:`get_mla_metadata` -> ``(FlashMLASchedMeta, None)``: the scheduling is computed inside each decode call
   from shapes and on-device values (no host synchronisation), so the metadata object only records the call's
   configuration and checks that later calls sharing it agree (as FlashMLA's does);
-* :func:`flash_mla_with_kvcache` -> ``(out, softmax_lse)``, dense (bf16/fp16 cache) or sparse (FP8 cache).
+* :func:`flash_mla_with_kvcache` -> ``(out, softmax_lse)``, dense (bf16/fp16 cache) or sparse (FP8 cache);
+* :func:`flash_attn_varlen_func` and its packed forms -> ``(out, lse)``, dense MHA prefill (CPU in this build).
 
 Differences: every log-sum-exp is a **natural** log (FlashMLA documented base 2 in some releases; multiply by
 ``math.log2(math.e)`` if your code expects that). Misuse raises ``ValueError``/``TypeError`` instead of
@@ -240,17 +241,74 @@ def flash_mla_with_kvcache(
     return _ops.decode_dense(q, k_cache, block_table, cache_seqlens, softmax_scale, causal, attn_sink)
 
 
-def _dense_prefill_missing(name: str):
-    def missing(*args, **kwargs):
-        raise NotImplementedError(
-            f"{name}: dense MHA prefill (docs/spec.md section 5) is not implemented in flashmla yet"
-        )
-
-    missing.__name__ = name
-    missing.__doc__ = f"Not implemented yet: raises NotImplementedError (dense MHA prefill, {name})."
-    return missing
+def _dense_prefill_options(dropout_p: float, is_varlen: bool) -> None:
+    if dropout_p != 0.0:
+        raise ValueError(f"invalid argument `dropout_p`: expected 0.0 (no dropout), got {dropout_p}")
+    if not is_varlen:
+        raise ValueError("invalid argument `is_varlen`: expected True (packed sequences with cu_seqlens)")
 
 
-flash_attn_varlen_func = _dense_prefill_missing("flash_attn_varlen_func")
-flash_attn_varlen_qkvpacked_func = _dense_prefill_missing("flash_attn_varlen_qkvpacked_func")
-flash_attn_varlen_kvpacked_func = _dense_prefill_missing("flash_attn_varlen_kvpacked_func")
+def flash_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_qo: Tensor,
+    cu_seqlens_kv: Tensor,
+    max_seqlen_qo: int,
+    max_seqlen_kv: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    deterministic: bool = False,
+    is_varlen: bool = True,
+) -> Tuple[Tensor, Tensor]:
+    """Dense MHA prefill over packed sequences (:func:`flashmla.dense_prefill`), differentiable in q, k and v.
+
+    Returns ``(out [total_q, h_q, d_v], lse [total_q, h_q])`` (natural log; a transposed view of a ``[h_q, total_q]``
+    tensor, as FlashMLA's). ``max_seqlen_*`` are accepted and not needed; the results are deterministic whatever
+    ``deterministic`` says. This build runs on the CPU; CUDA tensors raise ``NotImplementedError``.
+    """
+    _dense_prefill_options(dropout_p, is_varlen)
+    out, lse = _ops.dense_prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, softmax_scale, causal)
+    return out, lse.T
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    head_dim_qk: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    deterministic: bool = False,
+    is_varlen: bool = True,
+) -> Tuple[Tensor, Tensor]:
+    """:func:`flash_attn_varlen_func` with ``qkv [total, h, 2 * head_dim_qk + d_v]`` packed along the last dim."""
+    d = int(head_dim_qk)
+    return flash_attn_varlen_func(
+        qkv[:, :, :d], qkv[:, :, d : 2 * d], qkv[:, :, 2 * d :], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+        dropout_p, softmax_scale, causal, deterministic, is_varlen,
+    )
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    cu_seqlens_qo: Tensor,
+    cu_seqlens_kv: Tensor,
+    max_seqlen_qo: int,
+    max_seqlen_kv: int,
+    head_dim_qk: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    deterministic: bool = False,
+    is_varlen: bool = True,
+) -> Tuple[Tensor, Tensor]:
+    """:func:`flash_attn_varlen_func` with ``kv [total_k, h_k, head_dim_qk + d_v]`` packed along the last dim."""
+    d = int(head_dim_qk)
+    return flash_attn_varlen_func(
+        q, kv[:, :, :d], kv[:, :, d:], cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv,
+        dropout_p, softmax_scale, causal, deterministic, is_varlen,
+    )

@@ -182,9 +182,21 @@ def test_with_kvcache_misuse():
         flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, torch.zeros(3))
 
 
-def test_dense_prefill_is_not_implemented_and_says_so():
-    with pytest.raises(NotImplementedError, match="flash_attn_varlen_func"):
-        flash_mla.flash_attn_varlen_func(None, None, None)
+def test_dense_prefill_compat_packed_forms_and_options():
+    g = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    qkv = (torch.randn(12, 2, 192 * 2 + 128, generator=g) / 4).to(torch.bfloat16)
+    q, k, v = qkv[:, :, :192], qkv[:, :, 192:384], qkv[:, :, 384:]
+    out, lse = flash_mla.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True)
+    assert out.shape == (12, 2, 128) and lse.shape == (12, 2)
+    packed = flash_mla.flash_attn_varlen_qkvpacked_func(qkv, cu, 7, 192, causal=True)
+    kvp = flash_mla.flash_attn_varlen_kvpacked_func(q, qkv[:, :, 192:], cu, cu, 7, 7, 192, causal=True)
+    for o, l in (packed, kvp):
+        assert torch.equal(o, out) and torch.equal(l, lse)
+    with pytest.raises(ValueError, match="dropout_p"):
+        flash_mla.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, dropout_p=0.1)
+    with pytest.raises(TypeError, match="`q`"):
+        flash_mla.flash_attn_varlen_func(None, k, v, cu, cu, 7, 7)
 
 
 @pytest.mark.parametrize("d_qk", [576, 512])

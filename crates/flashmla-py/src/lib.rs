@@ -31,6 +31,10 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::decode_dense, m)?)?;
     m.add_function(wrap_pyfunction!(ops::decode_sparse_check, m)?)?;
     m.add_function(wrap_pyfunction!(ops::decode_sparse, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::dense_prefill_fwd_check, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::dense_prefill_fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::dense_prefill_bwd_check, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::dense_prefill_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(ops::kv_quantize_check, m)?)?;
     m.add_function(wrap_pyfunction!(ops::kv_quantize, m)?)?;
     m.add_function(wrap_pyfunction!(ops::kv_dequantize_check, m)?)?;

@@ -22,6 +22,7 @@ use crate::interrupt::run_cpu;
 use crate::tensor::{current_stream, desc, desc_opt, new_output, stream_workspace, Desc, Read};
 use flashmla::cuda::Gpu;
 use flashmla::ops::decode::{self, DecodeOutput, DenseDecodeArgs, ExtraKvArgs, SparseDecodeArgs};
+use flashmla::ops::dense_prefill;
 use flashmla::ops::kv_quant::{
     self, DequantizeArgs, DequantizeOutput, QuantizeArgs, QuantizeOutput,
 };
@@ -858,6 +859,237 @@ pub fn decode_sparse<'py>(
         },
     )?;
     Ok((out, lse))
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dense varlen prefill (CPU only in this build)
+
+/// The dense prefill's inputs.
+struct DenseFwdIn<T> {
+    q: T,
+    k: T,
+    v: T,
+    cu_q: T,
+    cu_k: T,
+}
+
+impl DenseFwdIn<Desc> {
+    fn read([q, k, v, cu_q, cu_k]: [&Tensor<'_>; 5], read: Read) -> PyResult<Self> {
+        Ok(DenseFwdIn {
+            q: desc(q, "q", read)?,
+            k: desc(k, "k", read)?,
+            v: desc(v, "v", read)?,
+            cu_q: desc(cu_q, "cu_seqlens_q", read)?,
+            cu_k: desc(cu_k, "cu_seqlens_k", read)?,
+        })
+    }
+
+    fn host(&self) -> Result<DenseFwdIn<HostTensor>> {
+        Ok(DenseFwdIn {
+            q: self.q.to_host()?,
+            k: self.k.to_host()?,
+            v: self.v.to_host()?,
+            cu_q: self.cu_q.to_host()?,
+            cu_k: self.cu_k.to_host()?,
+        })
+    }
+}
+
+impl<T> DenseFwdIn<T> {
+    fn args(
+        &self,
+        softmax_scale: Option<f32>,
+        causal: bool,
+    ) -> dense_prefill::DensePrefillArgs<'_, T> {
+        dense_prefill::DensePrefillArgs {
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            cu_seqlens_q: &self.cu_q,
+            cu_seqlens_k: &self.cu_k,
+            softmax_scale,
+            causal,
+        }
+    }
+}
+
+/// What a dense prefill on a CUDA device gets in this build.
+fn dense_prefill_on_gpu(gpu: &Gpu) -> flashmla::Error {
+    flashmla::Error::unsupported(
+        format!("dense prefill on cuda:{}", gpu.ordinal()),
+        "this build runs the dense varlen prefill on the CPU only (no GPU kernel yet)",
+    )
+}
+
+/// Validates a dense prefill forward's metadata and returns `(total_q, h_q, d_v)` (`out` has q's dtype, `lse`
+/// is `[h_q, total_q]` f32).
+#[pyfunction]
+#[pyo3(signature = (q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=false))]
+pub fn dense_prefill_fwd_check(
+    q: &Tensor<'_>,
+    k: &Tensor<'_>,
+    v: &Tensor<'_>,
+    cu_seqlens_q: &Tensor<'_>,
+    cu_seqlens_k: &Tensor<'_>,
+    softmax_scale: Option<f32>,
+    causal: bool,
+) -> PyResult<(usize, usize, usize)> {
+    let d = DenseFwdIn::read([q, k, v, cu_seqlens_q, cu_seqlens_k], Read::Meta)?;
+    guard("dense_prefill_fwd", || {
+        let dims = dense_prefill::validate(&d.args(softmax_scale, causal))?;
+        Ok((dims.total_q, dims.h_q, dims.d_v))
+    })
+}
+
+/// The dense varlen prefill forward: `(out [total_q, h_q, d_v] (q's dtype), lse [h_q, total_q] f32)`.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=false))]
+pub fn dense_prefill_fwd<'py>(
+    q: &Tensor<'py>,
+    k: &Tensor<'py>,
+    v: &Tensor<'py>,
+    cu_seqlens_q: &Tensor<'py>,
+    cu_seqlens_k: &Tensor<'py>,
+    softmax_scale: Option<f32>,
+    causal: bool,
+) -> PyResult<(Tensor<'py>, Tensor<'py>)> {
+    let py = q.py();
+    let d = DenseFwdIn::read([q, k, v, cu_seqlens_q, cu_seqlens_k], Read::Data)?;
+    let place = Place::of(py, "dense_prefill_fwd", &d.q)?;
+    let loc = place.location();
+    let dims = guard("dense_prefill_fwd", || {
+        dense_prefill::validate(&d.args(softmax_scale, causal))
+    })?;
+    let (out, out_d) = new_output(
+        q,
+        "out",
+        &[dims.total_q, dims.h_q, dims.d_v],
+        dims.dtype,
+        loc,
+    )?;
+    let (lse, lse_d) = new_output(q, "lse", &[dims.h_q, dims.total_q], DType::F32, loc)?;
+    run(
+        py,
+        "dense_prefill_fwd",
+        &place,
+        |cancel| {
+            let res = dense_prefill::dense_prefill_fwd_cpu_with(
+                &d.host()?.args(softmax_scale, causal),
+                cancel,
+            )?;
+            out_d.write_host(&res.out)?;
+            lse_d.write_host(&res.lse)
+        },
+        |gpu| Err(dense_prefill_on_gpu(gpu)),
+    )?;
+    Ok((out, lse))
+}
+
+/// Validates a dense prefill backward's metadata and returns `(total_q, total_k, h_q, h_k, d, d_v)`.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, out, d_out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=false))]
+#[allow(clippy::too_many_arguments)]
+pub fn dense_prefill_bwd_check(
+    q: &Tensor<'_>,
+    k: &Tensor<'_>,
+    v: &Tensor<'_>,
+    out: &Tensor<'_>,
+    d_out: &Tensor<'_>,
+    lse: &Tensor<'_>,
+    cu_seqlens_q: &Tensor<'_>,
+    cu_seqlens_k: &Tensor<'_>,
+    softmax_scale: Option<f32>,
+    causal: bool,
+) -> PyResult<(usize, usize, usize, usize, usize, usize)> {
+    let d = DenseFwdIn::read([q, k, v, cu_seqlens_q, cu_seqlens_k], Read::Meta)?;
+    let (out, d_out, lse) = (
+        desc(out, "out", Read::Meta)?,
+        desc(d_out, "d_out", Read::Meta)?,
+        desc(lse, "lse", Read::Meta)?,
+    );
+    guard("dense_prefill_bwd", || {
+        let dims = dense_prefill::validate_bwd(&dense_prefill::DensePrefillBwdArgs {
+            fwd: d.args(softmax_scale, causal),
+            out: &out,
+            d_out: &d_out,
+            lse: &lse,
+        })?;
+        Ok((
+            dims.total_q,
+            dims.total_k,
+            dims.h_q,
+            dims.h_k,
+            dims.d,
+            dims.d_v,
+        ))
+    })
+}
+
+/// The dense varlen prefill backward from the forward's `out` and `lse`: `(d_q, d_k, d_v)` in q's dtype.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, out, d_out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=false))]
+#[allow(clippy::too_many_arguments)]
+pub fn dense_prefill_bwd<'py>(
+    q: &Tensor<'py>,
+    k: &Tensor<'py>,
+    v: &Tensor<'py>,
+    out: &Tensor<'py>,
+    d_out: &Tensor<'py>,
+    lse: &Tensor<'py>,
+    cu_seqlens_q: &Tensor<'py>,
+    cu_seqlens_k: &Tensor<'py>,
+    softmax_scale: Option<f32>,
+    causal: bool,
+) -> PyResult<(Tensor<'py>, Tensor<'py>, Tensor<'py>)> {
+    let py = q.py();
+    let d = DenseFwdIn::read([q, k, v, cu_seqlens_q, cu_seqlens_k], Read::Data)?;
+    let (out_d, d_out_d, lse_d) = (
+        desc(out, "out", Read::Data)?,
+        desc(d_out, "d_out", Read::Data)?,
+        desc(lse, "lse", Read::Data)?,
+    );
+    let place = Place::of(py, "dense_prefill_bwd", &d.q)?;
+    let loc = place.location();
+    let dims = guard("dense_prefill_bwd", || {
+        dense_prefill::validate_bwd(&dense_prefill::DensePrefillBwdArgs {
+            fwd: d.args(softmax_scale, causal),
+            out: &out_d,
+            d_out: &d_out_d,
+            lse: &lse_d,
+        })
+    })?;
+    let (dq, dq_d) = new_output(q, "d_q", &[dims.total_q, dims.h_q, dims.d], dims.dtype, loc)?;
+    let (dk, dk_d) = new_output(q, "d_k", &[dims.total_k, dims.h_k, dims.d], dims.dtype, loc)?;
+    let (dv, dv_d) = new_output(
+        q,
+        "d_v",
+        &[dims.total_k, dims.h_k, dims.d_v],
+        dims.dtype,
+        loc,
+    )?;
+    run(
+        py,
+        "dense_prefill_bwd",
+        &place,
+        |cancel| {
+            let h = d.host()?;
+            let (o, g, l) = (out_d.to_host()?, d_out_d.to_host()?, lse_d.to_host()?);
+            let res = dense_prefill::dense_prefill_bwd_cpu_with(
+                &dense_prefill::DensePrefillBwdArgs {
+                    fwd: h.args(softmax_scale, causal),
+                    out: &o,
+                    d_out: &g,
+                    lse: &l,
+                },
+                cancel,
+            )?;
+            dq_d.write_host(&res.d_q)?;
+            dk_d.write_host(&res.d_k)?;
+            dv_d.write_host(&res.d_v)
+        },
+        |gpu| Err(dense_prefill_on_gpu(gpu)),
+    )?;
+    Ok((dq, dk, dv))
 }
 
 // ---------------------------------------------------------------------------------------------------------------
