@@ -28,7 +28,7 @@ use flashmla::ops::kv_quant::{
 };
 use flashmla::ops::sparse_bwd::{self as bwd_op, SparseBwdArgs, SparseBwdOutput};
 use flashmla::ops::sparse_fwd::{self as fwd_op, SparseFwdArgs, SparseFwdOutput};
-use flashmla::{CancelToken, DType, DeviceView, HostTensor, Location, Result, TensorMeta};
+use flashmla::{CancelToken, DType, Location, Result, TensorMeta};
 use pyo3::prelude::*;
 
 type Tensor<'py> = Bound<'py, PyAny>;
@@ -79,14 +79,9 @@ fn run<T: Send>(
     }
 }
 
-/// Host copies of optional inputs.
-fn host_opt(d: &Option<Desc>) -> Result<Option<HostTensor>> {
-    d.as_ref().map(Desc::to_host).transpose()
-}
-
-/// Device views of optional inputs.
-fn device_opt(d: &Option<Desc>) -> Result<Option<DeviceView>> {
-    d.as_ref().map(Desc::to_device).transpose()
+/// `f` of an optional input.
+fn opt<T, U>(t: &Option<T>, f: &impl Fn(&T) -> Result<U>) -> Result<Option<U>> {
+    t.as_ref().map(f).transpose()
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -118,29 +113,20 @@ impl FwdIn<Desc> {
             topk_length: desc_opt(topk_length, "topk_length", read)?,
         })
     }
-
-    fn host(&self) -> Result<FwdIn<HostTensor>> {
-        Ok(FwdIn {
-            q: self.q.to_host()?,
-            kv: self.kv.to_host()?,
-            indices: self.indices.to_host()?,
-            attn_sink: host_opt(&self.attn_sink)?,
-            topk_length: host_opt(&self.topk_length)?,
-        })
-    }
-
-    fn device(&self) -> Result<FwdIn<DeviceView>> {
-        Ok(FwdIn {
-            q: self.q.to_device()?,
-            kv: self.kv.to_device()?,
-            indices: self.indices.to_device()?,
-            attn_sink: device_opt(&self.attn_sink)?,
-            topk_length: device_opt(&self.topk_length)?,
-        })
-    }
 }
 
 impl<T> FwdIn<T> {
+    /// The same inputs with `f` applied to each tensor (descriptions to host copies or device views).
+    fn map<U>(&self, f: &impl Fn(&T) -> Result<U>) -> Result<FwdIn<U>> {
+        Ok(FwdIn {
+            q: f(&self.q)?,
+            kv: f(&self.kv)?,
+            indices: f(&self.indices)?,
+            attn_sink: opt(&self.attn_sink, f)?,
+            topk_length: opt(&self.topk_length, f)?,
+        })
+    }
+
     fn args(&self, sm_scale: f32) -> SparseFwdArgs<'_, T> {
         SparseFwdArgs {
             q: &self.q,
@@ -203,7 +189,7 @@ pub fn sparse_fwd<'py>(
         "sparse_fwd",
         &place,
         |cancel| {
-            let res = fwd_op::sparse_fwd_cpu_with(&d.host()?.args(sm_scale), cancel)?;
+            let res = fwd_op::sparse_fwd_cpu_with(&d.map(&Desc::to_host)?.args(sm_scale), cancel)?;
             outs.out.write_host(&res.out)?;
             outs.max_logits.write_host(&res.max_logits)?;
             outs.lse.write_host(&res.lse)
@@ -214,7 +200,7 @@ pub fn sparse_fwd<'py>(
                 max_logits: outs.max_logits.to_device()?,
                 lse: outs.lse.to_device()?,
             };
-            fwd_op::sparse_fwd_cuda(gpu, &d.device()?.args(sm_scale), &views)
+            fwd_op::sparse_fwd_cuda(gpu, &d.map(&Desc::to_device)?.args(sm_scale), &views)
         },
     )?;
     Ok((out, max_logits, lse))
@@ -251,27 +237,19 @@ impl BwdIn<Desc> {
             lse: desc(lse, "lse", read)?,
         })
     }
-
-    fn host(&self) -> Result<BwdIn<HostTensor>> {
-        Ok(BwdIn {
-            fwd: self.fwd.host()?,
-            out: self.out.to_host()?,
-            d_out: self.d_out.to_host()?,
-            lse: self.lse.to_host()?,
-        })
-    }
-
-    fn device(&self) -> Result<BwdIn<DeviceView>> {
-        Ok(BwdIn {
-            fwd: self.fwd.device()?,
-            out: self.out.to_device()?,
-            d_out: self.d_out.to_device()?,
-            lse: self.lse.to_device()?,
-        })
-    }
 }
 
 impl<T> BwdIn<T> {
+    /// The same inputs with `f` applied to each tensor (descriptions to host copies or device views).
+    fn map<U>(&self, f: &impl Fn(&T) -> Result<U>) -> Result<BwdIn<U>> {
+        Ok(BwdIn {
+            fwd: self.fwd.map(f)?,
+            out: f(&self.out)?,
+            d_out: f(&self.d_out)?,
+            lse: f(&self.lse)?,
+        })
+    }
+
     fn args(&self, sm_scale: f32, d_kv_dtype: DType) -> SparseBwdArgs<'_, T> {
         SparseBwdArgs {
             q: &self.fwd.q,
@@ -396,7 +374,7 @@ pub fn sparse_bwd<'py>(
         "sparse_bwd",
         &place,
         |cancel| {
-            let h = d.host()?;
+            let h = d.map(&Desc::to_host)?;
             let res = bwd_op::sparse_bwd_cpu_with(&h.args(sm_scale, dkv_dtype), cancel)?;
             outs.d_q.write_host(&res.d_q)?;
             outs.d_kv.write_host(&res.d_kv)?;
@@ -411,12 +389,12 @@ pub fn sparse_bwd<'py>(
                 d_q: outs.d_q.to_device()?,
                 d_kv: outs.d_kv.to_device()?,
                 delta: outs.delta.to_device()?,
-                d_attn_sink: device_opt(&outs.d_attn_sink)?,
+                d_attn_sink: opt(&outs.d_attn_sink, &Desc::to_device)?,
             };
             let ws = ws.map(Desc::to_device).transpose()?;
             bwd_op::sparse_bwd_cuda_with(
                 gpu,
-                &d.device()?.args(sm_scale, dkv_dtype),
+                &d.map(&Desc::to_device)?.args(sm_scale, dkv_dtype),
                 &views,
                 &options,
                 ws.as_ref(),
@@ -528,29 +506,20 @@ impl DenseIn<Desc> {
             attn_sink: desc_opt(attn_sink, "attn_sink", read)?,
         })
     }
-
-    fn host(&self) -> Result<DenseIn<HostTensor>> {
-        Ok(DenseIn {
-            q: self.q.to_host()?,
-            k_cache: self.k_cache.to_host()?,
-            block_table: self.block_table.to_host()?,
-            cache_seqlens: self.cache_seqlens.to_host()?,
-            attn_sink: host_opt(&self.attn_sink)?,
-        })
-    }
-
-    fn device(&self) -> Result<DenseIn<DeviceView>> {
-        Ok(DenseIn {
-            q: self.q.to_device()?,
-            k_cache: self.k_cache.to_device()?,
-            block_table: self.block_table.to_device()?,
-            cache_seqlens: self.cache_seqlens.to_device()?,
-            attn_sink: device_opt(&self.attn_sink)?,
-        })
-    }
 }
 
 impl<T> DenseIn<T> {
+    /// The same inputs with `f` applied to each tensor (descriptions to host copies or device views).
+    fn map<U>(&self, f: &impl Fn(&T) -> Result<U>) -> Result<DenseIn<U>> {
+        Ok(DenseIn {
+            q: f(&self.q)?,
+            k_cache: f(&self.k_cache)?,
+            block_table: f(&self.block_table)?,
+            cache_seqlens: f(&self.cache_seqlens)?,
+            attn_sink: opt(&self.attn_sink, f)?,
+        })
+    }
+
     fn args(&self, softmax_scale: Option<f32>, causal: bool) -> DenseDecodeArgs<'_, T> {
         DenseDecodeArgs {
             q: &self.q,
@@ -633,8 +602,10 @@ pub fn decode_dense<'py>(
         "decode_dense",
         &place,
         |cancel| {
-            let res =
-                decode::decode_dense_cpu_with(&d.host()?.args(softmax_scale, causal), cancel)?;
+            let res = decode::decode_dense_cpu_with(
+                &d.map(&Desc::to_host)?.args(softmax_scale, causal),
+                cancel,
+            )?;
             outs.out.write_host(&res.out)?;
             outs.lse.write_host(&res.lse)
         },
@@ -646,7 +617,7 @@ pub fn decode_dense<'py>(
             let ws = ws.map(Desc::to_device).transpose()?;
             decode::decode_dense_cuda(
                 gpu,
-                &d.device()?.args(softmax_scale, causal),
+                &d.map(&Desc::to_device)?.args(softmax_scale, causal),
                 &views,
                 &options,
                 ws.as_ref(),
@@ -703,37 +674,24 @@ impl SparseIn<Desc> {
             extra,
         })
     }
-
-    fn host(&self) -> Result<SparseIn<HostTensor>> {
-        Ok(SparseIn {
-            q: self.q.to_host()?,
-            k_cache: self.k_cache.to_host()?,
-            indices: self.indices.to_host()?,
-            topk_length: host_opt(&self.topk_length)?,
-            attn_sink: host_opt(&self.attn_sink)?,
-            extra: match &self.extra {
-                Some((c, i, l)) => Some((c.to_host()?, i.to_host()?, host_opt(l)?)),
-                None => None,
-            },
-        })
-    }
-
-    fn device(&self) -> Result<SparseIn<DeviceView>> {
-        Ok(SparseIn {
-            q: self.q.to_device()?,
-            k_cache: self.k_cache.to_device()?,
-            indices: self.indices.to_device()?,
-            topk_length: device_opt(&self.topk_length)?,
-            attn_sink: device_opt(&self.attn_sink)?,
-            extra: match &self.extra {
-                Some((c, i, l)) => Some((c.to_device()?, i.to_device()?, device_opt(l)?)),
-                None => None,
-            },
-        })
-    }
 }
 
 impl<T> SparseIn<T> {
+    /// The same inputs with `f` applied to each tensor (descriptions to host copies or device views).
+    fn map<U>(&self, f: &impl Fn(&T) -> Result<U>) -> Result<SparseIn<U>> {
+        Ok(SparseIn {
+            q: f(&self.q)?,
+            k_cache: f(&self.k_cache)?,
+            indices: f(&self.indices)?,
+            topk_length: opt(&self.topk_length, f)?,
+            attn_sink: opt(&self.attn_sink, f)?,
+            extra: match &self.extra {
+                Some((c, i, l)) => Some((f(c)?, f(i)?, opt(l, f)?)),
+                None => None,
+            },
+        })
+    }
+
     fn args(&self, softmax_scale: Option<f32>) -> SparseDecodeArgs<'_, T> {
         SparseDecodeArgs {
             q: &self.q,
@@ -839,7 +797,10 @@ pub fn decode_sparse<'py>(
         "decode_sparse",
         &place,
         |cancel| {
-            let res = decode::decode_sparse_cpu_with(&d.host()?.args(softmax_scale), cancel)?;
+            let res = decode::decode_sparse_cpu_with(
+                &d.map(&Desc::to_host)?.args(softmax_scale),
+                cancel,
+            )?;
             outs.out.write_host(&res.out)?;
             outs.lse.write_host(&res.lse)
         },
@@ -851,7 +812,7 @@ pub fn decode_sparse<'py>(
             let ws = ws.map(Desc::to_device).transpose()?;
             decode::decode_sparse_cuda(
                 gpu,
-                &d.device()?.args(softmax_scale),
+                &d.map(&Desc::to_device)?.args(softmax_scale),
                 &views,
                 &options,
                 ws.as_ref(),
@@ -883,19 +844,20 @@ impl DenseFwdIn<Desc> {
             cu_k: desc(cu_k, "cu_seqlens_k", read)?,
         })
     }
-
-    fn host(&self) -> Result<DenseFwdIn<HostTensor>> {
-        Ok(DenseFwdIn {
-            q: self.q.to_host()?,
-            k: self.k.to_host()?,
-            v: self.v.to_host()?,
-            cu_q: self.cu_q.to_host()?,
-            cu_k: self.cu_k.to_host()?,
-        })
-    }
 }
 
 impl<T> DenseFwdIn<T> {
+    /// The same inputs with `f` applied to each tensor (descriptions to host copies or device views).
+    fn map<U>(&self, f: &impl Fn(&T) -> Result<U>) -> Result<DenseFwdIn<U>> {
+        Ok(DenseFwdIn {
+            q: f(&self.q)?,
+            k: f(&self.k)?,
+            v: f(&self.v)?,
+            cu_q: f(&self.cu_q)?,
+            cu_k: f(&self.cu_k)?,
+        })
+    }
+
     fn args(
         &self,
         softmax_scale: Option<f32>,
@@ -909,6 +871,54 @@ impl<T> DenseFwdIn<T> {
             cu_seqlens_k: &self.cu_k,
             softmax_scale,
             causal,
+        }
+    }
+}
+
+/// The dense prefill backward's inputs: the forward's, its outputs and the incoming gradient.
+struct DenseBwdIn<T> {
+    fwd: DenseFwdIn<T>,
+    out: T,
+    d_out: T,
+    lse: T,
+}
+
+impl DenseBwdIn<Desc> {
+    fn read(
+        fwd: [&Tensor<'_>; 5],
+        [out, d_out, lse]: [&Tensor<'_>; 3],
+        read: Read,
+    ) -> PyResult<Self> {
+        Ok(DenseBwdIn {
+            fwd: DenseFwdIn::read(fwd, read)?,
+            out: desc(out, "out", read)?,
+            d_out: desc(d_out, "d_out", read)?,
+            lse: desc(lse, "lse", read)?,
+        })
+    }
+}
+
+impl<T> DenseBwdIn<T> {
+    /// The same inputs with `f` applied to each tensor (descriptions to host copies or device views).
+    fn map<U>(&self, f: &impl Fn(&T) -> Result<U>) -> Result<DenseBwdIn<U>> {
+        Ok(DenseBwdIn {
+            fwd: self.fwd.map(f)?,
+            out: f(&self.out)?,
+            d_out: f(&self.d_out)?,
+            lse: f(&self.lse)?,
+        })
+    }
+
+    fn args(
+        &self,
+        softmax_scale: Option<f32>,
+        causal: bool,
+    ) -> dense_prefill::DensePrefillBwdArgs<'_, T> {
+        dense_prefill::DensePrefillBwdArgs {
+            fwd: self.fwd.args(softmax_scale, causal),
+            out: &self.out,
+            d_out: &self.d_out,
+            lse: &self.lse,
         }
     }
 }
@@ -974,7 +984,7 @@ pub fn dense_prefill_fwd<'py>(
         &place,
         |cancel| {
             let res = dense_prefill::dense_prefill_fwd_cpu_with(
-                &d.host()?.args(softmax_scale, causal),
+                &d.map(&Desc::to_host)?.args(softmax_scale, causal),
                 cancel,
             )?;
             out_d.write_host(&res.out)?;
@@ -1001,19 +1011,13 @@ pub fn dense_prefill_bwd_check(
     softmax_scale: Option<f32>,
     causal: bool,
 ) -> PyResult<(usize, usize, usize, usize, usize, usize)> {
-    let d = DenseFwdIn::read([q, k, v, cu_seqlens_q, cu_seqlens_k], Read::Meta)?;
-    let (out, d_out, lse) = (
-        desc(out, "out", Read::Meta)?,
-        desc(d_out, "d_out", Read::Meta)?,
-        desc(lse, "lse", Read::Meta)?,
-    );
+    let d = DenseBwdIn::read(
+        [q, k, v, cu_seqlens_q, cu_seqlens_k],
+        [out, d_out, lse],
+        Read::Meta,
+    )?;
     guard("dense_prefill_bwd", || {
-        let dims = dense_prefill::validate_bwd(&dense_prefill::DensePrefillBwdArgs {
-            fwd: d.args(softmax_scale, causal),
-            out: &out,
-            d_out: &d_out,
-            lse: &lse,
-        })?;
+        let dims = dense_prefill::validate_bwd(&d.args(softmax_scale, causal))?;
         Ok((
             dims.total_q,
             dims.total_k,
@@ -1042,21 +1046,15 @@ pub fn dense_prefill_bwd<'py>(
     causal: bool,
 ) -> PyResult<(Tensor<'py>, Tensor<'py>, Tensor<'py>)> {
     let py = q.py();
-    let d = DenseFwdIn::read([q, k, v, cu_seqlens_q, cu_seqlens_k], Read::Data)?;
-    let (out_d, d_out_d, lse_d) = (
-        desc(out, "out", Read::Data)?,
-        desc(d_out, "d_out", Read::Data)?,
-        desc(lse, "lse", Read::Data)?,
-    );
-    let place = Place::of(py, "dense_prefill_bwd", &d.q)?;
+    let d = DenseBwdIn::read(
+        [q, k, v, cu_seqlens_q, cu_seqlens_k],
+        [out, d_out, lse],
+        Read::Data,
+    )?;
+    let place = Place::of(py, "dense_prefill_bwd", &d.fwd.q)?;
     let loc = place.location();
     let dims = guard("dense_prefill_bwd", || {
-        dense_prefill::validate_bwd(&dense_prefill::DensePrefillBwdArgs {
-            fwd: d.args(softmax_scale, causal),
-            out: &out_d,
-            d_out: &d_out_d,
-            lse: &lse_d,
-        })
+        dense_prefill::validate_bwd(&d.args(softmax_scale, causal))
     })?;
     let (dq, dq_d) = new_output(q, "d_q", &[dims.total_q, dims.h_q, dims.d], dims.dtype, loc)?;
     let (dk, dk_d) = new_output(q, "d_k", &[dims.total_k, dims.h_k, dims.d], dims.dtype, loc)?;
@@ -1072,15 +1070,8 @@ pub fn dense_prefill_bwd<'py>(
         "dense_prefill_bwd",
         &place,
         |cancel| {
-            let h = d.host()?;
-            let (o, g, l) = (out_d.to_host()?, d_out_d.to_host()?, lse_d.to_host()?);
             let res = dense_prefill::dense_prefill_bwd_cpu_with(
-                &dense_prefill::DensePrefillBwdArgs {
-                    fwd: h.args(softmax_scale, causal),
-                    out: &o,
-                    d_out: &g,
-                    lse: &l,
-                },
+                &d.map(&Desc::to_host)?.args(softmax_scale, causal),
                 cancel,
             )?;
             dq_d.write_host(&res.d_q)?;
