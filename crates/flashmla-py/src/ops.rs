@@ -923,12 +923,16 @@ impl<T> DenseBwdIn<T> {
     }
 }
 
-/// What a dense prefill on a CUDA device gets in this build.
-fn dense_prefill_on_gpu(gpu: &Gpu) -> flashmla::Error {
-    flashmla::Error::unsupported(
-        format!("dense prefill on cuda:{}", gpu.ordinal()),
-        "this build runs the dense varlen prefill on the CPU only (no GPU kernel yet)",
-    )
+/// The dense prefill runs on the host only in this build: a CUDA call is refused (`NotImplementedError`) before
+/// anything is allocated.
+fn dense_prefill_on_host(place: &Place) -> PyResult<()> {
+    match place {
+        Place::Host => Ok(()),
+        Place::Cuda(gpu) => Err(crate::errors::to_py_err(flashmla::Error::unsupported(
+            format!("dense prefill on cuda:{}", gpu.ordinal()),
+            "this build runs the dense varlen prefill on the CPU only (no GPU kernel yet)",
+        ))),
+    }
 }
 
 /// Validates a dense prefill forward's metadata and returns `(total_q, h_q, d_v)` (`out` has q's dtype, `lse`
@@ -966,6 +970,7 @@ pub fn dense_prefill_fwd<'py>(
     let py = q.py();
     let d = DenseFwdIn::read([q, k, v, cu_seqlens_q, cu_seqlens_k], Read::Data)?;
     let place = Place::of(py, "dense_prefill_fwd", &d.q)?;
+    dense_prefill_on_host(&place)?;
     let loc = place.location();
     let dims = guard("dense_prefill_fwd", || {
         dense_prefill::validate(&d.args(softmax_scale, causal))
@@ -978,20 +983,14 @@ pub fn dense_prefill_fwd<'py>(
         loc,
     )?;
     let (lse, lse_d) = new_output(q, "lse", &[dims.h_q, dims.total_q], DType::F32, loc)?;
-    run(
-        py,
-        "dense_prefill_fwd",
-        &place,
-        |cancel| {
-            let res = dense_prefill::dense_prefill_fwd_cpu_with(
-                &d.map(&Desc::to_host)?.args(softmax_scale, causal),
-                cancel,
-            )?;
-            out_d.write_host(&res.out)?;
-            lse_d.write_host(&res.lse)
-        },
-        |gpu| Err(dense_prefill_on_gpu(gpu)),
-    )?;
+    run_cpu(py, "dense_prefill_fwd", |cancel| {
+        let res = dense_prefill::dense_prefill_fwd_cpu_with(
+            &d.map(&Desc::to_host)?.args(softmax_scale, causal),
+            cancel,
+        )?;
+        out_d.write_host(&res.out)?;
+        lse_d.write_host(&res.lse)
+    })?;
     Ok((out, lse))
 }
 
@@ -1052,6 +1051,7 @@ pub fn dense_prefill_bwd<'py>(
         Read::Data,
     )?;
     let place = Place::of(py, "dense_prefill_bwd", &d.fwd.q)?;
+    dense_prefill_on_host(&place)?;
     let loc = place.location();
     let dims = guard("dense_prefill_bwd", || {
         dense_prefill::validate_bwd(&d.args(softmax_scale, causal))
@@ -1065,21 +1065,15 @@ pub fn dense_prefill_bwd<'py>(
         dims.dtype,
         loc,
     )?;
-    run(
-        py,
-        "dense_prefill_bwd",
-        &place,
-        |cancel| {
-            let res = dense_prefill::dense_prefill_bwd_cpu_with(
-                &d.map(&Desc::to_host)?.args(softmax_scale, causal),
-                cancel,
-            )?;
-            dq_d.write_host(&res.d_q)?;
-            dk_d.write_host(&res.d_k)?;
-            dv_d.write_host(&res.d_v)
-        },
-        |gpu| Err(dense_prefill_on_gpu(gpu)),
-    )?;
+    run_cpu(py, "dense_prefill_bwd", |cancel| {
+        let res = dense_prefill::dense_prefill_bwd_cpu_with(
+            &d.map(&Desc::to_host)?.args(softmax_scale, causal),
+            cancel,
+        )?;
+        dq_d.write_host(&res.d_q)?;
+        dk_d.write_host(&res.d_k)?;
+        dv_d.write_host(&res.d_v)
+    })?;
     Ok((dq, dk, dv))
 }
 
