@@ -460,8 +460,12 @@ fn decode_outputs<'py>(
     let (lse, lse_d) = new_output(q, "lse", &[b, h_q, s_q], DType::F32, loc)?;
     let workspace = match place {
         Place::Cuda(gpu) => {
+            // is_capturing binds the device's context (a fresh thread has none current): put the caller's back.
             let (words, capturing) = guard(op, || {
-                Ok((words(gpu.info().sm_count as usize)?, gpu.is_capturing()?))
+                Ok((
+                    words(gpu.info().sm_count as usize)?,
+                    gpu.restoring_context(|| gpu.is_capturing())?,
+                ))
             })?;
             Some(stream_workspace(
                 q,

@@ -394,6 +394,8 @@ impl Gpu {
 
     /// Whether the stream is being captured into a CUDA graph (synchronising it would then be an error).
     pub fn is_capturing(&self) -> Result<bool> {
+        // The legacy default stream (0) names the current context's, so bind it first like every entry point.
+        self.inner.bind()?;
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         // SAFETY: the stream is alive as long as `self`; writes one enum.
         check("cuStreamIsCapturing", unsafe {
