@@ -348,3 +348,75 @@ mod tests {
         }
     }
 }
+
+/// A dense varlen prefill forward resident on the GPU, with its outputs.
+pub struct DensePrefillOnGpu {
+    q: DeviceTensor,
+    k: DeviceTensor,
+    v: DeviceTensor,
+    cu_q: DeviceTensor,
+    cu_k: DeviceTensor,
+    /// `[total_q, h_q, 128]`, q's dtype.
+    pub out: DeviceTensor,
+    /// `[h_q, total_q]` f32.
+    pub lse: DeviceTensor,
+}
+
+impl DensePrefillOnGpu {
+    /// Uploads `case` (keeping its strides) and allocates outputs, filled with [`POISON`] when `poison` is set.
+    pub fn new(gpu: &Gpu, case: &flashmla::testing::PrefillCase, poison: bool) -> Result<Self> {
+        let (total_q, h_q) = (case.q.shape()[0], case.q.shape()[1]);
+        let alloc = |dtype: DType, shape: &[usize]| {
+            if poison {
+                gpu.alloc_filled(dtype, shape, POISON)
+            } else {
+                gpu.alloc(dtype, shape)
+            }
+        };
+        Ok(DensePrefillOnGpu {
+            q: gpu.upload(&case.q)?,
+            k: gpu.upload(&case.k)?,
+            v: gpu.upload(&case.v)?,
+            cu_q: gpu.upload(&case.cu_q)?,
+            cu_k: gpu.upload(&case.cu_k)?,
+            out: alloc(case.q.dtype(), &[total_q, h_q, 128])?,
+            lse: alloc(DType::F32, &[h_q, total_q])?,
+        })
+    }
+
+    /// Launches the forward (asynchronously).
+    pub fn run(&self, gpu: &Gpu, causal: bool, softmax_scale: Option<f32>) -> Result<()> {
+        use flashmla::ops::dense_prefill::{
+            dense_prefill_fwd_cuda, DensePrefillArgs, DensePrefillOutput,
+        };
+        let (q, k, v, cu_q, cu_k) = (
+            self.q.view(),
+            self.k.view(),
+            self.v.view(),
+            self.cu_q.view(),
+            self.cu_k.view(),
+        );
+        let args = DensePrefillArgs {
+            q: &q,
+            k: &k,
+            v: &v,
+            cu_seqlens_q: &cu_q,
+            cu_seqlens_k: &cu_k,
+            softmax_scale,
+            causal,
+        };
+        let out = DensePrefillOutput {
+            out: self.out.view(),
+            lse: self.lse.view(),
+        };
+        dense_prefill_fwd_cuda(gpu, &args, &out)
+    }
+
+    /// Downloads `(out, lse)` as row-major f32.
+    pub fn download(&self, gpu: &Gpu) -> Result<(Vec<f32>, Vec<f32>)> {
+        Ok((
+            gpu.download(&self.out)?.to_f32_vec()?,
+            gpu.download(&self.lse)?.to_f32_vec()?,
+        ))
+    }
+}

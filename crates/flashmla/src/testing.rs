@@ -965,3 +965,117 @@ pub fn sparse_decode_case(
         sink,
     }
 }
+
+/// What to generate for a dense varlen prefill case (docs/spec.md section 5).
+#[derive(Debug, Clone)]
+pub struct PrefillSpec {
+    /// `(query rows, key rows)` of each sequence.
+    pub lens: Vec<(usize, usize)>,
+    /// Query heads.
+    pub h_q: usize,
+    /// Key/value heads.
+    pub h_k: usize,
+    /// Query/key width (`d_v` is 128).
+    pub d: usize,
+    /// bf16 or f16.
+    pub dtype: crate::tensor::DType,
+    /// Standard deviation of q (k and v are `randn`); larger values make the softmax peakier.
+    pub q_std: f32,
+}
+
+/// A dense prefill case: host tensors and the values the reference reads (the tensors' own, as f32).
+#[derive(Debug, Clone)]
+pub struct PrefillCase {
+    /// `[total_q, h_q, d]`.
+    pub q: HostTensor,
+    /// `[total_k, h_k, d]`.
+    pub k: HostTensor,
+    /// `[total_k, h_k, 128]`.
+    pub v: HostTensor,
+    /// `[b + 1]` i32.
+    pub cu_q: HostTensor,
+    /// `[b + 1]` i32.
+    pub cu_k: HostTensor,
+    /// The offsets as vectors.
+    pub offsets: (Vec<i32>, Vec<i32>),
+    /// q, k, v as f32 (row-major, contiguous).
+    pub values: (Vec<f32>, Vec<f32>, Vec<f32>),
+}
+
+impl PrefillCase {
+    /// The reference problem of the case with a mask and scale.
+    pub fn problem(
+        &self,
+        spec: &PrefillSpec,
+        causal: bool,
+        scale: f32,
+    ) -> crate::reference::dense_prefill::DensePrefillProblem<'_> {
+        crate::reference::dense_prefill::DensePrefillProblem {
+            h_q: spec.h_q,
+            h_k: spec.h_k,
+            d: spec.d,
+            d_v: 128,
+            cu_seqlens_q: &self.offsets.0,
+            cu_seqlens_k: &self.offsets.1,
+            q: &self.values.0,
+            k: &self.values.1,
+            v: &self.values.2,
+            scale,
+            causal,
+        }
+    }
+
+    /// The same inputs with q, k and v non-contiguous (last dimension padded by 128 elements, the others by 1, then
+    /// sliced back), rows still 16-byte aligned.
+    pub fn padded(&self) -> Result<PrefillCase> {
+        let pad = |t: &HostTensor| t.to_padded(&[1, 1, 128]);
+        Ok(PrefillCase {
+            q: pad(&self.q)?,
+            k: pad(&self.k)?,
+            v: pad(&self.v)?,
+            ..self.clone()
+        })
+    }
+}
+
+/// Draws a dense prefill case: q `randn * q_std`, k and v `randn`, each plus a small per-tensor offset, rounded to
+/// the element type.
+pub fn prefill_case(rng: &mut StdRng, spec: &PrefillSpec) -> Result<PrefillCase> {
+    use crate::tensor::{DType, HostData};
+    let mut cu_q = vec![0i32];
+    let mut cu_k = vec![0i32];
+    for &(a, b) in &spec.lens {
+        cu_q.push(cu_q[cu_q.len() - 1] + a as i32);
+        cu_k.push(cu_k[cu_k.len() - 1] + b as i32);
+    }
+    let (tq, tk) = (cu_q[cu_q.len() - 1] as usize, cu_k[cu_k.len() - 1] as usize);
+    let mut draw = |n: usize, std: f32, shape: &[usize]| -> Result<HostTensor> {
+        let offset = rng.random_range(-0.05f32..0.05);
+        let vals: Vec<f32> = (0..n)
+            .map(|_| {
+                let z: f32 = StandardNormal.sample(rng);
+                z * std + offset
+            })
+            .collect();
+        match spec.dtype {
+            DType::F16 => HostTensor::new(
+                HostData::F16(vals.iter().map(|&x| half::f16::from_f32(x)).collect()),
+                shape,
+            ),
+            _ => HostTensor::bf16_from_f32(&vals, shape),
+        }
+    };
+    let q = draw(tq * spec.h_q * spec.d, spec.q_std, &[tq, spec.h_q, spec.d])?;
+    let k = draw(tk * spec.h_k * spec.d, 1.0, &[tk, spec.h_k, spec.d])?;
+    let v = draw(tk * spec.h_k * 128, 1.0, &[tk, spec.h_k, 128])?;
+    let values = (q.to_f32_vec()?, k.to_f32_vec()?, v.to_f32_vec()?);
+    Ok(PrefillCase {
+        q,
+        k,
+        v,
+        cu_q: HostTensor::from_i32(cu_q.clone(), &[cu_q.len()])?,
+        cu_k: HostTensor::from_i32(cu_k.clone(), &[cu_k.len()])?,
+        offsets: (cu_q, cu_k),
+        values,
+    })
+}

@@ -3,6 +3,7 @@
 
 mod decode_dense;
 mod decode_sparse;
+mod dense_prefill;
 #[cfg(feature = "experiments")]
 pub(crate) mod experiments;
 mod kv_quant;
@@ -303,6 +304,7 @@ fn suite_benches(suite: BenchSuite, indices: IndexChoice) -> Vec<Bench> {
     v.extend(kv_quant::benches(suite));
     v.extend(decode_dense::benches(suite));
     v.extend(decode_sparse::benches(suite));
+    v.extend(dense_prefill::benches(suite));
     v
 }
 

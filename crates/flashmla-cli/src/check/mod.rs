@@ -4,6 +4,7 @@
 mod decode_dense;
 mod decode_outputs;
 mod decode_sparse;
+mod dense_prefill;
 mod kv_quant;
 mod sparse_bwd;
 mod sparse_fwd;
@@ -167,6 +168,7 @@ fn all_cases() -> Vec<Case> {
     cases.extend(sparse_bwd::cases());
     cases.extend(decode_dense::cases());
     cases.extend(decode_sparse::cases());
+    cases.extend(dense_prefill::cases());
     cases
 }
 

@@ -1,5 +1,5 @@
 // wgmma (sm_90a): shared-memory matrix descriptors, the fence/commit/wait protocol, and the MMA shapes the
-// sparse forward issues (m64n32 / m64n64 with both operands K-major, m64n256 with B MN-major). Layout conventions (SW128 slabs, fragment layouts) are in smem_layout.cuh.
+// kernels issue (m64n32 / m64n64 / m64n128 with both operands K-major, m64n128 / m64n256 with B MN-major). Layout conventions (SW128 slabs, fragment layouts) are in smem_layout.cuh.
 //
 // ## Matrix descriptor (64 bits, PTX ISA "matrix descriptor format")
 //   bits  0-13: start address  >> 4 (shared-state-space byte address; < 256 KB so 14 bits suffice)
@@ -94,6 +94,15 @@ inline constexpr bool kIsF16<F16> = true;
     "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
     "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
     "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define FLASHMLA_WGMMA_D64 \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 #define FLASHMLA_WGMMA_D128 \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
     "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
@@ -130,6 +139,18 @@ inline constexpr bool kIsF16<F16> = true;
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
     "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+#define FLASHMLA_WGMMA_N128_SS_KK(T) \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " {" \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
+    "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+#define FLASHMLA_WGMMA_N128_RS_MN(T) \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " {" \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
+    "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
 #define FLASHMLA_WGMMA_N256_SS_KMN(T) \
     "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n" \
     "wgmma.mma_async.sync.aligned.m64n256k16.f32." T "." T " {" \
@@ -200,6 +221,23 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss_mnmn(float (&d)[32], uint64_t
 template <class E = Bf16>
 __device__ __forceinline__ void wgmma_m64n64k16_rs_kk(float (&d)[32], const uint32_t (&a)[4], uint64_t b, bool acc) {
     wgmma_m64n64k16_rs<0, E>(d, a, b, acc);
+}
+
+// D[64x128] (+)= A[64x16] B[128x16]^T; A and B K-major in shared memory (descriptors).
+template <class E = Bf16>
+__device__ __forceinline__ void wgmma_m64n128k16_ss_kk(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                                       bool accumulate) {
+    FLASHMLA_WGMMA_ASM(E, FLASHMLA_WGMMA_N128_SS_KK, FLASHMLA_WGMMA_D64,
+                       "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+}
+
+// D[64x128] (+)= A[64x16] B[16x128]; A in registers (fragment layout: smem_layout.cuh), B MN-major in shared
+// memory.
+template <class E = Bf16>
+__device__ __forceinline__ void wgmma_m64n128k16_rs_mn(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
+                                                       bool accumulate) {
+    FLASHMLA_WGMMA_ASM(E, FLASHMLA_WGMMA_N128_RS_MN, FLASHMLA_WGMMA_D64,
+                       "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)));
 }
 
 // D[64x256] (+)= A[64x16] B[16x256]; A K-major in shared memory, B MN-major (N contiguous) in shared memory.

@@ -6,7 +6,7 @@
 //! (docs/gpu-plumbing.md, "Host/device contract").
 
 use crate::cuda::{DeviceParams, FieldLayout};
-use crate::ops::{decode, kv_quant, sparse_bwd, sparse_fwd};
+use crate::ops::{decode, dense_prefill, kv_quant, sparse_bwd, sparse_fwd};
 
 /// A parameter struct's mirror, as data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,6 +68,13 @@ pub const FAMILIES: &[FamilyContract] = &[
         family: decode::launch::FAMILY,
         kernels: decode::launch::kernels::ALL,
         params: &[ParamsMirror::of::<decode::launch::DecodeParams>()],
+    },
+    FamilyContract {
+        family: dense_prefill::launch::FAMILY,
+        kernels: dense_prefill::launch::kernels::ALL,
+        params: &[ParamsMirror::of::<
+            dense_prefill::launch::DensePrefillFwdParams,
+        >()],
     },
 ];
 

@@ -270,6 +270,25 @@ pub fn dense_prefill_fwd<R: Real>(
     Ok(DensePrefillFwdResult { out, lse })
 }
 
+/// Bounds, per element of `out`, the error that comes from rounding the probabilities `P` to the element type before
+/// the `P V` MMA, as the GPU forward does (like every 16-bit tensor-core attention): each product `p_j v_j` then
+/// carries a relative error of at most `unit_roundoff` (`2^-8` for bf16, `2^-11` for fp16), so an element's error is
+/// at most `unit_roundoff * sum_j p_j |v_j|`, which is the forward of the same problem with `|v|` in place of `v`.
+///
+/// The bound matters where attention is peaked (a few keys carry the row) and the output is small by cancellation;
+/// a wrongly kept or dropped key is about `1 / unit_roundoff` times larger than its share of it, so judging errors
+/// net of it still catches every real mistake. Allocates `|v|` and the forward's results.
+pub fn dense_prefill_p_rounding(
+    p: &DensePrefillProblem<'_>,
+    unit_roundoff: f64,
+    cancel: &CancelToken,
+) -> Result<Vec<f64>> {
+    let v_abs: Vec<f32> = p.v.iter().map(|x| x.abs()).collect();
+    let abs_problem = DensePrefillProblem { v: &v_abs, ..*p };
+    let res = dense_prefill_fwd::<f64>(&abs_problem, cancel)?;
+    Ok(res.out.into_iter().map(|x| x * unit_roundoff).collect())
+}
+
 /// Outputs of [`dense_prefill_bwd`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct DensePrefillBwdResult<R> {

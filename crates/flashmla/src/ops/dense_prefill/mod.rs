@@ -1,18 +1,21 @@
 //! Dense MHA prefill over packed variable-length sequences (docs/spec.md section 5): the MHA form of MLA
 //! (`(d, d_v) = (192, 128)`) and plain 128-wide heads, GQA, bottom-right causal.
 //!
-//! This build runs it on the CPU (the reference, f32 accumulation; [`crate::reference::dense_prefill`]); there is no
-//! GPU kernel yet, so device tensors get [`Error::Unsupported`].
+//! The forward runs on the GPU ([`dense_prefill_fwd_cuda`], the sm_90a kernel of [`launch`]) and on the CPU (the
+//! reference, f32 accumulation; [`crate::reference::dense_prefill`]); the backward runs on the CPU only, so device
+//! tensors get [`Error::Unsupported`] there.
 
+pub mod launch;
 mod validate;
 
-pub use validate::{validate, validate_bwd, DensePrefillDims, HEAD_DIMS};
+pub use validate::{validate, validate_bwd, validate_output, DensePrefillDims, HEAD_DIMS};
 
 use crate::alloc::try_collect;
 use crate::cancel::CancelToken;
+use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::reference::dense_prefill::{self as reference, DensePrefillProblem};
-use crate::tensor::{DType, HostData, HostTensor, Location, TensorMeta};
+use crate::tensor::{DType, DeviceView, HostData, HostTensor, Location, TensorMeta};
 use half::{bf16, f16};
 
 /// Forward arguments.
@@ -67,15 +70,31 @@ pub struct DensePrefillGrads<T> {
     pub d_v: T,
 }
 
-/// Refuses device tensors: no GPU kernel in this build.
-fn expect_host(dims_loc: Location) -> Result<()> {
+/// Refuses device tensors on a CPU path (the backward has no GPU kernel yet).
+fn expect_host(dims_loc: Location, what: &str) -> Result<()> {
     match dims_loc {
         Location::Host => Ok(()),
         loc => Err(Error::unsupported(
-            format!("dense prefill on {loc}"),
-            "this build runs the dense prefill on the CPU only",
+            format!("dense prefill {what} on {loc}"),
+            format!("the {what} of this function runs on the CPU"),
         )),
     }
+}
+
+/// The forward on the GPU: writes `out` and `lse` (caller-allocated, see [`validate_output`]) on `gpu`'s stream.
+/// Asynchronous (synchronise or download to wait); allocates nothing and reads no tensor on the host, so it can be
+/// captured into a CUDA graph.
+///
+/// Errors: those of [`validate`] and [`validate_output`], and [`Error::Unsupported`] / [`Error::InvalidArgument`] for
+/// the kernel's limits ([`launch`]: 16-byte aligned rows, contiguous offsets and lse rows).
+pub fn dense_prefill_fwd_cuda(
+    gpu: &Gpu,
+    args: &DensePrefillArgs<'_, DeviceView>,
+    out: &DensePrefillOutput<DeviceView>,
+) -> Result<()> {
+    let dims = validate(args)?;
+    validate_output(&dims, args.q.location(), out)?;
+    launch::launch(gpu, &dims, args, out)
 }
 
 /// The reference problem of host arguments, with their values as f32 vectors (kept alive by the caller).
@@ -149,7 +168,7 @@ pub fn dense_prefill_fwd_cpu_with(
     cancel: &CancelToken,
 ) -> Result<DensePrefillOutput<HostTensor>> {
     let dims = validate(args)?;
-    expect_host(args.q.location())?;
+    expect_host(args.q.location(), "forward")?;
     let inputs = HostInputs::read(args)?;
     let res = reference::dense_prefill_fwd::<f32>(&inputs.problem(&dims), cancel)?;
     Ok(DensePrefillOutput {
@@ -180,7 +199,7 @@ pub fn dense_prefill_bwd_cpu_with(
     cancel: &CancelToken,
 ) -> Result<DensePrefillGrads<HostTensor>> {
     let dims = validate_bwd(args)?;
-    expect_host(args.fwd.q.location())?;
+    expect_host(args.fwd.q.location(), "backward")?;
     let inputs = HostInputs::read(&args.fwd)?;
     let (out, d_out, lse) = (
         args.out.to_f32_vec()?,

@@ -1,8 +1,8 @@
 //! Shape, dtype and placement checks of the dense varlen prefill (docs/spec.md section 5).
 
-use super::{DensePrefillArgs, DensePrefillBwdArgs};
+use super::{DensePrefillArgs, DensePrefillBwdArgs, DensePrefillOutput};
 use crate::error::{Error, Result};
-use crate::tensor::{DType, TensorMeta};
+use crate::tensor::{DType, Location, TensorMeta};
 use crate::validate::{
     expect_dim, expect_dtype, expect_last_dim_contiguous, expect_location, expect_rank,
 };
@@ -131,4 +131,21 @@ pub fn validate_bwd<T: TensorMeta>(args: &DensePrefillBwdArgs<'_, T>) -> Result<
     expect_dtype("lse", args.lse, &[DType::F32])?;
     crate::validate::expect_shape("lse", args.lse, &[dims.h_q, dims.total_q])?;
     Ok(dims)
+}
+
+/// Checks the outputs a caller provides for a forward of dimensions `dims` on `loc`: `out [total_q, h_q, d_v]` of
+/// q's dtype with its last dimension contiguous, and `lse [h_q, total_q]` f32.
+pub fn validate_output<T: TensorMeta>(
+    dims: &DensePrefillDims,
+    loc: Location,
+    out: &DensePrefillOutput<T>,
+) -> Result<()> {
+    expect_location("out", &out.out, loc)?;
+    expect_dtype("out", &out.out, &[dims.dtype])?;
+    crate::validate::expect_shape("out", &out.out, &[dims.total_q, dims.h_q, dims.d_v])?;
+    expect_last_dim_contiguous("out", &out.out)?;
+    expect_location("lse", &out.lse, loc)?;
+    expect_dtype("lse", &out.lse, &[DType::F32])?;
+    crate::validate::expect_shape("lse", &out.lse, &[dims.h_q, dims.total_q])?;
+    Ok(())
 }

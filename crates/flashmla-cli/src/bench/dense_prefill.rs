@@ -1,0 +1,96 @@
+//! Dense varlen prefill forward on the standard shapes (docs/benchmarking.md): h 128, (d, d_v) = (192, 128), bf16,
+//! causal, b x s = 4 x 4K, 2 x 8K, 1 x 16K and a mixed-length batch of 16K tokens; plus the non-causal 4 x 4K and
+//! the (128, 128) head. FLOP = 2 * sum over sequences of s_q * s_k * h * (d + d_v), halved under the causal mask.
+
+use super::{Bench, BenchSuite, Record, Timed};
+use crate::device_ops::DensePrefillOnGpu;
+use flashmla::testing::{prefill_case, rng, PrefillSpec};
+use flashmla::DType;
+
+/// Query heads of the standard shapes.
+const HEADS: usize = 128;
+
+/// The sequence lengths of the mixed batch: 16K tokens in sequences of 512 to 4K.
+pub fn mixed_lengths() -> Vec<usize> {
+    vec![4096, 512, 2048, 1024, 3072, 1536, 2560, 1024, 512]
+}
+
+/// (name of the lengths, lengths, d, causal) of a suite.
+fn shapes(suite: BenchSuite) -> Vec<(String, Vec<usize>, usize, bool)> {
+    let uniform = |b: usize, s: usize| (format!("{b}x{s}"), vec![s; b]);
+    match suite {
+        BenchSuite::Standard => {
+            let mut v: Vec<_> = [(4, 4096), (2, 8192), (1, 16384)]
+                .into_iter()
+                .map(|(b, s)| {
+                    let (n, l) = uniform(b, s);
+                    (n, l, 192, true)
+                })
+                .collect();
+            v.push(("mixed16k".to_string(), mixed_lengths(), 192, true));
+            let (n, l) = uniform(4, 4096);
+            v.push((n.clone(), l.clone(), 192, false));
+            v.push((n, l, 128, true));
+            v
+        }
+        BenchSuite::Small => {
+            let (n, l) = uniform(1, 2048);
+            vec![(n, l, 192, true)]
+        }
+        BenchSuite::Sweep => Vec::new(),
+    }
+}
+
+/// Forward FLOP of sequences `lens` (s_q = s_k each).
+pub fn flop(lens: &[usize], h: usize, d: usize, causal: bool) -> f64 {
+    let pairs: f64 = lens.iter().map(|&s| (s * s) as f64).sum();
+    let full = 2.0 * pairs * h as f64 * (d + 128) as f64;
+    if causal {
+        full / 2.0
+    } else {
+        full
+    }
+}
+
+/// The forward benchmarks.
+pub fn benches(suite: BenchSuite) -> Vec<Bench> {
+    shapes(suite)
+        .into_iter()
+        .map(|(name, lens, d, causal)| {
+            let total: usize = lens.iter().sum();
+            let record = Record {
+                op: "dense_prefill".into(),
+                b: Some(lens.len()),
+                s_q: Some(total),
+                s_kv: Some(total),
+                h_q: Some(HEADS),
+                d_qk: Some(d),
+                d_v: Some(128),
+                causal: Some(causal),
+                seqlens: Some(name),
+                dtype: Some("bf16".into()),
+                ..Record::default()
+            };
+            Bench {
+                record,
+                flop: flop(&lens, HEADS, d, causal),
+                bytes: 0.0,
+                setup: Box::new(move |gpu, _variants| {
+                    let spec = PrefillSpec {
+                        lens: lens.iter().map(|&s| (s, s)).collect(),
+                        h_q: HEADS,
+                        h_k: HEADS,
+                        d,
+                        dtype: DType::Bf16,
+                        q_std: 1.0,
+                    };
+                    let case = prefill_case(&mut rng(0x5eed), &spec)?;
+                    let dev = DensePrefillOnGpu::new(gpu, &case, false)?;
+                    let gpu = gpu.clone();
+                    let timed: Timed = Box::new(move |_t| dev.run(&gpu, causal, None));
+                    Ok(timed)
+                }),
+            }
+        })
+        .collect()
+}

@@ -1,0 +1,171 @@
+//! Dense varlen prefill forward: the kernel against the f64 reference (spec section 6 prefill tolerances), with
+//! outputs poisoned before every run. Every (d, dtype, mask) meets single sequences with tails of every kind, packed
+//! batches with empty query and key sequences, more queries than keys (causal rows that see nothing), GQA / MQA,
+//! non-contiguous inputs and peaky logits.
+
+use super::{check, check_net, Case, Outcome};
+use crate::device_ops::DensePrefillOnGpu;
+use flashmla::cuda::Gpu;
+use flashmla::reference::compare::{PREFILL_LSE, PREFILL_OUT};
+use flashmla::reference::dense_prefill::{dense_prefill_fwd, dense_prefill_p_rounding};
+use flashmla::reference::sparse_bwd::BF16_UNIT_ROUNDOFF;
+use flashmla::testing::{prefill_case, rng, PrefillSpec};
+use flashmla::DType;
+
+/// How a case is run.
+#[derive(Clone)]
+struct Spec {
+    data: PrefillSpec,
+    causal: bool,
+    /// Pass q, k and v non-contiguous.
+    padded: bool,
+    softmax_scale: Option<f32>,
+}
+
+fn run_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
+    let case = prefill_case(&mut rng(seed), &spec.data)?;
+    let dev = DensePrefillOnGpu::new(
+        gpu,
+        &if spec.padded {
+            case.padded()?
+        } else {
+            case.clone()
+        },
+        true,
+    )?;
+    dev.run(gpu, spec.causal, spec.softmax_scale)?;
+    let (out, lse) = dev.download(gpu)?;
+    let scale = spec
+        .softmax_scale
+        .unwrap_or((spec.data.d as f32).powf(-0.5));
+    let problem = case.problem(&spec.data, spec.causal, scale);
+    let cancel = crate::signals::token();
+    let want = dense_prefill_fwd::<f64>(&problem, cancel)?;
+    // The kernel rounds P to the element type for the P V MMA (as every 16-bit tensor-core attention does): out is
+    // judged net of that rounding's bound (docs/spec.md section 6).
+    let unit_roundoff = match spec.data.dtype {
+        DType::F16 => 1.0 / 2048.0,
+        _ => BF16_UNIT_ROUNDOFF,
+    };
+    let allowance = dense_prefill_p_rounding(&problem, unit_roundoff, cancel)?;
+    Ok(Outcome::from_checks(vec![
+        check_net("out", &out, &want.out, &PREFILL_OUT, Some(&allowance)),
+        check("lse", &lse, &want.lse, &PREFILL_LSE),
+    ]))
+}
+
+/// Offsets that break the contract (decreasing, past the row counts, negative): the values are unspecified, but the
+/// launch must complete without a fault and the next launch must still be right.
+fn run_hostile_offsets(gpu: &Gpu, seed: u64) -> flashmla::Result<Outcome> {
+    let data = PrefillSpec {
+        lens: vec![(100, 100), (100, 100), (100, 100), (100, 100)],
+        h_q: 2,
+        h_k: 1,
+        d: 192,
+        dtype: DType::Bf16,
+        q_std: 1.0,
+    };
+    let mut case = prefill_case(&mut rng(seed), &data)?;
+    let bad = vec![0, 350, 100, i32::MAX, -5];
+    case.cu_q = flashmla::HostTensor::from_i32(bad.clone(), &[5])?;
+    case.cu_k = flashmla::HostTensor::from_i32(vec![i32::MIN, 500, -1, 399, 1 << 30], &[5])?;
+    let dev = DensePrefillOnGpu::new(gpu, &case, true)?;
+    for causal in [false, true] {
+        dev.run(gpu, causal, None)?;
+        gpu.synchronize()?;
+    }
+    let ok = Spec {
+        data,
+        causal: true,
+        padded: false,
+        softmax_scale: None,
+    };
+    run_case(gpu, &ok, seed ^ 1)
+}
+
+fn push(v: &mut Vec<Case>, name: String, quick: bool, spec: Spec) {
+    v.push(Case {
+        name,
+        quick,
+        run: Box::new(move |gpu, _tuning, seed| run_case(gpu, &spec, seed)),
+    });
+}
+
+/// The forward grid: (d, dtype) x mask x sequence sets, with GQA, padding, peaky logits and a custom scale in
+/// rotation, plus the hostile-offsets case.
+pub fn cases() -> Vec<Case> {
+    let sets: [(&str, Vec<(usize, usize)>); 8] = [
+        ("one_tile", vec![(128, 128)]),
+        ("one_row", vec![(1, 1)]),
+        ("tails", vec![(300, 300)]),
+        ("more_keys", vec![(257, 513)]),
+        ("more_queries", vec![(513, 257)]),
+        ("long", vec![(1100, 1100)]),
+        (
+            "varlen_empty",
+            vec![
+                (37, 70),
+                (5, 0),
+                (20, 9),
+                (64, 64),
+                (0, 12),
+                (200, 130),
+                (129, 129),
+            ],
+        ),
+        (
+            "many_short",
+            (0..40)
+                .map(|i| ((i * 7) % 41, (i * 13) % 37 + (i % 3)))
+                .collect(),
+        ),
+    ];
+    let heads = [(4usize, 4usize), (8, 2), (3, 1)];
+    let mut v = Vec::new();
+    let mut k = 0usize;
+    for (d, dtype, tname) in [
+        (192usize, DType::Bf16, "bf16"),
+        (192, DType::F16, "f16"),
+        (128, DType::Bf16, "bf16"),
+        (128, DType::F16, "f16"),
+    ] {
+        for causal in [false, true] {
+            for (set, lens) in &sets {
+                let (h_q, h_k) = heads[k % heads.len()];
+                let (what, padded, q_std, scale) = match k % 4 {
+                    0 => ("plain", false, 1.0, None),
+                    1 => ("noncontiguous", true, 1.0, None),
+                    2 => ("peaky", false, 4.0, None),
+                    _ => ("scale0.3", false, 1.0, Some(0.3)),
+                };
+                let quick = k % 5 == 0;
+                k += 1;
+                let mask = if causal { "causal" } else { "full" };
+                push(
+                    &mut v,
+                    format!("dense_prefill/d{d}/{tname}/{mask}/{set}/h{h_q}k{h_k}/{what}"),
+                    quick,
+                    Spec {
+                        data: PrefillSpec {
+                            lens: lens.clone(),
+                            h_q,
+                            h_k,
+                            d,
+                            dtype,
+                            q_std,
+                        },
+                        causal,
+                        padded,
+                        softmax_scale: scale,
+                    },
+                );
+            }
+        }
+    }
+    v.push(Case {
+        name: "dense_prefill/hostile_offsets".to_string(),
+        quick: true,
+        run: Box::new(|gpu, _tuning, seed| run_hostile_offsets(gpu, seed)),
+    });
+    v
+}

@@ -1,0 +1,21 @@
+// Entry points of the dense_prefill family (docs/spec.md section 5), one per (d, element type):
+//   dense_prefill_fwd_d192_bf16, dense_prefill_fwd_d192_f16, dense_prefill_fwd_d128_bf16, dense_prefill_fwd_d128_f16
+// Launch: grid (m_tiles * h_q, 1, 1), block (kThreads = 384, 1, 1), dynamic shared memory kSmemBytes<d>
+// (config.cuh; mirrored in ops/dense_prefill/launch.rs).
+#include "sm90/dense_prefill/kernel.cuh"
+
+using flashmla::Bf16;
+using flashmla::F16;
+using flashmla::dense_prefill::DensePrefillFwdParams;
+using flashmla::dense_prefill::kThreads;
+
+#define FLASHMLA_DENSE_PREFILL_FWD(NAME, D, E)                                                      \
+    extern "C" __global__ void __launch_bounds__(kThreads, 1) NAME(const __grid_constant__ DensePrefillFwdParams p) { \
+        extern __shared__ __align__(1024) uint8_t smem[];                                           \
+        flashmla::dense_prefill::dense_prefill_fwd<D, E>(p, smem);                                  \
+    }
+
+FLASHMLA_DENSE_PREFILL_FWD(dense_prefill_fwd_d192_bf16, 192, Bf16)
+FLASHMLA_DENSE_PREFILL_FWD(dense_prefill_fwd_d192_f16, 192, F16)
+FLASHMLA_DENSE_PREFILL_FWD(dense_prefill_fwd_d128_bf16, 128, Bf16)
+FLASHMLA_DENSE_PREFILL_FWD(dense_prefill_fwd_d128_f16, 128, F16)

@@ -1,0 +1,392 @@
+// Dense varlen prefill forward for sm_90a (docs/spec.md section 5; design in docs/dense-prefill.md).
+//
+// One CTA = 128 query rows of one (sequence, query head); 3 warpgroups:
+//   Producer:  loads the Q tile once, then the sequence's K and V tiles (128 keys each) into a 2-stage ring with
+//              cp.async (16-byte chunks placed straight into the 128B-swizzled layout; rows past the sequence are
+//              zero-filled without being read). K and V of a stage complete and are released separately.
+//   Consumers: consumer c owns rows 64 c .. 64 c + 63. Per tile: S = Q K^T (wgmma 64 x 128), the mask (causal
+//              diagonal and the sequence's last tile only), the online softmax, O += P V with P from registers.
+//              The epilogue writes out (staged through the consumer's own Q rows for 16-byte stores) and lse.
+// The two consumers run the same program on different rows, so one's softmax overlaps the other's MMAs.
+#pragma once
+
+#include <cstdint>
+
+#include "common/cp_async.cuh"
+#include "common/mbarrier.cuh"
+#include "common/pipeline.cuh"
+#include "common/smem_access.cuh"
+#include "common/smem_layout.cuh"
+#include "common/softmax_tile.cuh"
+#include "common/wgmma.cuh"
+#include "sm90/dense_prefill/config.cuh"
+#include "sm90/dense_prefill/params.h"
+
+namespace flashmla::dense_prefill {
+
+using Ring = RingPos<kStages>;
+
+__device__ __forceinline__ int clamp_to(int v, int lo, int hi) { return min(max(v, lo), hi); }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Work of the CTA. Grid x enumerates (tile, head) pairs, head-minor, tiles in reverse order: under a causal mask
+// the last tiles of a sequence carry the most keys, so the longest CTAs start first. Tile indices count the 128-row
+// tiles of the sequences in order; warp 0 finds the sequence of its tile with a prefix scan over the offsets, 32
+// sequences per step. The offsets are clamped into [0, total_q] and made non-decreasing on the way (a running
+// max), so sequences never overlap and all their tiles fit the grid's bound (m_tiles).
+__device__ __forceinline__ TileWork find_work(const DensePrefillFwdParams& p, int lane) {
+    const int linear = static_cast<int>(blockIdx.x);
+    const int tile = p.m_tiles - 1 - linear / p.h_q;
+    TileWork w{};
+    w.head = linear % p.h_q;
+    int carry_end = clamp_to(__ldg(p.cu_seqlens_q), 0, p.total_q);
+    int carry_tiles = 0;
+    for (int base = 0; base < p.batch; base += 32) {
+        const int b = base + lane;
+        int end = b < p.batch ? clamp_to(__ldg(p.cu_seqlens_q + b + 1), 0, p.total_q) : 0;
+#pragma unroll
+        for (int off = 1; off < 32; off *= 2) {
+            const int v = __shfl_up_sync(kFullMask, end, off);
+            if (lane >= off) end = max(end, v);
+        }
+        end = max(end, carry_end);
+        int start = __shfl_up_sync(kFullMask, end, 1);
+        if (lane == 0) start = carry_end;
+        const int tiles = (end - start + kTileM - 1) / kTileM;  // 0 past the batch (end == start there)
+        int incl = tiles;
+#pragma unroll
+        for (int off = 1; off < 32; off *= 2) {
+            const int v = __shfl_up_sync(kFullMask, incl, off);
+            if (lane >= off) incl += v;
+        }
+        incl += carry_tiles;
+        const uint32_t hit = __ballot_sync(kFullMask, b < p.batch && incl > tile);
+        if (hit != 0) {
+            const int src = __ffs(hit) - 1;
+            const int seq = base + src;
+            const int s_start = __shfl_sync(kFullMask, start, src);
+            const int s_end = __shfl_sync(kFullMask, end, src);
+            const int first_tile = __shfl_sync(kFullMask, incl - tiles, src);
+            w.found = 1;
+            w.s_q = s_end - s_start;
+            w.m0 = (tile - first_tile) * kTileM;
+            w.q0 = s_start + w.m0;
+            w.rows = min(kTileM, w.s_q - w.m0);
+            const int k_start = clamp_to(__ldg(p.cu_seqlens_k + seq), 0, p.total_k);
+            const int k_end = clamp_to(__ldg(p.cu_seqlens_k + seq + 1), k_start, p.total_k);
+            w.k0 = k_start;
+            w.s_k = k_end - k_start;
+            return w;
+        }
+        carry_end = __shfl_sync(kFullMask, end, 31);
+        carry_tiles = __shfl_sync(kFullMask, incl, 31);
+    }
+    return w;  // found = 0: a tile past the last sequence's
+}
+
+// Keys the CTA's rows can see: all of the sequence's, or under the bottom-right causal mask up to row
+// (last row + s_k - s_q). 0 when no row sees any key.
+__device__ __forceinline__ int keys_seen(const DensePrefillFwdParams& p, const TileWork& w) {
+    if ((p.flags & kFlagCausal) == 0) return w.s_k;
+    return clamp_to(w.m0 + w.rows + (w.s_k - w.s_q), 0, w.s_k);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Producer warpgroup. Thread t copies 16-byte chunk t % 8 of tile row 16 k + t / 8 in pass k, for every slab.
+
+template <int kSlabs>
+__device__ __forceinline__ void copy_tile(uint32_t dst_base, const uint16_t* base, int64_t row_stride, int row0,
+                                          int rows, const Sw128CopyThread& ct, const uint16_t* dummy) {
+    constexpr int kSlabBytes = kTileN * kSw128RowBytes;
+#pragma unroll
+    for (int k = 0; k < kPasses; ++k) {
+        const int r = k * kRowsPerPass + ct.row_in_pass;
+        const bool ok = row0 + r < rows;
+        const uint16_t* src = (ok ? base + static_cast<int64_t>(row0 + r) * row_stride : dummy) + ct.chunk_elems;
+#pragma unroll
+        for (int slab = 0; slab < kSlabs; ++slab) {
+            cp_async_16_zfill(dst_base + slab * kSlabBytes + k * kRowsPerPass * kSw128RowBytes + ct.smem_off,
+                              src + slab * kSw128ColsBf16, ok);
+        }
+    }
+}
+
+template <int kD>
+__device__ __forceinline__ void producer(const DensePrefillFwdParams& p, SmemPlan<kD>& sm, const TileWork& w,
+                                         int n_tiles) {
+    using C = Config<kD>;
+    if (n_tiles == 0) return;  // the consumers wait for nothing
+    const Sw128CopyThread ct = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
+    const uint16_t* dummy = p.q;  // source of zero-filled copies: never read, but inside a tensor anyway
+
+    const uint16_t* q = p.q + static_cast<int64_t>(w.q0) * p.q_stride_t + static_cast<int64_t>(w.head) * p.q_stride_h;
+    copy_tile<C::kDSlabs>(smem_addr(sm.q), q, p.q_stride_t, 0, w.rows, ct, dummy);
+    // The thread's arrival completes once all its copies so far landed (.noinc: one of the 128 expected).
+    MBarrier::arrive_on_cp_async_noinc(&sm.q_full);
+
+    const int64_t kv_head = w.head / p.h_per_k;
+    const uint16_t* k = p.k + static_cast<int64_t>(w.k0) * p.k_stride_t + kv_head * p.k_stride_h;
+    const uint16_t* v = p.v + static_cast<int64_t>(w.k0) * p.v_stride_t + kv_head * p.v_stride_h;
+    for (int i = 0; i < n_tiles; ++i) {
+        const Ring pos = Ring::of(i);
+        MBarrier::wait(&sm.k_empty[pos.stage], pos.empty_parity);
+        copy_tile<C::kDSlabs>(smem_addr(sm.k[pos.stage]), k, p.k_stride_t, i * kTileN, w.s_k, ct, dummy);
+        MBarrier::arrive_on_cp_async_noinc(&sm.k_full[pos.stage]);
+        MBarrier::wait(&sm.v_empty[pos.stage], pos.empty_parity);
+        copy_tile<C::kDvSlabs>(smem_addr(sm.v[pos.stage]), v, p.v_stride_t, i * kTileN, w.s_k, ct, dummy);
+        MBarrier::arrive_on_cp_async_noinc(&sm.v_full[pos.stage]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Consumer warpgroups.
+
+inline constexpr int kSRegs = kRowsPerConsumer * kTileN / kWarpgroupThreads;  // 64: S, 64 x 128 f32
+inline constexpr int kORegs = kRowsPerConsumer * kDv / kWarpgroupThreads;     // 64: O, 64 x 128 f32
+inline constexpr int kSBlocks = kSRegs / 4;                                   // 16 n8 blocks of S
+inline constexpr int kPSteps = kTileN / 16;                                   // 8 k-steps of O += P V
+
+// A consumer's rows: the two the thread owns (relative to the sequence) and their causal horizons.
+struct RowState {
+    float m_run[2];  // running max of the base-2 logits
+    float m_ref[2];  // lazily raised reference that P subtracts (softmax_tile.cuh, kRescaleThreshold)
+    float l[2];      // this thread's part of the softmax denominators
+};
+
+// Masks S of tile `i` to -inf where a key is past the sequence or, causally, past the row's horizon (a select,
+// so an inf in Q or K cannot turn into NaN). `limit[rr]`: last key the row sees (s_k - 1 without a causal mask).
+__device__ __forceinline__ void mask_tile(float (&s)[kSRegs], int i, const AccFrag& f, const int (&limit)[2]) {
+#pragma unroll
+    for (int j = 0; j < kSBlocks; ++j) {
+        const int col = i * kTileN + f.col(j);
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            s[4 * j + 2 * rr + 0] = col <= limit[rr] ? s[4 * j + 2 * rr + 0] : -kInf;
+            s[4 * j + 2 * rr + 1] = col + 1 <= limit[rr] ? s[4 * j + 2 * rr + 1] : -kInf;
+        }
+    }
+}
+
+// Online-softmax bookkeeping of one tile (as softmax_tile.cuh's update_row_max, for 128 keys): returns the rescale
+// of O and l (alpha) and the reference P subtracts (m_exp, 0 while a row has seen no valid key).
+__device__ __forceinline__ void tile_row_max(const float (&s)[kSRegs], float scale, RowState& st, float (&alpha)[2],
+                                             float (&m_exp)[2]) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        float t[kSBlocks];
+#pragma unroll
+        for (int j = 0; j < kSBlocks; ++j) t[j] = fmaxf(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]);
+#pragma unroll
+        for (int level = 1; level < kSBlocks; level *= 2) {  // a tree: 16 -> 8 -> 4 -> 2 -> 1
+#pragma unroll
+            for (int j = 0; j < kSBlocks; j += 2 * level) t[j] = fmaxf(t[j], t[j + level]);
+        }
+        st.m_run[rr] = fmaxf(st.m_run[rr], quad_max(t[0]) * scale);
+        alpha[rr] = 1.f;
+        if (st.m_run[rr] > st.m_ref[rr] + kRescaleThreshold) {
+            alpha[rr] = exp2f(st.m_ref[rr] - st.m_run[rr]);
+            st.m_ref[rr] = st.m_run[rr];
+        }
+        m_exp[rr] = st.m_ref[rr] == -kInf ? 0.f : st.m_ref[rr];
+    }
+}
+
+// P = exp2(S * scale - m_exp) as register A fragments (E), and the row sums into l (after its rescale by alpha).
+template <class E>
+__device__ __forceinline__ void tile_p(float (&s)[kSRegs], float scale, const float (&alpha)[2],
+                                       const float (&m_exp)[2], RowState& st, uint32_t (&pa)[kPSteps][4]) {
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < kSBlocks; ++j) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            s[4 * j + 2 * rr] = exp2f(fmaf(s[4 * j + 2 * rr], scale, -m_exp[rr]));
+            s[4 * j + 2 * rr + 1] = exp2f(fmaf(s[4 * j + 2 * rr + 1], scale, -m_exp[rr]));
+            sum[rr] += s[4 * j + 2 * rr] + s[4 * j + 2 * rr + 1];
+        }
+    }
+#pragma unroll
+    for (int kb = 0; kb < kPSteps; ++kb) {
+        pa[kb][0] = pack_x2<E>(s[8 * kb + 0], s[8 * kb + 1]);
+        pa[kb][1] = pack_x2<E>(s[8 * kb + 2], s[8 * kb + 3]);
+        pa[kb][2] = pack_x2<E>(s[8 * kb + 4], s[8 * kb + 5]);
+        pa[kb][3] = pack_x2<E>(s[8 * kb + 6], s[8 * kb + 7]);
+    }
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) st.l[rr] = st.l[rr] * alpha[rr] + sum[rr];
+}
+
+// The epilogue: O / l to E, staged in the consumer's own rows of Q slabs 0..1 (the SW128 layout: row r, column
+// chunk j at slab j / 8, chunk j % 8 of row r), then copied out with 16-byte stores; lse (natural log) per row.
+// Rows that saw no key get out 0 and lse +inf. Called after the consumer's last wgmma read of Q completed.
+template <int kD, class E>
+__device__ __forceinline__ void epilogue(const DensePrefillFwdParams& p, SmemPlan<kD>& sm, const TileWork& w,
+                                         int consumer, int t, const AccFrag& f, const RowState& st,
+                                         const float (&o)[kORegs]) {
+    using C = Config<kD>;
+    const int rows[2] = {kRowsPerConsumer * consumer + f.row0, kRowsPerConsumer * consumer + f.row1()};
+    float inv[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const float l = quad_sum(st.l[rr]);
+        inv[rr] = l > 0.f ? 1.f / l : 0.f;
+        if (f.quad == 0 && rows[rr] < w.rows) {
+            const float lse = l > 0.f ? (st.m_ref[rr] + __log2f(l)) * kLn2 : kInf;
+            p.lse[static_cast<int64_t>(w.head) * p.lse_stride_h + w.q0 + rows[rr]] = lse;
+        }
+    }
+    const uint32_t q_addr = smem_addr(sm.q);
+#pragma unroll
+    for (int j = 0; j < kORegs / 4; ++j) {  // n8 block j: columns 8 j + 2 q, + 1
+        const int slab = j / kSw128ChunksPerRow;
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            const uint32_t addr = q_addr + slab * C::kSlabBytes +
+                                  sw128_chunk_offset(rows[rr], j % kSw128ChunksPerRow) + 4 * f.quad;
+            st_shared_u32(addr, pack_x2<E>(o[4 * j + 2 * rr] * inv[rr], o[4 * j + 2 * rr + 1] * inv[rr]));
+        }
+    }
+    named_barrier_sync_unaligned(consumer == 0 ? Bar::Staging0 : Bar::Staging1, kWarpgroupThreads);
+    constexpr int kChunksPerRow = kDv * 2 / 16;  // 16
+    uint16_t* out = p.out + static_cast<int64_t>(w.q0) * p.out_stride_t + static_cast<int64_t>(w.head) * p.out_stride_h;
+#pragma unroll
+    for (int it = 0; it < kRowsPerConsumer * kChunksPerRow / kWarpgroupThreads; ++it) {
+        const int id = it * kWarpgroupThreads + t;
+        const int row = kRowsPerConsumer * consumer + id / kChunksPerRow;
+        const int chunk = id % kChunksPerRow;
+        if (row < w.rows) {
+            const uint4 val = ld_shared_v4(q_addr + (chunk / kSw128ChunksPerRow) * C::kSlabBytes +
+                                           sw128_chunk_offset(row, chunk % kSw128ChunksPerRow));
+            *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row) * p.out_stride_t + chunk * 8) = val;
+        }
+    }
+}
+
+template <int kD, class E>
+__device__ __forceinline__ void consumer(const DensePrefillFwdParams& p, SmemPlan<kD>& sm, const TileWork& w,
+                                         int n_tiles, int consumer_idx) {
+    using C = Config<kD>;
+    const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * (1 + consumer_idx);
+    const int lane = t % 32;
+    const AccFrag f = AccFrag::of_thread(t);
+    const float scale = p.sm_scale_log2;
+    const bool causal = (p.flags & kFlagCausal) != 0;
+
+    // Last key each of the thread's rows sees; the first row of the consumer bounds when a tile needs the mask.
+    const int row_first = w.m0 + kRowsPerConsumer * consumer_idx;
+    const int shift = w.s_k - w.s_q;
+    int limit[2];
+    limit[0] = causal ? min(row_first + f.row0 + shift, w.s_k - 1) : w.s_k - 1;
+    limit[1] = causal ? min(row_first + f.row1() + shift, w.s_k - 1) : w.s_k - 1;
+    const int mask_from = causal ? min(row_first + shift, w.s_k - 1) : w.s_k - 1;  // tiles ending past it mask
+
+    RowState st;
+    float o[kORegs];
+    zero_regs(o);
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        st.m_run[rr] = -kInf;
+        st.m_ref[rr] = -kInf;
+        st.l[rr] = 0.f;
+    }
+
+    const uint64_t desc_q =
+        make_wgmma_desc_sw128(smem_addr(sm.q) + consumer_idx * C::kConsumerRowBytes, kUnusedLbo, kSw128AtomBytes);
+    if (n_tiles > 0) MBarrier::wait(&sm.q_full, 0);
+    for (int i = 0; i < n_tiles; ++i) {
+        const Ring pos = Ring::of(i);
+        float s[kSRegs];
+        // S = Q K^T.
+        MBarrier::wait(&sm.k_full[pos.stage], pos.full_parity);
+        fence_proxy_async_shared();  // cp.async (generic proxy) wrote the tile; wgmma reads it (async proxy)
+        const uint64_t desc_k = make_wgmma_desc_sw128(smem_addr(sm.k[pos.stage]), kUnusedLbo, kSw128AtomBytes);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < C::kQkSteps; ++ks) {
+            const uint32_t off = (ks / C::kKStepsPerSlab) * C::kSlabBytes + (ks % C::kKStepsPerSlab) * 32;
+            wgmma_m64n128k16_ss_kk<E>(s, wgmma_desc_advance(desc_q, off), wgmma_desc_advance(desc_k, off), ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_regs(s);
+        release_by_warp(&sm.k_empty[pos.stage], lane);
+
+        // Mask, online softmax, P.
+        if (i * kTileN + kTileN - 1 > mask_from) mask_tile(s, i, f, limit);
+        float alpha[2];
+        float m_exp[2];
+        tile_row_max(s, scale, st, alpha, m_exp);
+        if (alpha[0] != 1.f || alpha[1] != 1.f) {
+#pragma unroll
+            for (int j = 0; j < kORegs / 4; ++j) {
+                o[4 * j + 0] *= alpha[0];
+                o[4 * j + 1] *= alpha[0];
+                o[4 * j + 2] *= alpha[1];
+                o[4 * j + 3] *= alpha[1];
+            }
+        }
+        uint32_t pa[kPSteps][4];
+        tile_p<E>(s, scale, alpha, m_exp, st, pa);
+
+        // O += P V.
+        MBarrier::wait(&sm.v_full[pos.stage], pos.full_parity);
+        fence_proxy_async_shared();
+        const uint32_t v_addr = smem_addr(sm.v[pos.stage]);
+        wgmma_fence();
+#pragma unroll
+        for (int kb = 0; kb < kPSteps; ++kb) {
+            const uint64_t desc_v =
+                make_wgmma_desc_sw128(v_addr + kb * 16 * kSw128RowBytes, C::kSlabBytes, kSw128AtomBytes);
+            wgmma_m64n128k16_rs_mn<E>(o, pa[kb], desc_v, true);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_regs(o);
+        release_by_warp(&sm.v_empty[pos.stage], lane);
+    }
+    epilogue<kD, E>(p, sm, w, consumer_idx, t, f, st, o);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The kernel body (instantiated by dense_prefill.cu per (d, element type)). `smem` is the dynamic shared memory.
+template <int kD, class E>
+__device__ __forceinline__ void dense_prefill_fwd(const DensePrefillFwdParams& p, uint8_t* smem) {
+    using Plan = SmemPlan<kD>;
+    if (static_cast<int64_t>(blockIdx.x) >= static_cast<int64_t>(p.m_tiles) * p.h_q) return;
+
+    const uint32_t raw = smem_addr(smem);
+    const uint32_t pad = ((raw + kSw128AtomBytes - 1) & ~static_cast<uint32_t>(kSw128AtomBytes - 1)) - raw;
+    if (pad + sizeof(Plan) > dynamic_smem_bytes()) __trap();  // launch asked for less than kSmemBytes<kD>
+    Plan& sm = *reinterpret_cast<Plan*>(smem + pad);
+
+    if (threadIdx.x < 32) {
+        const TileWork w = find_work(p, static_cast<int>(threadIdx.x));
+        if (threadIdx.x == 0) sm.work = w;
+    }
+    if (threadIdx.x == 32) {
+        MBarrier::init(&sm.q_full, kWarpgroupThreads);
+#pragma unroll
+        for (int st = 0; st < kStages; ++st) {
+            MBarrier::init(&sm.k_full[st], kWarpgroupThreads);
+            MBarrier::init(&sm.v_full[st], kWarpgroupThreads);
+            MBarrier::init(&sm.k_empty[st], kConsumers * kWarpsPerWarpgroup);
+            MBarrier::init(&sm.v_empty[st], kConsumers * kWarpsPerWarpgroup);
+        }
+    }
+    __syncthreads();
+    const TileWork w = sm.work;
+    if (!w.found) return;
+    const int n_keys = keys_seen(p, w);
+    const int n_tiles = (n_keys + kTileN - 1) / kTileN;
+
+    const Role role = static_cast<Role>(threadIdx.x / kWarpgroupThreads);
+    if (role == Role::Producer) {
+        setmaxnreg_dec<kProducerRegs>();
+        producer<kD>(p, sm, w, n_tiles);
+    } else {
+        setmaxnreg_inc<kConsumerRegs>();
+        consumer<kD, E>(p, sm, w, n_tiles, role == Role::Consumer0 ? 0 : 1);
+    }
+}
+
+}  // namespace flashmla::dense_prefill

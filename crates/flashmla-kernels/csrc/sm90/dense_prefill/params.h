@@ -1,0 +1,47 @@
+// Parameters of the dense varlen prefill forward kernels (docs/spec.md section 5). Mirrored field by field by
+// `crates/flashmla/src/ops/dense_prefill/launch.rs` (`DensePrefillFwdParams`, #[repr(C)]); the layout is checked by
+// machine (build.rs lays out this header with the host compiler; docs/gpu-plumbing.md, "Host/device contract").
+//
+// Strides are in elements; last dimensions are contiguous. q, k, v and out rows are 16-byte aligned (host-checked).
+// The offsets are read as they are: every sequence is clamped into [0, total) and made non-decreasing on the
+// device, so offsets that break the contract give unspecified values but never an access outside a tensor.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace flashmla::dense_prefill {
+
+// `flags` bits.
+inline constexpr uint32_t kFlagCausal = 1u << 0;  // bottom-right causal mask
+
+struct DensePrefillFwdParams {
+    const uint16_t* q;             // [total_q, h_q, d] bf16/f16; strides (q_stride_t, q_stride_h, 1)
+    const uint16_t* k;             // [total_k, h_k, d]; strides (k_stride_t, k_stride_h, 1)
+    const uint16_t* v;             // [total_k, h_k, d_v]; strides (v_stride_t, v_stride_h, 1)
+    const int32_t* cu_seqlens_q;   // [batch + 1] i32, contiguous
+    const int32_t* cu_seqlens_k;   // [batch + 1] i32, contiguous
+    uint16_t* out;                 // [total_q, h_q, d_v]; strides (out_stride_t, out_stride_h, 1)
+    float* lse;                    // [h_q, total_q] f32 (natural log); strides (lse_stride_h, 1)
+
+    int64_t q_stride_t;
+    int64_t q_stride_h;
+    int64_t k_stride_t;
+    int64_t k_stride_h;
+    int64_t v_stride_t;
+    int64_t v_stride_h;
+    int64_t out_stride_t;
+    int64_t out_stride_h;
+    int64_t lse_stride_h;
+
+    int32_t batch;                 // >= 1
+    int32_t total_q;
+    int32_t total_k;
+    int32_t h_q;
+    int32_t h_per_k;               // h_q / h_k (query heads per key/value head)
+    int32_t m_tiles;               // upper bound on the 128-row query tiles of all sequences: ceil(total_q / 128) + batch
+    uint32_t flags;                // kFlag* bits
+    float sm_scale_log2;           // softmax_scale * log2(e)
+};
+
+}  // namespace flashmla::dense_prefill

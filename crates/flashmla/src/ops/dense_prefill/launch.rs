@@ -1,0 +1,329 @@
+//! GPU path of the dense varlen prefill forward: checks the limits of the sm_90a kernel
+//! (`csrc/sm90/dense_prefill/`, design in `docs/dense-prefill.md`), lowers validated arguments to its
+//! [`DensePrefillFwdParams`] and launches one CTA of 384 threads per (128-row query tile, query head): a producer
+//! warpgroup streaming K and V tiles of 128 keys and two consumer warpgroups of 64 query rows each.
+//!
+//! The grid is sized from `total_q` and `b` alone (`ceil(total_q / 128) + b` tiles per head, an upper bound on the
+//! tiles of any sequences that partition `total_q` rows), so the launch needs no host copy of the offsets and no
+//! `max_seqlen`; each CTA finds its sequence on the device. Offsets that break the contract (not non-decreasing
+//! from 0 to the row counts) give unspecified values in the rows they misdescribe, never an access outside a tensor.
+//!
+//! Kernel limits checked here (beyond [`super::validate`]): `q`, `k`, `v` and `out` rows 16-byte aligned (rows move
+//! in 16-byte chunks); offsets contiguous; `lse` contiguous over tokens; every reachable offset fits `i64`; the row
+//! counts and the grid fit the kernel's 32-bit counters.
+
+use super::{DensePrefillArgs, DensePrefillDims, DensePrefillOutput};
+use crate::cuda::{device_params, DeviceParams, Gpu, LaunchConfig};
+use crate::error::{Error, Result};
+use crate::ops::layout::{
+    expect_element_aligned, expect_offsets_fit_i64, expect_rows_16b, stride_param,
+};
+use crate::tensor::{DType, DeviceView, Location, TensorMeta};
+use crate::validate::{expect_contiguous, expect_location, to_i32};
+
+/// Kernel family (`csrc/sm90/dense_prefill/`).
+pub const FAMILY: &str = <DensePrefillFwdParams as DeviceParams>::FAMILY;
+/// Query rows per CTA (`kTileM`).
+pub const TILE_M: usize = 128;
+/// Threads per CTA (`kThreads`): a producer and two consumer warpgroups.
+pub const THREADS_PER_CTA: u32 = 384;
+/// Dynamic shared memory of the `d` 192 kernels (`kSmemBytes<192>`, static_asserted in config.cuh).
+pub const SMEM_BYTES_D192: u32 = 215_040;
+/// Dynamic shared memory of the `d` 128 kernels (`kSmemBytes<128>`).
+pub const SMEM_BYTES_D128: u32 = 165_888;
+/// `flags` bit: bottom-right causal mask (`kFlagCausal` in params.h).
+pub const FLAG_CAUSAL: u32 = 1;
+/// Largest `blockIdx.x` + 1 the driver accepts.
+const MAX_GRID_X: usize = i32::MAX as usize;
+/// log2(e): the kernel keeps logits in base 2, so the host folds it into the scale.
+const LOG2_E: f32 = std::f32::consts::LOG2_E;
+
+device_params! {
+    family = "dense_prefill", cxx = "DensePrefillFwdParams";
+    /// Mirror of `flashmla::dense_prefill::DensePrefillFwdParams` (params.h), checked against it at compile time
+    /// ([`crate::cuda::params`]). Pointers are device addresses; strides are in elements; last dimensions are
+    /// contiguous and have no stride field.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    pub struct DensePrefillFwdParams {
+        /// `[total_q, h_q, d]`, strides `(q_stride_t, q_stride_h, 1)`.
+        pub q: u64,
+        /// `[total_k, h_k, d]`, strides `(k_stride_t, k_stride_h, 1)`.
+        pub k: u64,
+        /// `[total_k, h_k, d_v]`, strides `(v_stride_t, v_stride_h, 1)`.
+        pub v: u64,
+        /// `[b + 1]` i32, contiguous.
+        pub cu_seqlens_q: u64,
+        /// `[b + 1]` i32, contiguous.
+        pub cu_seqlens_k: u64,
+        /// `[total_q, h_q, d_v]`, strides `(out_stride_t, out_stride_h, 1)`.
+        pub out: u64,
+        /// `[h_q, total_q]` f32, strides `(lse_stride_h, 1)`.
+        pub lse: u64,
+        /// Elements between `q` rows.
+        pub q_stride_t: i64,
+        /// Elements between `q` heads.
+        pub q_stride_h: i64,
+        /// Elements between `k` rows.
+        pub k_stride_t: i64,
+        /// Elements between `k` heads.
+        pub k_stride_h: i64,
+        /// Elements between `v` rows.
+        pub v_stride_t: i64,
+        /// Elements between `v` heads.
+        pub v_stride_h: i64,
+        /// Elements between `out` rows.
+        pub out_stride_t: i64,
+        /// Elements between `out` heads.
+        pub out_stride_h: i64,
+        /// Elements between `lse` heads.
+        pub lse_stride_h: i64,
+        /// Sequences.
+        pub batch: i32,
+        /// Query rows of all sequences.
+        pub total_q: i32,
+        /// Key rows of all sequences.
+        pub total_k: i32,
+        /// Query heads.
+        pub h_q: i32,
+        /// Query heads per key/value head.
+        pub h_per_k: i32,
+        /// `ceil(total_q / 128) + b`: the grid's tiles per head.
+        pub m_tiles: i32,
+        /// `FLAG_*` bits.
+        pub flags: u32,
+        /// `softmax_scale * log2(e)`.
+        pub sm_scale_log2: f32,
+    }
+}
+
+/// The family's kernel symbols (entry points in `csrc/sm90/dense_prefill/dense_prefill.cu`): the only place they
+/// are spelled on the host; a CPU test checks each against the embedded cubin.
+pub mod kernels {
+    /// Forward, `d` 192 (`d_v` 128), bf16.
+    pub const FWD_D192_BF16: &str = "dense_prefill_fwd_d192_bf16";
+    /// Forward, `d` 192, fp16.
+    pub const FWD_D192_F16: &str = "dense_prefill_fwd_d192_f16";
+    /// Forward, `d` 128 (`d_v` 128), bf16.
+    pub const FWD_D128_BF16: &str = "dense_prefill_fwd_d128_bf16";
+    /// Forward, `d` 128, fp16.
+    pub const FWD_D128_F16: &str = "dense_prefill_fwd_d128_f16";
+    /// Every kernel [`super::kernel_for`] can name.
+    pub const ALL: &[&str] = &[FWD_D192_BF16, FWD_D192_F16, FWD_D128_BF16, FWD_D128_F16];
+}
+
+/// Kernel symbol and dynamic shared memory of the forward for `d` and an element type.
+pub fn kernel_for(d: usize, dtype: DType) -> Result<(&'static str, u32)> {
+    match (d, dtype) {
+        (192, DType::Bf16) => Ok((kernels::FWD_D192_BF16, SMEM_BYTES_D192)),
+        (192, DType::F16) => Ok((kernels::FWD_D192_F16, SMEM_BYTES_D192)),
+        (128, DType::Bf16) => Ok((kernels::FWD_D128_BF16, SMEM_BYTES_D128)),
+        (128, DType::F16) => Ok((kernels::FWD_D128_F16, SMEM_BYTES_D128)),
+        _ => Err(Error::unsupported(
+            format!("dense_prefill kernel for d = {d}, {dtype:?}"),
+            "the sm_90a kernels are built for d 128 and 192 in bf16 and fp16",
+        )),
+    }
+}
+
+/// Checks the kernel's limits and builds its parameters and launch geometry (pure: no GPU needed). Returns `None`
+/// when there is nothing to launch (no query rows).
+pub fn lower(
+    dims: &DensePrefillDims,
+    args: &DensePrefillArgs<'_, DeviceView>,
+    out: &DensePrefillOutput<DeviceView>,
+) -> Result<Option<(&'static str, LaunchConfig, DensePrefillFwdParams)>> {
+    let (kernel, smem) = kernel_for(dims.d, dims.dtype)?;
+    expect_rows_16b(
+        "dense_prefill",
+        &[
+            ("q", args.q),
+            ("k", args.k),
+            ("v", args.v),
+            ("out", &out.out),
+        ],
+    )?;
+    expect_contiguous("cu_seqlens_q", args.cu_seqlens_q)?;
+    expect_contiguous("cu_seqlens_k", args.cu_seqlens_k)?;
+    if out.lse.shape()[1] > 1 && out.lse.strides()[1] != 1 {
+        return Err(Error::invalid(
+            "lse.strides[1]",
+            "1 (rows of a head contiguous)",
+            out.lse.strides()[1],
+        ));
+    }
+    expect_element_aligned(&[
+        ("cu_seqlens_q", Some(args.cu_seqlens_q)),
+        ("cu_seqlens_k", Some(args.cu_seqlens_k)),
+        ("lse", Some(&out.lse)),
+    ])?;
+    expect_offsets_fit_i64(&[
+        ("q", Some(args.q)),
+        ("k", Some(args.k)),
+        ("v", Some(args.v)),
+        ("out", Some(&out.out)),
+        ("lse", Some(&out.lse)),
+    ])?;
+    let sm_scale_log2 = dims.softmax_scale * LOG2_E;
+    if !sm_scale_log2.is_finite() {
+        return Err(Error::invalid(
+            "softmax_scale",
+            "a value whose product with log2(e) is finite",
+            dims.softmax_scale,
+        ));
+    }
+    if dims.total_q == 0 {
+        return Ok(None);
+    }
+    let m_tiles = dims.total_q.div_ceil(TILE_M) + dims.batch;
+    let ctas = m_tiles
+        .checked_mul(dims.h_q)
+        .filter(|&n| n <= MAX_GRID_X)
+        .ok_or_else(|| {
+            Error::invalid(
+                "q.shape",
+                format!(
+                    "(ceil(total_q / {TILE_M}) + b) * h_q <= {MAX_GRID_X} (one CTA per query tile and head)"
+                ),
+                format!("total_q {}, b {}, h_q {}", dims.total_q, dims.batch, dims.h_q),
+            )
+        })?;
+    let params = DensePrefillFwdParams {
+        q: args.q.ptr(),
+        k: args.k.ptr(),
+        v: args.v.ptr(),
+        cu_seqlens_q: args.cu_seqlens_q.ptr(),
+        cu_seqlens_k: args.cu_seqlens_k.ptr(),
+        out: out.out.ptr(),
+        lse: out.lse.ptr(),
+        q_stride_t: stride_param("q", args.q, 0)?,
+        q_stride_h: stride_param("q", args.q, 1)?,
+        k_stride_t: stride_param("k", args.k, 0)?,
+        k_stride_h: stride_param("k", args.k, 1)?,
+        v_stride_t: stride_param("v", args.v, 0)?,
+        v_stride_h: stride_param("v", args.v, 1)?,
+        out_stride_t: stride_param("out", &out.out, 0)?,
+        out_stride_h: stride_param("out", &out.out, 1)?,
+        lse_stride_h: stride_param("lse", &out.lse, 0)?,
+        batch: to_i32("cu_seqlens_q.shape[0] - 1", dims.batch)?,
+        total_q: to_i32("q.shape[0]", dims.total_q)?,
+        total_k: to_i32("k.shape[0]", dims.total_k)?,
+        h_q: to_i32("q.shape[1]", dims.h_q)?,
+        h_per_k: to_i32("h_q / h_k", dims.h_q / dims.h_k)?,
+        m_tiles: to_i32("ceil(total_q / 128) + b", m_tiles)?,
+        flags: if dims.causal { FLAG_CAUSAL } else { 0 },
+        sm_scale_log2,
+    };
+    let cfg = LaunchConfig {
+        grid: (ctas as u32, 1, 1),
+        block: (THREADS_PER_CTA, 1, 1),
+        shared_mem_bytes: smem,
+        cluster: None,
+        programmatic: false,
+    };
+    Ok(Some((kernel, cfg, params)))
+}
+
+/// Launches the forward on `gpu`'s stream for arguments that passed [`super::validate`] and outputs that passed
+/// [`super::validate_output`]. Asynchronous: synchronise or download to wait.
+pub(crate) fn launch(
+    gpu: &Gpu,
+    dims: &DensePrefillDims,
+    args: &DensePrefillArgs<'_, DeviceView>,
+    out: &DensePrefillOutput<DeviceView>,
+) -> Result<()> {
+    expect_location("q", args.q, Location::Cuda(gpu.ordinal()))?;
+    let Some((name, cfg, params)) = lower(dims, args, out)? else {
+        return Ok(());
+    };
+    let kernel = gpu.kernel(FAMILY, name)?;
+    // SAFETY: `DensePrefillFwdParams` mirrors the kernel's parameter struct (checked at compile time). `validate` /
+    // `validate_output` established the shapes and dtypes the params describe and that every tensor lives on this
+    // device; `lower` checked alignment, contiguity of the offsets and that every offset fits i64. The kernel
+    // clamps every offset it reads into [0, total_q] / [0, total_k], so it reads q / k / v rows and writes out /
+    // lse rows inside the views (heads < h_q, h_k), which by the DeviceView contract are valid, live and do not
+    // alias outputs with inputs.
+    unsafe { gpu.launch(&kernel, &cfg, &params) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::layout::fake_view;
+
+    const BASE: u64 = 0x7f00_0000_0000;
+
+    fn views(
+        total_q: usize,
+        total_k: usize,
+        h_q: usize,
+        h_k: usize,
+        d: usize,
+        b: usize,
+    ) -> [DeviceView; 7] {
+        let t = DType::Bf16;
+        [
+            fake_view(BASE, t, &[total_q, h_q, d], None),
+            fake_view(BASE + (1 << 32), t, &[total_k, h_k, d], None),
+            fake_view(BASE + (2 << 32), t, &[total_k, h_k, 128], None),
+            fake_view(BASE + (3 << 32), DType::I32, &[b + 1], None),
+            fake_view(BASE + (4 << 32), DType::I32, &[b + 1], None),
+            fake_view(BASE + (5 << 32), t, &[total_q, h_q, 128], None),
+            fake_view(BASE + (6 << 32), DType::F32, &[h_q, total_q], None),
+        ]
+    }
+
+    fn lower_for(
+        v: &[DeviceView; 7],
+        causal: bool,
+    ) -> Result<Option<(&'static str, LaunchConfig, DensePrefillFwdParams)>> {
+        let args = DensePrefillArgs {
+            q: &v[0],
+            k: &v[1],
+            v: &v[2],
+            cu_seqlens_q: &v[3],
+            cu_seqlens_k: &v[4],
+            softmax_scale: None,
+            causal,
+        };
+        let out = DensePrefillOutput {
+            out: v[5].clone(),
+            lse: v[6].clone(),
+        };
+        let dims = super::super::validate(&args)?;
+        lower(&dims, &args, &out)
+    }
+
+    #[test]
+    fn lowers_the_grid_from_row_counts_and_heads() {
+        let v = views(1000, 3000, 16, 4, 192, 3);
+        let (name, cfg, p) = lower_for(&v, true).unwrap().unwrap();
+        assert_eq!(name, kernels::FWD_D192_BF16);
+        assert_eq!(p.m_tiles, 8 + 3);
+        assert_eq!(cfg.grid, (11 * 16, 1, 1));
+        assert_eq!(cfg.shared_mem_bytes, SMEM_BYTES_D192);
+        assert_eq!((p.h_per_k, p.flags), (4, FLAG_CAUSAL));
+        assert_eq!(
+            (p.q_stride_t, p.q_stride_h, p.lse_stride_h),
+            (16 * 192, 192, 1000)
+        );
+        assert_eq!(
+            (p.k_stride_t, p.v_stride_t, p.v_stride_h),
+            (4 * 192, 4 * 128, 128)
+        );
+        assert!((p.sm_scale_log2 - 192f32.powf(-0.5) * LOG2_E).abs() < 1e-6);
+    }
+
+    #[test]
+    fn nothing_to_launch_without_query_rows() {
+        let v = views(0, 10, 2, 2, 128, 1);
+        assert!(lower_for(&v, false).unwrap().is_none());
+    }
+
+    #[test]
+    fn refuses_rows_that_are_not_16_byte_aligned() {
+        let mut v = views(10, 10, 2, 2, 128, 1);
+        v[0] = fake_view(BASE + 2, DType::Bf16, &[10, 2, 128], None);
+        let err = lower_for(&v, false).unwrap_err().to_string();
+        assert!(err.contains("`q`"), "{err}");
+    }
+}
