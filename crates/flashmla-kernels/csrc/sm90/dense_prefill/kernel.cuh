@@ -29,16 +29,18 @@ using Ring = RingPos<kStages>;
 __device__ __forceinline__ int clamp_to(int v, int lo, int hi) { return min(max(v, lo), hi); }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Work of the CTA. Grid x enumerates (tile, head) pairs, head-minor, tiles in reverse order: under a causal mask
-// the last tiles of a sequence carry the most keys, so the longest CTAs start first. Tile indices count the 128-row
-// tiles of the sequences in order; warp 0 finds the sequence of its tile with a prefix scan over the offsets, 32
-// sequences per step. The offsets are clamped into [0, total_q] and made non-decreasing on the way (a running
-// max), so sequences never overlap and all their tiles fit the grid's bound (m_tiles).
+// Work of the CTA. Grid x enumerates (head, tile) pairs, tile-minor: the CTAs that run together share their heads'
+// K and V, which then stay in L2 (head-minor order streamed every head's K and V from DRAM: 1.4-1.5x slower at 4K-16K). Within a
+// head the tiles run in reverse order: under a causal mask the last tiles of a sequence see the most keys, so the
+// longest CTAs start first. Tile indices count the 128-row tiles of the sequences in order; warp 0 finds the
+// sequence of its tile with a prefix scan over the offsets, 32 sequences per step. The offsets are clamped into
+// [0, total_q] and made non-decreasing on the way (a running max), so sequences never overlap and all their tiles
+// fit the grid's bound (m_tiles).
 __device__ __forceinline__ TileWork find_work(const DensePrefillFwdParams& p, int lane) {
     const int linear = static_cast<int>(blockIdx.x);
-    const int tile = p.m_tiles - 1 - linear / p.h_q;
+    const int tile = p.m_tiles - 1 - linear % p.m_tiles;
     TileWork w{};
-    w.head = linear % p.h_q;
+    w.head = linear / p.m_tiles;
     int carry_end = clamp_to(__ldg(p.cu_seqlens_q), 0, p.total_q);
     int carry_tiles = 0;
     for (int base = 0; base < p.batch; base += 32) {
@@ -191,31 +193,6 @@ __device__ __forceinline__ void tile_row_max(const float (&s)[kSRegs], float sca
     }
 }
 
-// P = exp2(S * scale - m_exp) as register A fragments (E), and the row sums into l (after its rescale by alpha).
-template <class E>
-__device__ __forceinline__ void tile_p(float (&s)[kSRegs], float scale, const float (&alpha)[2],
-                                       const float (&m_exp)[2], RowState& st, uint32_t (&pa)[kPSteps][4]) {
-    float sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < kSBlocks; ++j) {
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            s[4 * j + 2 * rr] = exp2f(fmaf(s[4 * j + 2 * rr], scale, -m_exp[rr]));
-            s[4 * j + 2 * rr + 1] = exp2f(fmaf(s[4 * j + 2 * rr + 1], scale, -m_exp[rr]));
-            sum[rr] += s[4 * j + 2 * rr] + s[4 * j + 2 * rr + 1];
-        }
-    }
-#pragma unroll
-    for (int kb = 0; kb < kPSteps; ++kb) {
-        pa[kb][0] = pack_x2<E>(s[8 * kb + 0], s[8 * kb + 1]);
-        pa[kb][1] = pack_x2<E>(s[8 * kb + 2], s[8 * kb + 3]);
-        pa[kb][2] = pack_x2<E>(s[8 * kb + 4], s[8 * kb + 5]);
-        pa[kb][3] = pack_x2<E>(s[8 * kb + 6], s[8 * kb + 7]);
-    }
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) st.l[rr] = st.l[rr] * alpha[rr] + sum[rr];
-}
-
 // The epilogue: O / l to E, staged in the consumer's own rows of Q slabs 0..1 (the SW128 layout: row r, column
 // chunk j at slab j / 8, chunk j % 8 of row r), then copied out with 16-byte stores; lse (natural log) per row.
 // Rows that saw no key get out 0 and lse +inf. Called after the consumer's last wgmma read of Q completed.
@@ -262,6 +239,91 @@ __device__ __forceinline__ void epilogue(const DensePrefillFwdParams& p, SmemPla
     }
 }
 
+// The consumer's phases, in the order the pipeline runs them.
+
+// Issues S = Q K^T of tile `i` (one commit group) once its K tile landed.
+template <int kD, class E>
+__device__ __forceinline__ void issue_qk(SmemPlan<kD>& sm, uint64_t desc_q, int i, float (&s)[kSRegs]) {
+    using C = Config<kD>;
+    const Ring pos = Ring::of(i);
+    MBarrier::wait(&sm.k_full[pos.stage], pos.full_parity);
+    fence_proxy_async_shared();  // cp.async (generic proxy) wrote the tile; wgmma reads it (async proxy)
+    const uint64_t desc_k = make_wgmma_desc_sw128(smem_addr(sm.k[pos.stage]), kUnusedLbo, kSw128AtomBytes);
+    wgmma_fence();  // s was last written by ordinary instructions (the softmax)
+#pragma unroll
+    for (int ks = 0; ks < C::kQkSteps; ++ks) {
+        const uint32_t off = (ks / C::kKStepsPerSlab) * C::kSlabBytes + (ks % C::kKStepsPerSlab) * 32;
+        wgmma_m64n128k16_ss_kk<E>(s, wgmma_desc_advance(desc_q, off), wgmma_desc_advance(desc_k, off), ks > 0);
+    }
+    wgmma_commit();
+}
+
+// Issues O += P V of tile `i` (one commit group) once its V tile landed; P from registers.
+template <int kD, class E>
+__device__ __forceinline__ void issue_pv(SmemPlan<kD>& sm, int i, const uint32_t (&pa)[kPSteps][4],
+                                         float (&o)[kORegs]) {
+    using C = Config<kD>;
+    const Ring pos = Ring::of(i);
+    MBarrier::wait(&sm.v_full[pos.stage], pos.full_parity);
+    fence_proxy_async_shared();
+    const uint32_t v_addr = smem_addr(sm.v[pos.stage]);
+    wgmma_fence();  // o (rescale) and pa were written by ordinary instructions
+#pragma unroll
+    for (int kb = 0; kb < kPSteps; ++kb) {
+        const uint64_t desc_v = make_wgmma_desc_sw128(v_addr + kb * 16 * kSw128RowBytes, C::kSlabBytes, kSw128AtomBytes);
+        wgmma_m64n128k16_rs_mn<E>(o, pa[kb], desc_v, true);
+    }
+    wgmma_commit();
+}
+
+// S(i) -> P(i) in place (f32), the row bookkeeping: mask, row max, exp2, row sums. Returns alpha, the rescale
+// of O that P(i) assumes (applied once PV(i - 1) has completed).
+__device__ __forceinline__ void softmax_tile(float (&s)[kSRegs], int i, const AccFrag& f, const int (&limit)[2],
+                                             int mask_from, float scale, RowState& st, float (&alpha)[2]) {
+    if (i * kTileN + kTileN - 1 > mask_from) mask_tile(s, i, f, limit);
+    float m_exp[2];
+    tile_row_max(s, scale, st, alpha, m_exp);
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < kSBlocks; ++j) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            s[4 * j + 2 * rr] = exp2f(fmaf(s[4 * j + 2 * rr], scale, -m_exp[rr]));
+            s[4 * j + 2 * rr + 1] = exp2f(fmaf(s[4 * j + 2 * rr + 1], scale, -m_exp[rr]));
+            sum[rr] += s[4 * j + 2 * rr] + s[4 * j + 2 * rr + 1];
+        }
+    }
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) st.l[rr] = st.l[rr] * alpha[rr] + sum[rr];
+}
+
+// P(i) (f32) to register A fragments of E.
+template <class E>
+__device__ __forceinline__ void pack_p(const float (&s)[kSRegs], uint32_t (&pa)[kPSteps][4]) {
+#pragma unroll
+    for (int kb = 0; kb < kPSteps; ++kb) {
+        pa[kb][0] = pack_x2<E>(s[8 * kb + 0], s[8 * kb + 1]);
+        pa[kb][1] = pack_x2<E>(s[8 * kb + 2], s[8 * kb + 3]);
+        pa[kb][2] = pack_x2<E>(s[8 * kb + 4], s[8 * kb + 5]);
+        pa[kb][3] = pack_x2<E>(s[8 * kb + 6], s[8 * kb + 7]);
+    }
+}
+
+__device__ __forceinline__ void scale_o(float (&o)[kORegs], const float (&alpha)[2]) {
+    if (alpha[0] != 1.f || alpha[1] != 1.f) {
+#pragma unroll
+        for (int j = 0; j < kORegs / 4; ++j) {
+            o[4 * j + 0] *= alpha[0];
+            o[4 * j + 1] *= alpha[0];
+            o[4 * j + 2] *= alpha[1];
+            o[4 * j + 3] *= alpha[1];
+        }
+    }
+}
+
+// The consumer's loop, software-pipelined by one tile: iteration i queues QK(i) and PV(i - 1) back to back, waits
+// for QK(i) only, and runs the softmax of tile i while PV(i - 1) occupies the tensor cores. P(i) stays in f32 in S's
+// registers until PV(i - 1) has read the previous fragments; then O is rescaled for tile i and P(i) packed.
 template <int kD, class E>
 __device__ __forceinline__ void consumer(const DensePrefillFwdParams& p, SmemPlan<kD>& sm, const TileWork& w,
                                          int n_tiles, int consumer_idx) {
@@ -272,13 +334,13 @@ __device__ __forceinline__ void consumer(const DensePrefillFwdParams& p, SmemPla
     const float scale = p.sm_scale_log2;
     const bool causal = (p.flags & kFlagCausal) != 0;
 
-    // Last key each of the thread's rows sees; the first row of the consumer bounds when a tile needs the mask.
+    // Last key each of the thread's rows sees; the consumer's first row bounds which tiles need the mask.
     const int row_first = w.m0 + kRowsPerConsumer * consumer_idx;
     const int shift = w.s_k - w.s_q;
     int limit[2];
     limit[0] = causal ? min(row_first + f.row0 + shift, w.s_k - 1) : w.s_k - 1;
     limit[1] = causal ? min(row_first + f.row1() + shift, w.s_k - 1) : w.s_k - 1;
-    const int mask_from = causal ? min(row_first + shift, w.s_k - 1) : w.s_k - 1;  // tiles ending past it mask
+    const int mask_from = causal ? min(row_first + shift, w.s_k - 1) : w.s_k - 1;
 
     RowState st;
     float o[kORegs];
@@ -292,57 +354,35 @@ __device__ __forceinline__ void consumer(const DensePrefillFwdParams& p, SmemPla
 
     const uint64_t desc_q =
         make_wgmma_desc_sw128(smem_addr(sm.q) + consumer_idx * C::kConsumerRowBytes, kUnusedLbo, kSw128AtomBytes);
-    if (n_tiles > 0) MBarrier::wait(&sm.q_full, 0);
-    for (int i = 0; i < n_tiles; ++i) {
-        const Ring pos = Ring::of(i);
+    if (n_tiles > 0) {
+        MBarrier::wait(&sm.q_full, 0);
         float s[kSRegs];
-        // S = Q K^T.
-        MBarrier::wait(&sm.k_full[pos.stage], pos.full_parity);
-        fence_proxy_async_shared();  // cp.async (generic proxy) wrote the tile; wgmma reads it (async proxy)
-        const uint64_t desc_k = make_wgmma_desc_sw128(smem_addr(sm.k[pos.stage]), kUnusedLbo, kSw128AtomBytes);
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < C::kQkSteps; ++ks) {
-            const uint32_t off = (ks / C::kKStepsPerSlab) * C::kSlabBytes + (ks % C::kKStepsPerSlab) * 32;
-            wgmma_m64n128k16_ss_kk<E>(s, wgmma_desc_advance(desc_q, off), wgmma_desc_advance(desc_k, off), ks > 0);
-        }
-        wgmma_commit();
+        uint32_t pa[kPSteps][4];
+        float alpha[2];
+        // Prologue: tile 0's scores and P.
+        issue_qk<kD, E>(sm, desc_q, 0, s);
         wgmma_wait<0>();
         wgmma_fence_regs(s);
-        release_by_warp(&sm.k_empty[pos.stage], lane);
-
-        // Mask, online softmax, P.
-        if (i * kTileN + kTileN - 1 > mask_from) mask_tile(s, i, f, limit);
-        float alpha[2];
-        float m_exp[2];
-        tile_row_max(s, scale, st, alpha, m_exp);
-        if (alpha[0] != 1.f || alpha[1] != 1.f) {
-#pragma unroll
-            for (int j = 0; j < kORegs / 4; ++j) {
-                o[4 * j + 0] *= alpha[0];
-                o[4 * j + 1] *= alpha[0];
-                o[4 * j + 2] *= alpha[1];
-                o[4 * j + 3] *= alpha[1];
-            }
+        release_by_warp(&sm.k_empty[0], lane);
+        softmax_tile(s, 0, f, limit, mask_from, scale, st, alpha);  // O is zero: alpha needs no rescale
+        pack_p<E>(s, pa);
+        for (int i = 1; i < n_tiles; ++i) {
+            issue_qk<kD, E>(sm, desc_q, i, s);
+            issue_pv<kD, E>(sm, i - 1, pa, o);
+            wgmma_wait<1>();  // QK(i) done (groups retire in order); PV(i - 1) may still run
+            wgmma_fence_regs(s);
+            release_by_warp(&sm.k_empty[Ring::of(i).stage], lane);
+            softmax_tile(s, i, f, limit, mask_from, scale, st, alpha);
+            wgmma_wait<0>();  // PV(i - 1) done: pa and V(i - 1) are free, O may be rescaled
+            wgmma_fence_regs(o);
+            release_by_warp(&sm.v_empty[Ring::of(i - 1).stage], lane);
+            scale_o(o, alpha);
+            pack_p<E>(s, pa);
         }
-        uint32_t pa[kPSteps][4];
-        tile_p<E>(s, scale, alpha, m_exp, st, pa);
-
-        // O += P V.
-        MBarrier::wait(&sm.v_full[pos.stage], pos.full_parity);
-        fence_proxy_async_shared();
-        const uint32_t v_addr = smem_addr(sm.v[pos.stage]);
-        wgmma_fence();
-#pragma unroll
-        for (int kb = 0; kb < kPSteps; ++kb) {
-            const uint64_t desc_v =
-                make_wgmma_desc_sw128(v_addr + kb * 16 * kSw128RowBytes, C::kSlabBytes, kSw128AtomBytes);
-            wgmma_m64n128k16_rs_mn<E>(o, pa[kb], desc_v, true);
-        }
-        wgmma_commit();
+        issue_pv<kD, E>(sm, n_tiles - 1, pa, o);
         wgmma_wait<0>();
         wgmma_fence_regs(o);
-        release_by_warp(&sm.v_empty[pos.stage], lane);
+        release_by_warp(&sm.v_empty[Ring::of(n_tiles - 1).stage], lane);
     }
     epilogue<kD, E>(p, sm, w, consumer_idx, t, f, st, o);
 }
