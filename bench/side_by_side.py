@@ -15,7 +15,8 @@ truth); a mismatch is flagged in the record and the table, so that a fast wrong 
 
 Ops (``--ops``): ``sparse_fwd`` (the standard sparse prefill shapes, random and local indices, with and without a
 sink), ``decode_dense`` (b 128 grid, skewed batch, b 1 latency), ``decode_sparse_fp8`` (FlashMLA's own decode
-performance cases plus h_q 16, which the peer runs with heads padded to 64). ``--host-cost`` instead measures the
+performance cases plus h_q 16, which the peer runs with heads padded to 64), ``dense_prefill`` (the varlen MHA
+prefill forward, h 128, against torch's cuDNN attention, which needs no ``--peer``). ``--host-cost`` instead measures the
 host time per call of tiny calls. Every op runs under ``torch.inference_mode()``.
 
 For the peer's decode, its scheduling metadata is computed once per input set before timing (as servers do); the
@@ -366,10 +367,53 @@ def decode_sparse_case(shape: core.DecodeSparseShape, libs: Libs, gen, l2: int, 
     return Case(n, calls, flop, nbytes, core.TOL["decode_out"], core.TOL["decode_lse"], notes)
 
 
+def dense_prefill_case(shape: core.DensePrefillShape, libs: Libs, gen, l2: int, max_sets: int) -> Case:
+    n = core.n_input_sets(shape.bytes_per_call(), l2, max_sets)
+    total, h, d, b = sum(shape.lens), shape.h, shape.d, len(shape.lens)
+    offsets = [0]
+    for s in shape.lens:
+        offsets.append(offsets[-1] + s)
+    cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    sets = [
+        (randn_offset((total, h, d), gen), randn_offset((total, h, d), gen), randn_offset((total, h, core.DENSE_D_V), gen))
+        for _ in range(n)
+    ]
+    calls = {}
+    notes = []
+    s0 = shape.lens[0]
+    if libs.fm is not None:
+        fm = libs.fm
+
+        def ours(i):
+            q, k, v = sets[i]
+            with torch.no_grad():
+                out, lse = fm.dense_prefill(q, k, v, cu, cu, None, shape.causal)
+            # [b, s, h, d_v] for the comparison with the peer's layout (a view).
+            return (out.view(b, s0, h, core.DENSE_D_V) if shape.uniform else out), None
+
+        calls[OURS] = ours
+    if shape.uniform:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        import torch.nn.functional as F
+
+        def theirs(i):
+            q, k, v = (t.view(b, s0, h, t.shape[-1]).transpose(1, 2) for t in sets[i])
+            with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
+            return out.transpose(1, 2), None
+
+        calls[PEER] = theirs
+        notes.append("peer: torch scaled_dot_product_attention, cuDNN backend, [b, h, s, d] views of the packed tensors")
+    else:
+        notes.append("peer: not timed (torch scaled_dot_product_attention has no varlen path)")
+    return Case(n, calls, shape.flop(), None, core.TOL["prefill_out"], core.TOL["prefill_lse"], notes)
+
+
 CASE_BUILDERS = {
     "sparse_fwd": sparse_fwd_case,
     "decode_dense": decode_dense_case,
     "decode_sparse_fp8": decode_sparse_case,
+    "dense_prefill": dense_prefill_case,
 }
 
 
@@ -437,11 +481,12 @@ def compare(case: Case) -> Optional[dict]:
     out_b, lse_b = case.calls[PEER](0)
     sync()
     out = core.pair_check(out_a, out_b, case.tol_out)
-    lse = core.pair_check(lse_a, lse_b, case.tol_lse)
+    # An implementation that returns no lse (torch's attention) is compared on out alone.
+    lse = core.pair_check(lse_a, lse_b, case.tol_lse) if lse_a is not None and lse_b is not None else None
     return dict(
-        ok=bool(out["ok"] and lse["ok"]),
+        ok=bool(out["ok"] and (lse is None or lse["ok"])),
         out_max_abs_diff=out["max_abs_diff"], out_failed=out["failed"], out_cos_diff=out["cos_diff"],
-        lse_max_abs_diff=lse["max_abs_diff"], lse_failed=lse["failed"],
+        lse_max_abs_diff=lse and lse["max_abs_diff"], lse_failed=lse and lse["failed"],
         tolerance_factor=core.PAIR_TOL_FACTOR,
     )
 

@@ -292,8 +292,67 @@ class DecodeSparseShape:
         return decode_bytes(self.b, self.s_q, self.h_q, self.d_qk, tokens, FP8_BYTES_PER_TOKEN[self.d_qk])
 
 
+@dataclasses.dataclass(frozen=True)
+class DensePrefillShape:
+    """A dense varlen prefill forward (bf16, ``h_q = h_kv``, ``d_v = 128``). Its "peer" is torch's
+    ``scaled_dot_product_attention`` with the cuDNN backend (the fastest dense attention in a plain torch install that
+    takes ``(d, d_v) = (192, 128)``), on ``[b, h, s, d]`` views of the same packed tensors; it has no varlen path, so
+    batches of mixed lengths time flashmla alone."""
+
+    op: ClassVar[str] = "dense_prefill"
+    label: str
+    lens: Tuple[int, ...]
+    h: int = 128
+    d: int = 192
+    causal: bool = True
+    quick: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.label} h{self.h} d{self.d} {'causal' if self.causal else 'full'}"
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.lens)) == 1
+
+    def fields(self) -> dict:
+        return dict(
+            b=len(self.lens), total=sum(self.lens), lens=list(self.lens), h_q=self.h, h_kv=self.h, d_qk=self.d,
+            d_v=DENSE_D_V, causal=self.causal,
+        )
+
+    def flop(self) -> float:
+        """``2 * sum(s^2) * h * (d + d_v)``, halved under the causal mask."""
+        full = 2.0 * sum(s * s for s in self.lens) * self.h * (self.d + DENSE_D_V)
+        return full / 2 if self.causal else full
+
+    def bytes_per_call(self) -> float:
+        """q, k, v and out."""
+        return sum(self.lens) * self.h * (2 * self.d + 2 * DENSE_D_V) * BF16_BYTES
+
+
+#: Value width of the dense prefill.
+DENSE_D_V = 128
+#: The mixed-length batch of the dense prefill grid: 16K tokens in sequences of 512 to 4K.
+DENSE_MIXED_LENS = (4096, 512, 2048, 1024, 3072, 1536, 2560, 1024, 512)
+
+
+def dense_prefill_shapes() -> List[DensePrefillShape]:
+    """h 128, (192, 128), causal: 4 x 4K, 2 x 8K, 1 x 16K and the mixed 16K batch; 4 x 4K without the mask and with
+    (128, 128) heads."""
+    shapes = [
+        DensePrefillShape("4x4K", (4096,) * 4, quick=True),
+        DensePrefillShape("2x8K", (8192,) * 2),
+        DensePrefillShape("1x16K", (16384,), quick=True),
+        DensePrefillShape("mixed16K", DENSE_MIXED_LENS),
+        DensePrefillShape("4x4K", (4096,) * 4, causal=False),
+        DensePrefillShape("4x4K", (4096,) * 4, d=128),
+    ]
+    return shapes
+
+
 #: The ops this benchmark times, in the order it times them.
-OPS = ("sparse_fwd", "decode_dense", "decode_sparse_fp8")
+OPS = ("sparse_fwd", "decode_dense", "decode_sparse_fp8", "dense_prefill")
 
 
 def sparse_fwd_shapes() -> List[SparseFwdShape]:
@@ -369,6 +428,7 @@ GRIDS: Dict[str, Callable[[], list]] = {
     "sparse_fwd": sparse_fwd_shapes,
     "decode_dense": decode_dense_shapes,
     "decode_sparse_fp8": decode_sparse_shapes,
+    "dense_prefill": dense_prefill_shapes,
 }
 
 

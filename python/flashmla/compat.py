@@ -266,7 +266,8 @@ def flash_attn_varlen_func(
 
     Returns ``(out [total_q, h_q, d_v], lse [total_q, h_q])`` (natural log; a transposed view of a ``[h_q, total_q]``
     tensor, as FlashMLA's). ``max_seqlen_*`` are accepted and not needed; the results are deterministic whatever
-    ``deterministic`` says. This build runs on the CPU; CUDA tensors raise ``NotImplementedError``.
+    ``deterministic`` says. CUDA tensors run the GPU forward; their backward is not built yet, so a CUDA call that
+    needs gradients raises ``NotImplementedError``.
     """
     _dense_prefill_options(dropout_p, is_varlen)
     out, lse = _ops.dense_prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, softmax_scale, causal)

@@ -927,14 +927,14 @@ impl<T> DenseBwdIn<T> {
     }
 }
 
-/// The dense prefill runs on the host only in this build: a CUDA call is refused (`NotImplementedError`) before
-/// anything is allocated.
-fn dense_prefill_on_host(place: &Place) -> PyResult<()> {
+/// The dense prefill backward runs on the host only in this build: a CUDA call is refused (`NotImplementedError`)
+/// before anything is allocated.
+fn dense_prefill_bwd_on_host(place: &Place) -> PyResult<()> {
     match place {
         Place::Host => Ok(()),
         Place::Cuda(gpu) => Err(crate::errors::to_py_err(flashmla::Error::unsupported(
-            format!("dense prefill on cuda:{}", gpu.ordinal()),
-            "this build runs the dense varlen prefill on the CPU only (no GPU kernel yet)",
+            format!("dense prefill backward on cuda:{}", gpu.ordinal()),
+            "this build runs the dense varlen prefill backward on the CPU only (the forward runs on the GPU)",
         ))),
     }
 }
@@ -974,7 +974,6 @@ pub fn dense_prefill_fwd<'py>(
     let py = q.py();
     let d = DenseFwdIn::read([q, k, v, cu_seqlens_q, cu_seqlens_k], Read::Data)?;
     let place = Place::of(py, "dense_prefill_fwd", &d.q)?;
-    dense_prefill_on_host(&place)?;
     let loc = place.location();
     let dims = guard("dense_prefill_fwd", || {
         dense_prefill::validate(&d.args(softmax_scale, causal))
@@ -987,14 +986,30 @@ pub fn dense_prefill_fwd<'py>(
         loc,
     )?;
     let (lse, lse_d) = new_output(q, "lse", &[dims.h_q, dims.total_q], DType::F32, loc)?;
-    run_cpu(py, "dense_prefill_fwd", |cancel| {
-        let res = dense_prefill::dense_prefill_fwd_cpu_with(
-            &d.map(&Desc::to_host)?.args(softmax_scale, causal),
-            cancel,
-        )?;
-        out_d.write_host(&res.out)?;
-        lse_d.write_host(&res.lse)
-    })?;
+    run(
+        py,
+        "dense_prefill_fwd",
+        &place,
+        |cancel| {
+            let res = dense_prefill::dense_prefill_fwd_cpu_with(
+                &d.map(&Desc::to_host)?.args(softmax_scale, causal),
+                cancel,
+            )?;
+            out_d.write_host(&res.out)?;
+            lse_d.write_host(&res.lse)
+        },
+        |gpu| {
+            let views = dense_prefill::DensePrefillOutput {
+                out: out_d.to_device()?,
+                lse: lse_d.to_device()?,
+            };
+            dense_prefill::dense_prefill_fwd_cuda(
+                gpu,
+                &d.map(&Desc::to_device)?.args(softmax_scale, causal),
+                &views,
+            )
+        },
+    )?;
     Ok((out, lse))
 }
 
@@ -1055,7 +1070,7 @@ pub fn dense_prefill_bwd<'py>(
         Read::Data,
     )?;
     let place = Place::of(py, "dense_prefill_bwd", &d.fwd.q)?;
-    dense_prefill_on_host(&place)?;
+    dense_prefill_bwd_on_host(&place)?;
     let loc = place.location();
     let dims = guard("dense_prefill_bwd", || {
         dense_prefill::validate_bwd(&d.args(softmax_scale, causal))
