@@ -134,6 +134,27 @@ fn sparse_flop(r: &Record, qk_weight: f64, v_weight: f64) -> Result<f64, String>
     Ok(2.0 * s_q? * topk? * h_q? * (qk_weight * d_qk? + v_weight * d_v?))
 }
 
+/// The dense prefill shape fields (`lens`, a list of sequence lengths, or `seqlens`, the same comma-separated; `h_q`,
+/// `d_qk`, `d_v`, `causal`); returns FLOP per call: `2 * sum(s^2) * h_q * (d_qk + d_v)`, halved under the mask.
+fn dense_prefill_flop(r: &Record) -> Result<f64, String> {
+    let lens: Vec<f64> = match (r.get("lens"), r.get("seqlens")) {
+        (Some(Value::Array(a)), _) => a.iter().filter_map(Value::as_f64).collect(),
+        (_, Some(Value::String(s))) => s.split(',').filter_map(|x| x.trim().parse().ok()).collect(),
+        _ => return Err("`lens` (array) or `seqlens` (comma-separated) is missing".into()),
+    };
+    if lens.is_empty() || lens.iter().any(|&l| l <= 0.0) {
+        return Err(format!("sequence lengths must be positive, got {lens:?}"));
+    }
+    let [h_q, d_qk, d_v] = ["h_q", "d_qk", "d_v"].map(|k| count(r, k).map(|v| v as f64));
+    let causal = r
+        .get("causal")
+        .and_then(Value::as_bool)
+        .ok_or("`causal` must be a boolean")?;
+    let pairs: f64 = lens.iter().map(|l| l * l).sum();
+    let full = 2.0 * pairs * h_q? * (d_qk? + d_v?);
+    Ok(if causal { full / 2.0 } else { full })
+}
+
 /// A record of `bench/side_by_side.py` against the peer: `regime` short or sustained (then the record is also
 /// a benchmark record of its op, and `vs_peer` = `peer_time_us / time_us`), or `host` (op `host_cost`: CPU time
 /// per call of tiny calls, no clock).
@@ -143,8 +164,13 @@ fn side_by_side(r: &Record) -> Result<bool, String> {
     };
     let regime = regime.as_str().unwrap_or("");
     let time_us = positive(r, "time_us")?;
-    let peer_us = positive(r, "peer_time_us")?;
-    agrees("vs_peer", positive(r, "vs_peer")?, peer_us / time_us)?;
+    let given = |key: &str| r.get(key).is_some_and(|v| !v.is_null());
+    if given("peer_time_us") || regime == "host" {
+        let peer_us = positive(r, "peer_time_us")?;
+        agrees("vs_peer", positive(r, "vs_peer")?, peer_us / time_us)?;
+    } else if given("vs_peer") {
+        return Err("`vs_peer` without `peer_time_us`".into());
+    }
     match regime {
         "host" => {
             if string(r, "op")? != "host_cost" {
@@ -216,6 +242,7 @@ fn bench_record(r: &Record) -> Result<(), String> {
                 .or_else(|_| positive(r, "gb_per_s"))
                 .map(|_| ())
         }
+        "dense_prefill" => tflops(dense_prefill_flop(r)?),
         _ => Err(format!(
             "op {op:?} has no schema: add its shape fields to this test and to docs/benchmarking.md"
         )),

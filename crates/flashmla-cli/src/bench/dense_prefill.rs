@@ -15,28 +15,20 @@ pub fn mixed_lengths() -> Vec<usize> {
     vec![4096, 512, 2048, 1024, 3072, 1536, 2560, 1024, 512]
 }
 
-/// (name of the lengths, lengths, d, causal) of a suite.
-fn shapes(suite: BenchSuite) -> Vec<(String, Vec<usize>, usize, bool)> {
-    let uniform = |b: usize, s: usize| (format!("{b}x{s}"), vec![s; b]);
+/// (sequence lengths, d, causal) of a suite.
+fn shapes(suite: BenchSuite) -> Vec<(Vec<usize>, usize, bool)> {
     match suite {
         BenchSuite::Standard => {
             let mut v: Vec<_> = [(4, 4096), (2, 8192), (1, 16384)]
                 .into_iter()
-                .map(|(b, s)| {
-                    let (n, l) = uniform(b, s);
-                    (n, l, 192, true)
-                })
+                .map(|(b, s)| (vec![s; b], 192, true))
                 .collect();
-            v.push(("mixed16k".to_string(), mixed_lengths(), 192, true));
-            let (n, l) = uniform(4, 4096);
-            v.push((n.clone(), l.clone(), 192, false));
-            v.push((n, l, 128, true));
+            v.push((mixed_lengths(), 192, true));
+            v.push((vec![4096; 4], 192, false));
+            v.push((vec![4096; 4], 128, true));
             v
         }
-        BenchSuite::Small => {
-            let (n, l) = uniform(1, 2048);
-            vec![(n, l, 192, true)]
-        }
+        BenchSuite::Small => vec![(vec![2048], 192, true)],
         BenchSuite::Sweep => Vec::new(),
     }
 }
@@ -56,7 +48,7 @@ pub fn flop(lens: &[usize], h: usize, d: usize, causal: bool) -> f64 {
 pub fn benches(suite: BenchSuite) -> Vec<Bench> {
     shapes(suite)
         .into_iter()
-        .map(|(name, lens, d, causal)| {
+        .map(|(lens, d, causal)| {
             let total: usize = lens.iter().sum();
             let record = Record {
                 op: "dense_prefill".into(),
@@ -67,7 +59,12 @@ pub fn benches(suite: BenchSuite) -> Vec<Bench> {
                 d_qk: Some(d),
                 d_v: Some(128),
                 causal: Some(causal),
-                seqlens: Some(name),
+                seqlens: Some(
+                    lens.iter()
+                        .map(usize::to_string)
+                        .collect::<Vec<_>>()
+                        .join(","),
+                ),
                 dtype: Some("bf16".into()),
                 ..Record::default()
             };
