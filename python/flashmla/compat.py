@@ -8,7 +8,7 @@
   from shapes and on-device values (no host synchronisation), so the metadata object only records the call's
   configuration and checks that later calls sharing it agree (as FlashMLA's does);
 * :func:`flash_mla_with_kvcache` -> ``(out, softmax_lse)``, dense (bf16/fp16 cache) or sparse (FP8 cache);
-* :func:`flash_attn_varlen_func` and its packed forms -> ``(out, lse)``, dense MHA prefill (CPU in this build).
+* :func:`flash_attn_varlen_func` and its packed forms -> ``(out, lse)``, dense MHA prefill (the forward on CUDA or the CPU, gradients on the CPU).
 
 Differences: every log-sum-exp is a **natural** log (FlashMLA documented base 2 in some releases; multiply by
 ``math.log2(math.e)`` if your code expects that). Misuse raises ``ValueError``/``TypeError`` instead of
