@@ -409,11 +409,67 @@ def dense_prefill_case(shape: core.DensePrefillShape, libs: Libs, gen, l2: int, 
     return Case(n, calls, shape.flop(), None, core.TOL["prefill_out"], core.TOL["prefill_lse"], notes)
 
 
+def dense_prefill_bwd_case(shape: core.DensePrefillBwdShape, libs: Libs, gen, l2: int, max_sets: int) -> Case:
+    n = core.n_input_sets(shape.bytes_per_call() * 2, l2, max_sets)
+    total, h, d, b = sum(shape.lens), shape.h, shape.d, len(shape.lens)
+    offsets = [0]
+    for s in shape.lens:
+        offsets.append(offsets[-1] + s)
+    cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    s0 = shape.lens[0]
+    sets = []
+    for _ in range(n):
+        q, k, v = (randn_offset((total, h, w), gen) for w in (d, d, core.DENSE_D_V))
+        d_out = randn_offset((total, h, core.DENSE_D_V), gen)
+        item = dict(q=q, k=k, v=v, d_out=d_out)
+        if libs.fm is not None:
+            with torch.no_grad():
+                item["out"], item["lse"] = libs.fm.dense_prefill(q, k, v, cu, cu, None, shape.causal)
+        if shape.uniform:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            import torch.nn.functional as F
+
+            # Leaves made outside inference mode (the harness runs in it), so autograd records the forward.
+            with torch.inference_mode(False), torch.enable_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+                views = [t.view(b, s0, h, t.shape[-1]).transpose(1, 2) for t in leaves]
+                out = F.scaled_dot_product_attention(*views, is_causal=shape.causal)
+                item["peer"] = (leaves, out, d_out.clone().view(b, s0, h, core.DENSE_D_V).transpose(1, 2))
+        sets.append(item)
+    calls = {}
+    notes = []
+    if libs.fm is not None:
+
+        def ours(i):
+            x = sets[i]
+            d_q, d_k, d_v = torch.ops.flashmla.dense_prefill_bwd(
+                x["q"], x["k"], x["v"], x["out"], x["d_out"], x["lse"], cu, cu, None, shape.causal
+            )
+            return d_q, None
+
+        calls[OURS] = ours
+    if shape.uniform:
+
+        def theirs(i):
+            leaves, out, d_out = sets[i]["peer"]
+            with torch.inference_mode(False), torch.enable_grad():
+                d_q, _d_k, _d_v = torch.autograd.grad(out, leaves, d_out, retain_graph=True)
+            return d_q, None
+
+        calls[PEER] = theirs
+        notes.append("peer: torch scaled_dot_product_attention backward, cuDNN backend (torch.autograd.grad)")
+    else:
+        notes.append("peer: not timed (torch scaled_dot_product_attention has no varlen path)")
+    tol_grad = (1e-3, 8.01 / 128, 7e-6)
+    return Case(n, calls, shape.flop(), None, tol_grad, core.TOL["prefill_lse"], notes)
+
+
 CASE_BUILDERS = {
     "sparse_fwd": sparse_fwd_case,
     "decode_dense": decode_dense_case,
     "decode_sparse_fp8": decode_sparse_case,
     "dense_prefill": dense_prefill_case,
+    "dense_prefill_bwd": dense_prefill_bwd_case,
 }
 
 

@@ -300,6 +300,7 @@ class DensePrefillShape:
     batches of mixed lengths time flashmla alone."""
 
     op: ClassVar[str] = "dense_prefill"
+    backward: ClassVar[bool] = False
     label: str
     lens: Tuple[int, ...]
     h: int = 128
@@ -322,13 +323,23 @@ class DensePrefillShape:
         )
 
     def flop(self) -> float:
-        """``2 * sum(s^2) * h * (d + d_v)``, halved under the causal mask."""
+        """``2 * sum(s^2) * h * (d + d_v)``, halved under the causal mask; the backward counts 2.5 times that."""
         full = 2.0 * sum(s * s for s in self.lens) * self.h * (self.d + DENSE_D_V)
-        return full / 2 if self.causal else full
+        fwd = full / 2 if self.causal else full
+        return 2.5 * fwd if self.backward else fwd
 
     def bytes_per_call(self) -> float:
         """q, k, v and out."""
         return sum(self.lens) * self.h * (2 * self.d + 2 * DENSE_D_V) * BF16_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class DensePrefillBwdShape(DensePrefillShape):
+    """The dense prefill backward (gradients of q, k and v from the forward's out and lse) on the same shapes; torch's
+    side is the cuDNN backend's backward (``torch.autograd.grad`` through ``scaled_dot_product_attention``)."""
+
+    op: ClassVar[str] = "dense_prefill_bwd"
+    backward: ClassVar[bool] = True
 
 
 #: Value width of the dense prefill.
@@ -352,7 +363,7 @@ def dense_prefill_shapes() -> List[DensePrefillShape]:
 
 
 #: The ops this benchmark times, in the order it times them.
-OPS = ("sparse_fwd", "decode_dense", "decode_sparse_fp8", "dense_prefill")
+OPS = ("sparse_fwd", "decode_dense", "decode_sparse_fp8", "dense_prefill", "dense_prefill_bwd")
 
 
 def sparse_fwd_shapes() -> List[SparseFwdShape]:
@@ -429,6 +440,9 @@ GRIDS: Dict[str, Callable[[], list]] = {
     "decode_dense": decode_dense_shapes,
     "decode_sparse_fp8": decode_sparse_shapes,
     "dense_prefill": dense_prefill_shapes,
+    "dense_prefill_bwd": lambda: [
+        DensePrefillBwdShape(s.label, s.lens, s.h, s.d, s.causal, s.quick) for s in dense_prefill_shapes()
+    ],
 }
 
 

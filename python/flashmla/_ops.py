@@ -238,8 +238,7 @@ def _decode_sparse_fake(
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Dense varlen prefill (docs/spec.md section 5): the forward on CUDA or the CPU, the backward on the CPU (a CUDA
-# forward that needs gradients raises NotImplementedError)
+# Dense varlen prefill (docs/spec.md section 5): forward and backward on CUDA or the CPU
 
 
 @torch.library.custom_op("flashmla::dense_prefill_fwd", mutates_args=())
@@ -521,19 +520,13 @@ def dense_prefill(
     or (128, 128) and ``h_q % h_k == 0``; ``cu_seqlens_q`` / ``cu_seqlens_k`` ``[b + 1]`` int32 sequence offsets
     (0, non-decreasing, ending at the row counts); ``softmax_scale`` defaults to ``d ** -0.5``; ``causal`` is
     bottom-right aligned. A row that attends to no key gets ``out`` 0 and ``lse`` ``+inf``. Differentiable in ``q``,
-    ``k`` and ``v`` on the CPU. On CUDA tensors the forward runs the sm_90a kernel (no host synchronisation: the
-    offsets are read on the device, so it can be captured in a CUDA graph); the backward has no GPU kernel in this
-    build, so a CUDA call that needs gradients raises ``NotImplementedError`` (run it under ``torch.no_grad()``).
+    ``k`` and ``v``. On CUDA tensors both directions run the sm_90a kernels (no host synchronisation: the offsets are
+    read on the device, so calls can be captured in a CUDA graph); the backward is deterministic and allocates a
+    ``[h_q, total_q]`` f32 workspace besides the gradients.
     """
     _glue.check_tensor_args(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k))
     scale = None if softmax_scale is None else float(softmax_scale)
-    needs_grad = _needs_grad(q, k, v)
-    if needs_grad and q.is_cuda:
-        raise NotImplementedError(
-            "dense_prefill: the backward has no GPU kernel in this build; call the CUDA forward under torch.no_grad() "
-            "(or with inputs that do not require grad)"
-        )
-    if _direct(q) and not needs_grad:
+    if _direct(q) and not _needs_grad(q, k, v):
         return _native.dense_prefill_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, bool(causal))
     return _dense_prefill_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, bool(causal))
 

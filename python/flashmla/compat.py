@@ -8,7 +8,7 @@
   from shapes and on-device values (no host synchronisation), so the metadata object only records the call's
   configuration and checks that later calls sharing it agree (as FlashMLA's does);
 * :func:`flash_mla_with_kvcache` -> ``(out, softmax_lse)``, dense (bf16/fp16 cache) or sparse (FP8 cache);
-* :func:`flash_attn_varlen_func` and its packed forms -> ``(out, lse)``, dense MHA prefill (the forward on CUDA or the CPU, gradients on the CPU).
+* :func:`flash_attn_varlen_func` and its packed forms -> ``(out, lse)``, dense MHA prefill (CUDA or the CPU, with autograd).
 
 Differences: every log-sum-exp is a **natural** log (FlashMLA documented base 2 in some releases; multiply by
 ``math.log2(math.e)`` if your code expects that). Misuse raises ``ValueError``/``TypeError`` instead of
@@ -266,8 +266,7 @@ def flash_attn_varlen_func(
 
     Returns ``(out [total_q, h_q, d_v], lse [total_q, h_q])`` (natural log; a transposed view of a ``[h_q, total_q]``
     tensor, as FlashMLA's). ``max_seqlen_*`` are accepted and not needed; the results are deterministic whatever
-    ``deterministic`` says. CUDA tensors run the GPU forward; their backward is not built yet, so a CUDA call that
-    needs gradients raises ``NotImplementedError``.
+    ``deterministic`` says (the GPU backward uses no atomics).
     """
     _dense_prefill_options(dropout_p, is_varlen)
     out, lse = _ops.dense_prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, softmax_scale, causal)

@@ -420,3 +420,93 @@ impl DensePrefillOnGpu {
         ))
     }
 }
+
+/// A dense varlen prefill backward resident on the GPU: the forward (whose `out` and `lse` it reads), `d_out`, the
+/// gradients and the `delta` workspace.
+pub struct DensePrefillBwdOnGpu {
+    /// The forward.
+    pub fwd: DensePrefillOnGpu,
+    d_out: DeviceTensor,
+    /// `[total_q, h_q, d]`.
+    pub d_q: DeviceTensor,
+    /// `[total_k, h_k, d]`.
+    pub d_k: DeviceTensor,
+    /// `[total_k, h_k, 128]`.
+    pub d_v: DeviceTensor,
+    delta: DeviceTensor,
+}
+
+impl DensePrefillBwdOnGpu {
+    /// Uploads `case` and `d_out` (`[total_q, h_q, 128]`, q's dtype) and allocates the forward's outputs, the
+    /// gradients and the workspace, the gradients filled with [`POISON`] when `poison` is set.
+    pub fn new(
+        gpu: &Gpu,
+        case: &flashmla::testing::PrefillCase,
+        d_out: &flashmla::HostTensor,
+        poison: bool,
+    ) -> Result<Self> {
+        let dtype = case.q.dtype();
+        let (total_q, h_q, d) = (case.q.shape()[0], case.q.shape()[1], case.q.shape()[2]);
+        let (total_k, h_k) = (case.k.shape()[0], case.k.shape()[1]);
+        let alloc = |shape: &[usize]| {
+            if poison {
+                gpu.alloc_filled(dtype, shape, POISON)
+            } else {
+                gpu.alloc(dtype, shape)
+            }
+        };
+        Ok(DensePrefillBwdOnGpu {
+            fwd: DensePrefillOnGpu::new(gpu, case, poison)?,
+            d_out: gpu.upload(d_out)?,
+            d_q: alloc(&[total_q, h_q, d])?,
+            d_k: alloc(&[total_k, h_k, d])?,
+            d_v: alloc(&[total_k, h_k, 128])?,
+            delta: gpu.alloc(DType::F32, &[h_q, total_q])?,
+        })
+    }
+
+    /// Launches the backward (asynchronously) from the forward's current `out` and `lse`.
+    pub fn run(&self, gpu: &Gpu, causal: bool, softmax_scale: Option<f32>) -> Result<()> {
+        use flashmla::ops::dense_prefill::{
+            dense_prefill_bwd_cuda, DensePrefillArgs, DensePrefillBwdArgs, DensePrefillGrads,
+        };
+        let f = &self.fwd;
+        let (q, k, v, cu_q, cu_k) = (
+            f.q.view(),
+            f.k.view(),
+            f.v.view(),
+            f.cu_q.view(),
+            f.cu_k.view(),
+        );
+        let (out, lse, d_out) = (f.out.view(), f.lse.view(), self.d_out.view());
+        let args = DensePrefillBwdArgs {
+            fwd: DensePrefillArgs {
+                q: &q,
+                k: &k,
+                v: &v,
+                cu_seqlens_q: &cu_q,
+                cu_seqlens_k: &cu_k,
+                softmax_scale,
+                causal,
+            },
+            out: &out,
+            d_out: &d_out,
+            lse: &lse,
+        };
+        let grads = DensePrefillGrads {
+            d_q: self.d_q.view(),
+            d_k: self.d_k.view(),
+            d_v: self.d_v.view(),
+        };
+        dense_prefill_bwd_cuda(gpu, &args, &grads, &self.delta.view())
+    }
+
+    /// Downloads `(d_q, d_k, d_v)` as row-major f32.
+    pub fn download(&self, gpu: &Gpu) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        Ok((
+            gpu.download(&self.d_q)?.to_f32_vec()?,
+            gpu.download(&self.d_k)?.to_f32_vec()?,
+            gpu.download(&self.d_v)?.to_f32_vec()?,
+        ))
+    }
+}

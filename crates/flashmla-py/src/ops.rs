@@ -927,18 +927,6 @@ impl<T> DenseBwdIn<T> {
     }
 }
 
-/// The dense prefill backward runs on the host only in this build: a CUDA call is refused (`NotImplementedError`)
-/// before anything is allocated.
-fn dense_prefill_bwd_on_host(place: &Place) -> PyResult<()> {
-    match place {
-        Place::Host => Ok(()),
-        Place::Cuda(gpu) => Err(crate::errors::to_py_err(flashmla::Error::unsupported(
-            format!("dense prefill backward on cuda:{}", gpu.ordinal()),
-            "this build runs the dense varlen prefill backward on the CPU only (the forward runs on the GPU)",
-        ))),
-    }
-}
-
 /// Validates a dense prefill forward's metadata and returns `(total_q, h_q, d_v)` (`out` has q's dtype, `lse`
 /// is `[h_q, total_q]` f32).
 #[pyfunction]
@@ -1070,7 +1058,6 @@ pub fn dense_prefill_bwd<'py>(
         Read::Data,
     )?;
     let place = Place::of(py, "dense_prefill_bwd", &d.fwd.q)?;
-    dense_prefill_bwd_on_host(&place)?;
     let loc = place.location();
     let dims = guard("dense_prefill_bwd", || {
         dense_prefill::validate_bwd(&d.args(softmax_scale, causal))
@@ -1084,15 +1071,49 @@ pub fn dense_prefill_bwd<'py>(
         dims.dtype,
         loc,
     )?;
-    run_cpu(py, "dense_prefill_bwd", |cancel| {
-        let res = dense_prefill::dense_prefill_bwd_cpu_with(
-            &d.map(&Desc::to_host)?.args(softmax_scale, causal),
-            cancel,
-        )?;
-        dq_d.write_host(&res.d_q)?;
-        dk_d.write_host(&res.d_k)?;
-        dv_d.write_host(&res.d_v)
-    })?;
+    // The GPU backward's workspace: delta [h_q, total_q] f32 (4 bytes per query row and head), freed with the call.
+    let delta = match place {
+        Place::Cuda(_) => Some(new_output(
+            q,
+            "delta",
+            &[dims.h_q, dims.total_q],
+            DType::F32,
+            loc,
+        )?),
+        Place::Host => None,
+    };
+    run(
+        py,
+        "dense_prefill_bwd",
+        &place,
+        |cancel| {
+            let res = dense_prefill::dense_prefill_bwd_cpu_with(
+                &d.map(&Desc::to_host)?.args(softmax_scale, causal),
+                cancel,
+            )?;
+            dq_d.write_host(&res.d_q)?;
+            dk_d.write_host(&res.d_k)?;
+            dv_d.write_host(&res.d_v)
+        },
+        |gpu| {
+            let grads = dense_prefill::DensePrefillGrads {
+                d_q: dq_d.to_device()?,
+                d_k: dk_d.to_device()?,
+                d_v: dv_d.to_device()?,
+            };
+            // Allocated above for every CUDA call.
+            let Some((_, delta)) = &delta else {
+                return Err(flashmla::Error::invalid("delta", "a workspace", "none"));
+            };
+            let delta = delta.to_device()?;
+            dense_prefill::dense_prefill_bwd_cuda(
+                gpu,
+                &d.map(&Desc::to_device)?.args(softmax_scale, causal),
+                &grads,
+                &delta,
+            )
+        },
+    )?;
     Ok((dq, dk, dv))
 }
 

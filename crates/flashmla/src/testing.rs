@@ -1038,10 +1038,33 @@ impl PrefillCase {
     }
 }
 
-/// Draws a dense prefill case: q `randn * q_std`, k and v `randn`, each plus a small per-tensor offset, rounded to
-/// the element type.
-pub fn prefill_case(rng: &mut StdRng, spec: &PrefillSpec) -> Result<PrefillCase> {
+/// A tensor of `shape` with values `randn * std` plus a small per-tensor offset, rounded to `dtype` (bf16, or f16).
+pub fn randn_half(
+    rng: &mut StdRng,
+    shape: &[usize],
+    std: f32,
+    dtype: crate::tensor::DType,
+) -> Result<HostTensor> {
     use crate::tensor::{DType, HostData};
+    let n = shape.iter().product();
+    let offset = rng.random_range(-0.05f32..0.05);
+    let vals: Vec<f32> = (0..n)
+        .map(|_| {
+            let z: f32 = StandardNormal.sample(rng);
+            z * std + offset
+        })
+        .collect();
+    match dtype {
+        DType::F16 => HostTensor::new(
+            HostData::F16(vals.iter().map(|&x| half::f16::from_f32(x)).collect()),
+            shape,
+        ),
+        _ => HostTensor::bf16_from_f32(&vals, shape),
+    }
+}
+
+/// Draws a dense prefill case: q `randn * q_std`, k and v `randn` ([`randn_half`]).
+pub fn prefill_case(rng: &mut StdRng, spec: &PrefillSpec) -> Result<PrefillCase> {
     let mut cu_q = vec![0i32];
     let mut cu_k = vec![0i32];
     for &(a, b) in &spec.lens {
@@ -1049,25 +1072,10 @@ pub fn prefill_case(rng: &mut StdRng, spec: &PrefillSpec) -> Result<PrefillCase>
         cu_k.push(cu_k[cu_k.len() - 1] + b as i32);
     }
     let (tq, tk) = (cu_q[cu_q.len() - 1] as usize, cu_k[cu_k.len() - 1] as usize);
-    let mut draw = |n: usize, std: f32, shape: &[usize]| -> Result<HostTensor> {
-        let offset = rng.random_range(-0.05f32..0.05);
-        let vals: Vec<f32> = (0..n)
-            .map(|_| {
-                let z: f32 = StandardNormal.sample(rng);
-                z * std + offset
-            })
-            .collect();
-        match spec.dtype {
-            DType::F16 => HostTensor::new(
-                HostData::F16(vals.iter().map(|&x| half::f16::from_f32(x)).collect()),
-                shape,
-            ),
-            _ => HostTensor::bf16_from_f32(&vals, shape),
-        }
-    };
-    let q = draw(tq * spec.h_q * spec.d, spec.q_std, &[tq, spec.h_q, spec.d])?;
-    let k = draw(tk * spec.h_k * spec.d, 1.0, &[tk, spec.h_k, spec.d])?;
-    let v = draw(tk * spec.h_k * 128, 1.0, &[tk, spec.h_k, 128])?;
+    let t = spec.dtype;
+    let q = randn_half(rng, &[tq, spec.h_q, spec.d], spec.q_std, t)?;
+    let k = randn_half(rng, &[tk, spec.h_k, spec.d], 1.0, t)?;
+    let v = randn_half(rng, &[tk, spec.h_k, 128], 1.0, t)?;
     let values = (q.to_f32_vec()?, k.to_f32_vec()?, v.to_f32_vec()?);
     Ok(PrefillCase {
         q,

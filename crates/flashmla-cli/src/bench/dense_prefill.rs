@@ -1,9 +1,11 @@
-//! Dense varlen prefill forward on the standard shapes (docs/benchmarking.md): h 128, (d, d_v) = (192, 128), bf16,
-//! causal, b x s = 4 x 4K, 2 x 8K, 1 x 16K and a mixed-length batch of 16K tokens; plus the non-causal 4 x 4K and
-//! the (128, 128) head. FLOP = 2 * sum over sequences of s_q * s_k * h * (d + d_v), halved under the causal mask.
+//! Dense varlen prefill forward and backward on the standard shapes (docs/benchmarking.md): h 128, (d, d_v) = (192,
+//! 128), bf16, causal, b x s = 4 x 4K, 2 x 8K, 1 x 16K and a mixed-length batch of 16K tokens; plus the non-causal 4 x
+//! 4K and the (128, 128) head. Forward FLOP = 2 * sum over sequences of s_q * s_k * h * (d + d_v), halved under the
+//! causal mask; the backward counts 2.5 times that (recompute S, then dP, dV, dQ, dK).
 
 use super::{Bench, BenchSuite, Record, Timed};
-use crate::device_ops::DensePrefillOnGpu;
+use crate::device_ops::{DensePrefillBwdOnGpu, DensePrefillOnGpu};
+use flashmla::testing::randn_half;
 use flashmla::testing::{prefill_case, rng, PrefillSpec};
 use flashmla::DType;
 
@@ -44,14 +46,19 @@ pub fn flop(lens: &[usize], h: usize, d: usize, causal: bool) -> f64 {
     }
 }
 
-/// The forward benchmarks.
-pub fn benches(suite: BenchSuite) -> Vec<Bench> {
+/// The forward (`backward` false) or backward benchmarks.
+pub fn benches(suite: BenchSuite, backward: bool) -> Vec<Bench> {
     shapes(suite)
         .into_iter()
         .map(|(lens, d, causal)| {
             let total: usize = lens.iter().sum();
             let record = Record {
-                op: "dense_prefill".into(),
+                op: if backward {
+                    "dense_prefill_bwd"
+                } else {
+                    "dense_prefill"
+                }
+                .into(),
                 b: Some(lens.len()),
                 s_q: Some(total),
                 s_kv: Some(total),
@@ -66,11 +73,14 @@ pub fn benches(suite: BenchSuite) -> Vec<Bench> {
                         .join(","),
                 ),
                 dtype: Some("bf16".into()),
+                // The backward's delta workspace, [h, total] f32.
+                extra_bytes: backward.then_some(4 * HEADS * total),
                 ..Record::default()
             };
+            let fwd_flop = flop(&lens, HEADS, d, causal);
             Bench {
                 record,
-                flop: flop(&lens, HEADS, d, causal),
+                flop: if backward { 2.5 * fwd_flop } else { fwd_flop },
                 bytes: 0.0,
                 setup: Box::new(move |gpu, _variants| {
                     let spec = PrefillSpec {
@@ -81,10 +91,18 @@ pub fn benches(suite: BenchSuite) -> Vec<Bench> {
                         dtype: DType::Bf16,
                         q_std: 1.0,
                     };
-                    let case = prefill_case(&mut rng(0x5eed), &spec)?;
-                    let dev = DensePrefillOnGpu::new(gpu, &case, false)?;
+                    let mut rng = rng(0x5eed);
+                    let case = prefill_case(&mut rng, &spec)?;
                     let gpu = gpu.clone();
-                    let timed: Timed = Box::new(move |_t| dev.run(&gpu, causal, None));
+                    let timed: Timed = if backward {
+                        let d_out = randn_half(&mut rng, &[total, HEADS, 128], 1.0, DType::Bf16)?;
+                        let dev = DensePrefillBwdOnGpu::new(&gpu, &case, &d_out, false)?;
+                        dev.fwd.run(&gpu, causal, None)?;
+                        Box::new(move |_t| dev.run(&gpu, causal, None))
+                    } else {
+                        let dev = DensePrefillOnGpu::new(&gpu, &case, false)?;
+                        Box::new(move |_t| dev.run(&gpu, causal, None))
+                    };
                     Ok(timed)
                 }),
             }

@@ -304,7 +304,8 @@ fn suite_benches(suite: BenchSuite, indices: IndexChoice) -> Vec<Bench> {
     v.extend(kv_quant::benches(suite));
     v.extend(decode_dense::benches(suite));
     v.extend(decode_sparse::benches(suite));
-    v.extend(dense_prefill::benches(suite));
+    v.extend(dense_prefill::benches(suite, false));
+    v.extend(dense_prefill::benches(suite, true));
     v
 }
 

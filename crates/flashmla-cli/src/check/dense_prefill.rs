@@ -4,13 +4,15 @@
 //! non-contiguous inputs and peaky logits.
 
 use super::{check, check_net, Case, Outcome};
-use crate::device_ops::DensePrefillOnGpu;
+use crate::device_ops::{DensePrefillBwdOnGpu, DensePrefillOnGpu};
 use flashmla::cuda::Gpu;
-use flashmla::reference::compare::{PREFILL_LSE, PREFILL_OUT};
-use flashmla::reference::dense_prefill::{dense_prefill_fwd, dense_prefill_p_rounding};
+use flashmla::reference::compare::{BWD_GRAD, PREFILL_LSE, PREFILL_OUT};
+use flashmla::reference::dense_prefill::{
+    dense_prefill_bwd, dense_prefill_bwd_rounding, dense_prefill_fwd, dense_prefill_p_rounding,
+};
 use flashmla::reference::sparse_bwd::BF16_UNIT_ROUNDOFF;
-use flashmla::testing::{prefill_case, rng, PrefillSpec};
-use flashmla::DType;
+use flashmla::testing::{prefill_case, randn_half, rng, PrefillSpec};
+use flashmla::{DType, TensorMeta};
 
 /// How a case is run.
 #[derive(Clone)]
@@ -51,6 +53,46 @@ fn run_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
     Ok(Outcome::from_checks(vec![
         check_net("out", &out, &want.out, &PREFILL_OUT, Some(&allowance)),
         check("lse", &lse, &want.lse, &PREFILL_LSE),
+    ]))
+}
+
+/// The backward: the GPU forward, then the GPU backward from its `out` and `lse`; the reference backward reads the
+/// same `out` and `lse` (downloaded), so only the backward is judged, net of the bound of its operand rounding.
+fn run_bwd_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
+    let case = prefill_case(&mut rng(seed), &spec.data)?;
+    let (total_q, h_q) = (case.q.shape()[0], spec.data.h_q);
+    let d_out = randn_half(
+        &mut rng(seed ^ 0x9e37),
+        &[total_q, h_q, 128],
+        1.0,
+        spec.data.dtype,
+    )?;
+    let input = if spec.padded {
+        case.padded()?
+    } else {
+        case.clone()
+    };
+    let dev = DensePrefillBwdOnGpu::new(gpu, &input, &d_out, true)?;
+    dev.fwd.run(gpu, spec.causal, spec.softmax_scale)?;
+    dev.run(gpu, spec.causal, spec.softmax_scale)?;
+    let (d_q, d_k, d_v) = dev.download(gpu)?;
+    let (out, lse) = dev.fwd.download(gpu)?;
+    let scale = spec
+        .softmax_scale
+        .unwrap_or((spec.data.d as f32).powf(-0.5));
+    let problem = case.problem(&spec.data, spec.causal, scale);
+    let cancel = crate::signals::token();
+    let g_out = d_out.to_f32_vec()?;
+    let want = dense_prefill_bwd::<f64>(&problem, &out, &lse, &g_out, cancel)?;
+    let unit_roundoff = match spec.data.dtype {
+        DType::F16 => 1.0 / 2048.0,
+        _ => BF16_UNIT_ROUNDOFF,
+    };
+    let allow = dense_prefill_bwd_rounding(&problem, &out, &lse, &g_out, unit_roundoff, cancel)?;
+    Ok(Outcome::from_checks(vec![
+        check_net("d_q", &d_q, &want.d_q, &BWD_GRAD, Some(&allow.d_q)),
+        check_net("d_k", &d_k, &want.d_k, &BWD_GRAD, Some(&allow.d_k)),
+        check_net("d_v", &d_v, &want.d_v, &BWD_GRAD, Some(&allow.d_v)),
     ]))
 }
 
@@ -141,24 +183,30 @@ pub fn cases() -> Vec<Case> {
                 let quick = k % 5 == 0;
                 k += 1;
                 let mask = if causal { "causal" } else { "full" };
-                push(
-                    &mut v,
-                    format!("dense_prefill/d{d}/{tname}/{mask}/{set}/h{h_q}k{h_k}/{what}"),
-                    quick,
-                    Spec {
-                        data: PrefillSpec {
-                            lens: lens.clone(),
-                            h_q,
-                            h_k,
-                            d,
-                            dtype,
-                            q_std,
-                        },
-                        causal,
-                        padded,
-                        softmax_scale: scale,
+                let spec = Spec {
+                    data: PrefillSpec {
+                        lens: lens.clone(),
+                        h_q,
+                        h_k,
+                        d,
+                        dtype,
+                        q_std,
                     },
-                );
+                    causal,
+                    padded,
+                    softmax_scale: scale,
+                };
+                let name = format!("d{d}/{tname}/{mask}/{set}/h{h_q}k{h_k}/{what}");
+                if *set != "long" {
+                    // The f64 reference backward of the 1100-row case takes minutes on a CPU.
+                    let bwd = spec.clone();
+                    v.push(Case {
+                        name: format!("dense_prefill_bwd/{name}"),
+                        quick,
+                        run: Box::new(move |gpu, _tuning, seed| run_bwd_case(gpu, &bwd, seed)),
+                    });
+                }
+                push(&mut v, format!("dense_prefill/{name}"), quick, spec);
             }
         }
     }

@@ -32,6 +32,12 @@ __device__ __forceinline__ void cp_async_8_zfill(uint32_t dst, const void* src, 
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
+// 4-byte form (cp.async.ca), zero-filled without a read when `valid` is false: per-row scalars (the dense prefill
+// backward's lse and delta rows, which have no alignment beyond their element).
+__device__ __forceinline__ void cp_async_4_zfill(uint32_t dst, const void* src, bool valid) {
+    const uint32_t src_bytes = valid ? 4u : 0u;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
 __device__ __forceinline__ void prefetch_l2(const void* src) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(src));
 }

@@ -1,5 +1,5 @@
 // wgmma (sm_90a): shared-memory matrix descriptors, the fence/commit/wait protocol, and the MMA shapes the
-// kernels issue (m64n32 / m64n64 / m64n128 with both operands K-major, m64n128 / m64n256 with B MN-major). Layout conventions (SW128 slabs, fragment layouts) are in smem_layout.cuh.
+// kernels issue (m64n32 / m64n64 / m64n128 with both operands K-major, m64n128 / m64n192 / m64n256 with B MN-major). Layout conventions (SW128 slabs, fragment layouts) are in smem_layout.cuh.
 //
 // ## Matrix descriptor (64 bits, PTX ISA "matrix descriptor format")
 //   bits  0-13: start address  >> 4 (shared-state-space byte address; < 256 KB so 14 bits suffice)
@@ -103,6 +103,19 @@ inline constexpr bool kIsF16<F16> = true;
     "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
     "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
     "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define FLASHMLA_WGMMA_D96 \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
 #define FLASHMLA_WGMMA_D128 \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
     "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
@@ -151,6 +164,12 @@ inline constexpr bool kIsF16<F16> = true;
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
     "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+#define FLASHMLA_WGMMA_N192_RS_MN(T) \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n192k16.f32." T "." T " {" \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95" \
+    "}, {%96, %97, %98, %99}, %100, p, 1, 1, 1;\n}\n"
 #define FLASHMLA_WGMMA_N256_SS_KMN(T) \
     "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n" \
     "wgmma.mma_async.sync.aligned.m64n256k16.f32." T "." T " {" \
@@ -237,6 +256,14 @@ template <class E = Bf16>
 __device__ __forceinline__ void wgmma_m64n128k16_rs_mn(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
                                                        bool accumulate) {
     FLASHMLA_WGMMA_ASM(E, FLASHMLA_WGMMA_N128_RS_MN, FLASHMLA_WGMMA_D64,
+                       "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+}
+
+// D[64x192] (+)= A[64x16] B[16x192]; A in registers, B MN-major in shared memory.
+template <class E = Bf16>
+__device__ __forceinline__ void wgmma_m64n192k16_rs_mn(float (&d)[96], const uint32_t (&a)[4], uint64_t desc_b,
+                                                       bool accumulate) {
+    FLASHMLA_WGMMA_ASM(E, FLASHMLA_WGMMA_N192_RS_MN, FLASHMLA_WGMMA_D96,
                        "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)));
 }
 

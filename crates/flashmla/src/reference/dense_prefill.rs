@@ -312,7 +312,45 @@ pub fn dense_prefill_bwd<R: Real>(
     d_out: &[f32],
     cancel: &CancelToken,
 ) -> Result<DensePrefillBwdResult<R>> {
+    bwd_sums::<R>(p, out, lse, d_out, cancel, false)
+}
+
+/// Bounds, per element of each gradient, the error that comes from rounding the MMA operands `P` (for `d_v`) and
+/// `dS` (for `d_q` and `d_k`) to the element type, as the GPU backward does (like every 16-bit tensor-core attention
+/// backward): each product then carries a relative error of at most `unit_roundoff`, so an element's error is at
+/// most `unit_roundoff` times the sum of its products' absolute values. Same arguments as [`dense_prefill_bwd`];
+/// allocates what it does.
+pub fn dense_prefill_bwd_rounding(
+    p: &DensePrefillProblem<'_>,
+    out: &[f32],
+    lse: &[f32],
+    d_out: &[f32],
+    unit_roundoff: f64,
+    cancel: &CancelToken,
+) -> Result<DensePrefillBwdResult<f64>> {
+    let mut m = bwd_sums::<f64>(p, out, lse, d_out, cancel, true)?;
+    for x in m
+        .d_q
+        .iter_mut()
+        .chain(m.d_k.iter_mut())
+        .chain(m.d_v.iter_mut())
+    {
+        *x *= unit_roundoff;
+    }
+    Ok(m)
+}
+
+/// The backward's sums, or with `magnitudes` the sums of their terms' absolute values.
+fn bwd_sums<R: Real>(
+    p: &DensePrefillProblem<'_>,
+    out: &[f32],
+    lse: &[f32],
+    d_out: &[f32],
+    cancel: &CancelToken,
+    magnitudes: bool,
+) -> Result<DensePrefillBwdResult<R>> {
     use super::sparse_fwd::expect_len;
+    let term = |x: R| if magnitudes { x.abs() } else { x };
     p.check()?;
     let (h_q, h_k, d, d_v) = (p.h_q, p.h_k, p.d, p.d_v);
     let rows = p.rows();
@@ -359,7 +397,7 @@ pub fn dense_prefill_bwd<R: Real>(
                 for c in p.keys(s, r) {
                     if let Some((_, ds)) = grad(t, h, c) {
                         for (a, &kk) in dq[h * d..(h + 1) * d].iter_mut().zip(p.k_row(c, j)) {
-                            *a = *a + scale * ds * R::of(kk);
+                            *a = *a + term(scale * ds * R::of(kk));
                         }
                     }
                 }
@@ -386,11 +424,11 @@ pub fn dense_prefill_bwd<R: Real>(
                         };
                         let kc = c - s.k0;
                         for (a, &qq) in dk[kc * d..(kc + 1) * d].iter_mut().zip(p.q_row(t, h)) {
-                            *a = *a + scale * ds * R::of(qq);
+                            *a = *a + term(scale * ds * R::of(qq));
                         }
                         let g = &d_out[row_of(t, h)..row_of(t, h) + d_v];
                         for (a, &gg) in dv[kc * d_v..(kc + 1) * d_v].iter_mut().zip(g) {
-                            *a = *a + prob * R::of(gg);
+                            *a = *a + term(prob * R::of(gg));
                         }
                     }
                 }

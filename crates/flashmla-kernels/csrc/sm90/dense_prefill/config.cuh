@@ -33,7 +33,6 @@ static_assert(kProducerRegs + kConsumers * kConsumerRegs <= 3 * kRegsAtLaunch, "
 
 // Producer copy geometry: 8 threads per 128-byte slab row, so 16 rows per pass of the warpgroup.
 inline constexpr int kRowsPerPass = kWarpgroupThreads / kSw128ChunksPerRow;  // 16
-inline constexpr int kPasses = kTileN / kRowsPerPass;                        // 8
 static_assert(kTileM == kTileN, "Q and K/V tiles share the copy geometry");
 
 // Named barriers (id 0 is __syncthreads): each consumer's epilogue staging, among its own 128 threads.

@@ -2,10 +2,12 @@
 //   dense_prefill_fwd_d192_bf16, dense_prefill_fwd_d192_f16, dense_prefill_fwd_d128_bf16, dense_prefill_fwd_d128_f16
 // Launch: grid (h_q * m_tiles, 1, 1) (head-major, tile-minor), block (kThreads = 384, 1, 1), dynamic shared memory kSmemBytes<d>
 // (config.cuh; mirrored in ops/dense_prefill/launch.rs).
+#include "sm90/dense_prefill/bwd.cuh"
 #include "sm90/dense_prefill/kernel.cuh"
 
 using flashmla::Bf16;
 using flashmla::F16;
+using flashmla::dense_prefill::DensePrefillBwdParams;
 using flashmla::dense_prefill::DensePrefillFwdParams;
 using flashmla::dense_prefill::kThreads;
 
@@ -19,3 +21,29 @@ FLASHMLA_DENSE_PREFILL_FWD(dense_prefill_fwd_d192_bf16, 192, Bf16)
 FLASHMLA_DENSE_PREFILL_FWD(dense_prefill_fwd_d192_f16, 192, F16)
 FLASHMLA_DENSE_PREFILL_FWD(dense_prefill_fwd_d128_bf16, 128, Bf16)
 FLASHMLA_DENSE_PREFILL_FWD(dense_prefill_fwd_d128_f16, 128, F16)
+
+// Backward (bwd.cuh): delta (block 256 threads, one warp per (row, head)), then dQ and dK / dV (block
+// bwd::kThreads = 256, dynamic shared memory bwd::kDqSmemBytes<d> / kDkvSmemBytes<d>), in any order after delta.
+#define FLASHMLA_DENSE_PREFILL_BWD(SUFFIX, D, E)                                                                  \
+    extern "C" __global__ void __launch_bounds__(flashmla::dense_prefill::bwd::kThreads, 1)                       \
+        dense_prefill_bwd_dq_##SUFFIX(const __grid_constant__ DensePrefillBwdParams p) {                         \
+        extern __shared__ __align__(1024) uint8_t smem[];                                                         \
+        flashmla::dense_prefill::bwd::dq_kernel<D, E>(p, smem);                                                   \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(flashmla::dense_prefill::bwd::kThreads, 1)                       \
+        dense_prefill_bwd_dkv_##SUFFIX(const __grid_constant__ DensePrefillBwdParams p) {                        \
+        extern __shared__ __align__(1024) uint8_t smem[];                                                         \
+        flashmla::dense_prefill::bwd::dkv_kernel<D, E>(p, smem);                                                  \
+    }
+
+FLASHMLA_DENSE_PREFILL_BWD(d192_bf16, 192, Bf16)
+FLASHMLA_DENSE_PREFILL_BWD(d192_f16, 192, F16)
+FLASHMLA_DENSE_PREFILL_BWD(d128_bf16, 128, Bf16)
+FLASHMLA_DENSE_PREFILL_BWD(d128_f16, 128, F16)
+
+extern "C" __global__ void __launch_bounds__(256) dense_prefill_bwd_delta_bf16(const __grid_constant__ DensePrefillBwdParams p) {
+    flashmla::dense_prefill::bwd::delta_kernel<Bf16>(p);
+}
+extern "C" __global__ void __launch_bounds__(256) dense_prefill_bwd_delta_f16(const __grid_constant__ DensePrefillBwdParams p) {
+    flashmla::dense_prefill::bwd::delta_kernel<F16>(p);
+}

@@ -21,69 +21,27 @@
 #include "common/wgmma.cuh"
 #include "sm90/dense_prefill/config.cuh"
 #include "sm90/dense_prefill/params.h"
+#include "sm90/dense_prefill/work.cuh"
 
 namespace flashmla::dense_prefill {
 
 using Ring = RingPos<kStages>;
 
-__device__ __forceinline__ int clamp_to(int v, int lo, int hi) { return min(max(v, lo), hi); }
-
 // ---------------------------------------------------------------------------------------------------------------
-// Work of the CTA. Grid x enumerates (head, tile) pairs, tile-minor: the CTAs that run together share their heads'
-// K and V, which then stay in L2 (head-minor order streamed every head's K and V from DRAM: 1.4-1.5x slower at 4K-16K). Within a
-// head the tiles run in reverse order: under a causal mask the last tiles of a sequence see the most keys, so the
-// longest CTAs start first. Tile indices count the 128-row tiles of the sequences in order; warp 0 finds the
-// sequence of its tile with a prefix scan over the offsets, 32 sequences per step. The offsets are clamped into
-// [0, total_q] and made non-decreasing on the way (a running max), so sequences never overlap and all their tiles
-// fit the grid's bound (m_tiles).
+// Work of the CTA: a 128-row query tile of one (sequence, head) (work.cuh: grid order, offsets).
 __device__ __forceinline__ TileWork find_work(const DensePrefillFwdParams& p, int lane) {
-    const int linear = static_cast<int>(blockIdx.x);
-    const int tile = p.m_tiles - 1 - linear % p.m_tiles;
+    const SeqTile t = find_seq_tile<kTileM>(p.cu_seqlens_q, p.batch, p.total_q, p.m_tiles, lane);
     TileWork w{};
-    w.head = linear / p.m_tiles;
-    int carry_end = clamp_to(__ldg(p.cu_seqlens_q), 0, p.total_q);
-    int carry_tiles = 0;
-    for (int base = 0; base < p.batch; base += 32) {
-        const int b = base + lane;
-        int end = b < p.batch ? clamp_to(__ldg(p.cu_seqlens_q + b + 1), 0, p.total_q) : 0;
-#pragma unroll
-        for (int off = 1; off < 32; off *= 2) {
-            const int v = __shfl_up_sync(kFullMask, end, off);
-            if (lane >= off) end = max(end, v);
-        }
-        end = max(end, carry_end);
-        int start = __shfl_up_sync(kFullMask, end, 1);
-        if (lane == 0) start = carry_end;
-        const int tiles = (end - start + kTileM - 1) / kTileM;  // 0 past the batch (end == start there)
-        int incl = tiles;
-#pragma unroll
-        for (int off = 1; off < 32; off *= 2) {
-            const int v = __shfl_up_sync(kFullMask, incl, off);
-            if (lane >= off) incl += v;
-        }
-        incl += carry_tiles;
-        const uint32_t hit = __ballot_sync(kFullMask, b < p.batch && incl > tile);
-        if (hit != 0) {
-            const int src = __ffs(hit) - 1;
-            const int seq = base + src;
-            const int s_start = __shfl_sync(kFullMask, start, src);
-            const int s_end = __shfl_sync(kFullMask, end, src);
-            const int first_tile = __shfl_sync(kFullMask, incl - tiles, src);
-            w.found = 1;
-            w.s_q = s_end - s_start;
-            w.m0 = (tile - first_tile) * kTileM;
-            w.q0 = s_start + w.m0;
-            w.rows = min(kTileM, w.s_q - w.m0);
-            const int k_start = clamp_to(__ldg(p.cu_seqlens_k + seq), 0, p.total_k);
-            const int k_end = clamp_to(__ldg(p.cu_seqlens_k + seq + 1), k_start, p.total_k);
-            w.k0 = k_start;
-            w.s_k = k_end - k_start;
-            return w;
-        }
-        carry_end = __shfl_sync(kFullMask, end, 31);
-        carry_tiles = __shfl_sync(kFullMask, incl, 31);
+    w.found = t.found;
+    w.head = t.head;
+    if (t.found) {
+        w.s_q = t.len;
+        w.m0 = t.t0;
+        w.q0 = t.start + t.t0;
+        w.rows = min(kTileM, t.len - t.t0);
+        other_range(p.cu_seqlens_k, t.seq, p.total_k, w.k0, w.s_k);
     }
-    return w;  // found = 0: a tile past the last sequence's
+    return w;
 }
 
 // Keys the CTA's rows can see: all of the sequence's, or under the bottom-right causal mask up to row
@@ -96,12 +54,15 @@ __device__ __forceinline__ int keys_seen(const DensePrefillFwdParams& p, const T
 // ---------------------------------------------------------------------------------------------------------------
 // Producer warpgroup. Thread t copies 16-byte chunk t % 8 of tile row 16 k + t / 8 in pass k, for every slab.
 
-template <int kSlabs>
+// Copies rows row0 .. row0 + kRows - 1 of `base` (those below `rows`; the others zero-filled) into kSlabs SW128
+// slabs of kRows rows each, by the 128 threads of a warpgroup.
+template <int kSlabs, int kRows = kTileN>
 __device__ __forceinline__ void copy_tile(uint32_t dst_base, const uint16_t* base, int64_t row_stride, int row0,
                                           int rows, const Sw128CopyThread& ct, const uint16_t* dummy) {
-    constexpr int kSlabBytes = kTileN * kSw128RowBytes;
+    constexpr int kSlabBytes = kRows * kSw128RowBytes;
+    static_assert(kRows % kRowsPerPass == 0, "whole passes of 16 rows");
 #pragma unroll
-    for (int k = 0; k < kPasses; ++k) {
+    for (int k = 0; k < kRows / kRowsPerPass; ++k) {
         const int r = k * kRowsPerPass + ct.row_in_pass;
         const bool ok = row0 + r < rows;
         const uint16_t* src = (ok ? base + static_cast<int64_t>(row0 + r) * row_stride : dummy) + ct.chunk_elems;

@@ -44,4 +44,54 @@ struct DensePrefillFwdParams {
     float sm_scale_log2;           // softmax_scale * log2(e)
 };
 
+// The backward (three kernels: delta, dQ, dK / dV; bwd.cuh). Same conventions as the forward; `lse` and `delta` are
+// [h_q, total_q] f32 with rows contiguous. No atomics: each kernel owns the rows it writes, so the results are
+// deterministic.
+struct DensePrefillBwdParams {
+    const uint16_t* q;             // [total_q, h_q, d]
+    const uint16_t* k;             // [total_k, h_k, d]
+    const uint16_t* v;             // [total_k, h_k, d_v]
+    const uint16_t* out;           // [total_q, h_q, d_v] (the forward's)
+    const uint16_t* d_out;         // [total_q, h_q, d_v]
+    const float* lse;              // [h_q, total_q] (the forward's, natural log)
+    const int32_t* cu_seqlens_q;   // [batch + 1]
+    const int32_t* cu_seqlens_k;   // [batch + 1]
+    uint16_t* d_q;                 // [total_q, h_q, d]
+    uint16_t* d_k;                 // [total_k, h_k, d]
+    uint16_t* d_v;                 // [total_k, h_k, d_v]
+    float* delta;                  // [h_q, total_q] workspace: rowsum(d_out * out), written by the delta kernel
+
+    int64_t q_stride_t;
+    int64_t q_stride_h;
+    int64_t k_stride_t;
+    int64_t k_stride_h;
+    int64_t v_stride_t;
+    int64_t v_stride_h;
+    int64_t out_stride_t;
+    int64_t out_stride_h;
+    int64_t d_out_stride_t;
+    int64_t d_out_stride_h;
+    int64_t d_q_stride_t;
+    int64_t d_q_stride_h;
+    int64_t d_k_stride_t;
+    int64_t d_k_stride_h;
+    int64_t d_v_stride_t;
+    int64_t d_v_stride_h;
+    int64_t lse_stride_h;
+    int64_t delta_stride_h;
+
+    int32_t batch;
+    int32_t total_q;
+    int32_t total_k;
+    int32_t h_q;
+    int32_t h_k;
+    int32_t h_per_k;
+    int32_t q_tiles;               // ceil(total_q / 64) + batch: the dQ grid's tiles per query head
+    int32_t k_tiles;               // ceil(total_k / 64) + batch: the dK / dV grid's tiles per key head
+    uint32_t flags;                // kFlagCausal
+    float sm_scale_log2;           // softmax_scale * log2(e)
+    float sm_scale;                // softmax_scale
+    int32_t reserved;              // keeps the size a multiple of 8; always 0
+};
+
 }  // namespace flashmla::dense_prefill

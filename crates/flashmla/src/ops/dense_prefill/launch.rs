@@ -96,6 +96,98 @@ device_params! {
     }
 }
 
+device_params! {
+    family = "dense_prefill", cxx = "DensePrefillBwdParams";
+    /// Mirror of `flashmla::dense_prefill::DensePrefillBwdParams` (params.h): the backward's three kernels.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    pub struct DensePrefillBwdParams {
+        /// `[total_q, h_q, d]`.
+        pub q: u64,
+        /// `[total_k, h_k, d]`.
+        pub k: u64,
+        /// `[total_k, h_k, d_v]`.
+        pub v: u64,
+        /// The forward's `out`, `[total_q, h_q, d_v]`.
+        pub out: u64,
+        /// `[total_q, h_q, d_v]`.
+        pub d_out: u64,
+        /// The forward's `lse`, `[h_q, total_q]` f32.
+        pub lse: u64,
+        /// `[b + 1]` i32, contiguous.
+        pub cu_seqlens_q: u64,
+        /// `[b + 1]` i32, contiguous.
+        pub cu_seqlens_k: u64,
+        /// `[total_q, h_q, d]`.
+        pub d_q: u64,
+        /// `[total_k, h_k, d]`.
+        pub d_k: u64,
+        /// `[total_k, h_k, d_v]`.
+        pub d_v: u64,
+        /// Workspace `[h_q, total_q]` f32.
+        pub delta: u64,
+        /// Elements between `q` rows.
+        pub q_stride_t: i64,
+        /// Elements between `q` heads.
+        pub q_stride_h: i64,
+        /// Elements between `k` rows.
+        pub k_stride_t: i64,
+        /// Elements between `k` heads.
+        pub k_stride_h: i64,
+        /// Elements between `v` rows.
+        pub v_stride_t: i64,
+        /// Elements between `v` heads.
+        pub v_stride_h: i64,
+        /// Elements between `out` rows.
+        pub out_stride_t: i64,
+        /// Elements between `out` heads.
+        pub out_stride_h: i64,
+        /// Elements between `d_out` rows.
+        pub d_out_stride_t: i64,
+        /// Elements between `d_out` heads.
+        pub d_out_stride_h: i64,
+        /// Elements between `d_q` rows.
+        pub d_q_stride_t: i64,
+        /// Elements between `d_q` heads.
+        pub d_q_stride_h: i64,
+        /// Elements between `d_k` rows.
+        pub d_k_stride_t: i64,
+        /// Elements between `d_k` heads.
+        pub d_k_stride_h: i64,
+        /// Elements between `d_v` rows.
+        pub d_v_stride_t: i64,
+        /// Elements between `d_v` heads.
+        pub d_v_stride_h: i64,
+        /// Elements between `lse` heads.
+        pub lse_stride_h: i64,
+        /// Elements between `delta` heads.
+        pub delta_stride_h: i64,
+        /// Sequences.
+        pub batch: i32,
+        /// Query rows.
+        pub total_q: i32,
+        /// Key rows.
+        pub total_k: i32,
+        /// Query heads.
+        pub h_q: i32,
+        /// Key/value heads.
+        pub h_k: i32,
+        /// `h_q / h_k`.
+        pub h_per_k: i32,
+        /// `ceil(total_q / 64) + b`.
+        pub q_tiles: i32,
+        /// `ceil(total_k / 64) + b`.
+        pub k_tiles: i32,
+        /// `FLAG_*` bits.
+        pub flags: u32,
+        /// `softmax_scale * log2(e)`.
+        pub sm_scale_log2: f32,
+        /// `softmax_scale`.
+        pub sm_scale: f32,
+        /// Always 0.
+        pub reserved: i32,
+    }
+}
+
 /// The family's kernel symbols (entry points in `csrc/sm90/dense_prefill/dense_prefill.cu`): the only place they
 /// are spelled on the host; a CPU test checks each against the embedded cubin.
 pub mod kernels {
@@ -107,8 +199,98 @@ pub mod kernels {
     pub const FWD_D128_BF16: &str = "dense_prefill_fwd_d128_bf16";
     /// Forward, `d` 128, fp16.
     pub const FWD_D128_F16: &str = "dense_prefill_fwd_d128_f16";
-    /// Every kernel [`super::kernel_for`] can name.
-    pub const ALL: &[&str] = &[FWD_D192_BF16, FWD_D192_F16, FWD_D128_BF16, FWD_D128_F16];
+    /// Backward: `delta = rowsum(d_out * out)`, bf16.
+    pub const BWD_DELTA_BF16: &str = "dense_prefill_bwd_delta_bf16";
+    /// Backward: delta, fp16.
+    pub const BWD_DELTA_F16: &str = "dense_prefill_bwd_delta_f16";
+    /// Backward: dQ, `d` 192, bf16.
+    pub const BWD_DQ_D192_BF16: &str = "dense_prefill_bwd_dq_d192_bf16";
+    /// Backward: dQ, `d` 192, fp16.
+    pub const BWD_DQ_D192_F16: &str = "dense_prefill_bwd_dq_d192_f16";
+    /// Backward: dQ, `d` 128, bf16.
+    pub const BWD_DQ_D128_BF16: &str = "dense_prefill_bwd_dq_d128_bf16";
+    /// Backward: dQ, `d` 128, fp16.
+    pub const BWD_DQ_D128_F16: &str = "dense_prefill_bwd_dq_d128_f16";
+    /// Backward: dK and dV, `d` 192, bf16.
+    pub const BWD_DKV_D192_BF16: &str = "dense_prefill_bwd_dkv_d192_bf16";
+    /// Backward: dK and dV, `d` 192, fp16.
+    pub const BWD_DKV_D192_F16: &str = "dense_prefill_bwd_dkv_d192_f16";
+    /// Backward: dK and dV, `d` 128, bf16.
+    pub const BWD_DKV_D128_BF16: &str = "dense_prefill_bwd_dkv_d128_bf16";
+    /// Backward: dK and dV, `d` 128, fp16.
+    pub const BWD_DKV_D128_F16: &str = "dense_prefill_bwd_dkv_d128_f16";
+    /// Every kernel [`super::kernel_for`] and [`super::bwd_kernels_for`] can name.
+    pub const ALL: &[&str] = &[
+        FWD_D192_BF16,
+        FWD_D192_F16,
+        FWD_D128_BF16,
+        FWD_D128_F16,
+        BWD_DELTA_BF16,
+        BWD_DELTA_F16,
+        BWD_DQ_D192_BF16,
+        BWD_DQ_D192_F16,
+        BWD_DQ_D128_BF16,
+        BWD_DQ_D128_F16,
+        BWD_DKV_D192_BF16,
+        BWD_DKV_D192_F16,
+        BWD_DKV_D128_BF16,
+        BWD_DKV_D128_F16,
+    ];
+}
+
+/// Rows per CTA of the backward's dQ and dK / dV kernels (`bwd::kRows`).
+pub const BWD_TILE: usize = 64;
+/// Threads per CTA of the backward's dQ and dK / dV kernels (`bwd::kThreads`).
+pub const BWD_THREADS: u32 = 256;
+/// Threads per CTA of the delta kernel (one warp per (row, head)).
+pub const BWD_DELTA_THREADS: u32 = 256;
+/// Dynamic shared memory of the dQ kernel, `d` 192 (`bwd::kDqSmemBytes<192>`, static_asserted in bwd.cuh).
+pub const BWD_DQ_SMEM_D192: u32 = 124_928;
+/// The same, `d` 128.
+pub const BWD_DQ_SMEM_D128: u32 = 100_352;
+/// Dynamic shared memory of the dK / dV kernel, `d` 192 (`bwd::kDkvSmemBytes<192>`).
+pub const BWD_DKV_SMEM_D192: u32 = 83_968;
+/// The same, `d` 128.
+pub const BWD_DKV_SMEM_D128: u32 = 67_584;
+
+/// The backward's kernels for `d` and an element type: `(delta, (dQ, smem), (dK / dV, smem))`.
+#[allow(clippy::type_complexity)]
+pub fn bwd_kernels_for(
+    d: usize,
+    dtype: DType,
+) -> Result<(&'static str, (&'static str, u32), (&'static str, u32))> {
+    use kernels::*;
+    let delta = if dtype == DType::F16 {
+        BWD_DELTA_F16
+    } else {
+        BWD_DELTA_BF16
+    };
+    match (d, dtype) {
+        (192, DType::Bf16) => Ok((
+            delta,
+            (BWD_DQ_D192_BF16, BWD_DQ_SMEM_D192),
+            (BWD_DKV_D192_BF16, BWD_DKV_SMEM_D192),
+        )),
+        (192, DType::F16) => Ok((
+            delta,
+            (BWD_DQ_D192_F16, BWD_DQ_SMEM_D192),
+            (BWD_DKV_D192_F16, BWD_DKV_SMEM_D192),
+        )),
+        (128, DType::Bf16) => Ok((
+            delta,
+            (BWD_DQ_D128_BF16, BWD_DQ_SMEM_D128),
+            (BWD_DKV_D128_BF16, BWD_DKV_SMEM_D128),
+        )),
+        (128, DType::F16) => Ok((
+            delta,
+            (BWD_DQ_D128_F16, BWD_DQ_SMEM_D128),
+            (BWD_DKV_D128_F16, BWD_DKV_SMEM_D128),
+        )),
+        _ => Err(Error::unsupported(
+            format!("dense_prefill backward kernels for d = {d}, {dtype:?}"),
+            "the sm_90a kernels are built for d 128 and 192 in bf16 and fp16",
+        )),
+    }
 }
 
 /// Kernel symbol and dynamic shared memory of the forward for `d` and an element type.
@@ -243,6 +425,187 @@ pub(crate) fn launch(
     // lse rows inside the views (heads < h_q, h_k), which by the DeviceView contract are valid, live and do not
     // alias outputs with inputs.
     unsafe { gpu.launch(&kernel, &cfg, &params) }
+}
+
+/// One launch of the backward: kernel, geometry, parameters.
+pub type BwdLaunch = (&'static str, LaunchConfig, DensePrefillBwdParams);
+
+/// Checks the backward kernels' limits and builds their three launches, in order: delta, dQ, dK / dV (pure: no GPU
+/// needed). Empty when there is nothing to compute.
+pub fn lower_bwd(
+    dims: &DensePrefillDims,
+    args: &super::DensePrefillBwdArgs<'_, DeviceView>,
+    grads: &super::DensePrefillGrads<DeviceView>,
+    delta: &DeviceView,
+) -> Result<Vec<BwdLaunch>> {
+    let fwd = &args.fwd;
+    let (delta_kernel, (dq_kernel, dq_smem), (dkv_kernel, dkv_smem)) =
+        bwd_kernels_for(dims.d, dims.dtype)?;
+    expect_rows_16b(
+        "dense_prefill backward",
+        &[
+            ("q", fwd.q),
+            ("k", fwd.k),
+            ("v", fwd.v),
+            ("out", args.out),
+            ("d_out", args.d_out),
+            ("d_q", &grads.d_q),
+            ("d_k", &grads.d_k),
+            ("d_v", &grads.d_v),
+        ],
+    )?;
+    expect_contiguous("cu_seqlens_q", fwd.cu_seqlens_q)?;
+    expect_contiguous("cu_seqlens_k", fwd.cu_seqlens_k)?;
+    for (name, t) in [("lse", args.lse), ("delta", delta)] {
+        if t.shape()[1] > 1 && t.strides()[1] != 1 {
+            return Err(Error::invalid(
+                format!("{name}.strides[1]"),
+                "1 (rows of a head contiguous)",
+                t.strides()[1],
+            ));
+        }
+    }
+    expect_element_aligned(&[
+        ("cu_seqlens_q", Some(fwd.cu_seqlens_q)),
+        ("cu_seqlens_k", Some(fwd.cu_seqlens_k)),
+        ("lse", Some(args.lse)),
+        ("delta", Some(delta)),
+    ])?;
+    expect_offsets_fit_i64(&[
+        ("q", Some(fwd.q)),
+        ("k", Some(fwd.k)),
+        ("v", Some(fwd.v)),
+        ("out", Some(args.out)),
+        ("d_out", Some(args.d_out)),
+        ("lse", Some(args.lse)),
+        ("d_q", Some(&grads.d_q)),
+        ("d_k", Some(&grads.d_k)),
+        ("d_v", Some(&grads.d_v)),
+        ("delta", Some(delta)),
+    ])?;
+    let sm_scale_log2 = dims.softmax_scale * LOG2_E;
+    if !sm_scale_log2.is_finite() {
+        return Err(Error::invalid(
+            "softmax_scale",
+            "a value whose product with log2(e) is finite",
+            dims.softmax_scale,
+        ));
+    }
+    let q_tiles = dims.total_q.div_ceil(BWD_TILE) + dims.batch;
+    let k_tiles = dims.total_k.div_ceil(BWD_TILE) + dims.batch;
+    let grid = |tiles: usize, heads: usize, what: &str| -> Result<u32> {
+        tiles
+            .checked_mul(heads)
+            .filter(|&n| n <= MAX_GRID_X)
+            .map(|n| n as u32)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "q.shape",
+                    format!("the {what} grid within {MAX_GRID_X} CTAs"),
+                    format!(
+                        "total_q {}, total_k {}, b {}",
+                        dims.total_q, dims.total_k, dims.batch
+                    ),
+                )
+            })
+    };
+    let rows_heads = dims.total_q.checked_mul(dims.h_q).unwrap_or(usize::MAX);
+    let delta_blocks = grid(
+        rows_heads.div_ceil(BWD_DELTA_THREADS as usize / 32),
+        1,
+        "delta",
+    )?;
+    let (dq_grid, dkv_grid) = (
+        grid(q_tiles, dims.h_q, "dQ")?,
+        grid(k_tiles, dims.h_k, "dK / dV")?,
+    );
+    let params = DensePrefillBwdParams {
+        q: fwd.q.ptr(),
+        k: fwd.k.ptr(),
+        v: fwd.v.ptr(),
+        out: args.out.ptr(),
+        d_out: args.d_out.ptr(),
+        lse: args.lse.ptr(),
+        cu_seqlens_q: fwd.cu_seqlens_q.ptr(),
+        cu_seqlens_k: fwd.cu_seqlens_k.ptr(),
+        d_q: grads.d_q.ptr(),
+        d_k: grads.d_k.ptr(),
+        d_v: grads.d_v.ptr(),
+        delta: delta.ptr(),
+        q_stride_t: stride_param("q", fwd.q, 0)?,
+        q_stride_h: stride_param("q", fwd.q, 1)?,
+        k_stride_t: stride_param("k", fwd.k, 0)?,
+        k_stride_h: stride_param("k", fwd.k, 1)?,
+        v_stride_t: stride_param("v", fwd.v, 0)?,
+        v_stride_h: stride_param("v", fwd.v, 1)?,
+        out_stride_t: stride_param("out", args.out, 0)?,
+        out_stride_h: stride_param("out", args.out, 1)?,
+        d_out_stride_t: stride_param("d_out", args.d_out, 0)?,
+        d_out_stride_h: stride_param("d_out", args.d_out, 1)?,
+        d_q_stride_t: stride_param("d_q", &grads.d_q, 0)?,
+        d_q_stride_h: stride_param("d_q", &grads.d_q, 1)?,
+        d_k_stride_t: stride_param("d_k", &grads.d_k, 0)?,
+        d_k_stride_h: stride_param("d_k", &grads.d_k, 1)?,
+        d_v_stride_t: stride_param("d_v", &grads.d_v, 0)?,
+        d_v_stride_h: stride_param("d_v", &grads.d_v, 1)?,
+        lse_stride_h: stride_param("lse", args.lse, 0)?,
+        delta_stride_h: stride_param("delta", delta, 0)?,
+        batch: to_i32("cu_seqlens_q.shape[0] - 1", dims.batch)?,
+        total_q: to_i32("q.shape[0]", dims.total_q)?,
+        total_k: to_i32("k.shape[0]", dims.total_k)?,
+        h_q: to_i32("q.shape[1]", dims.h_q)?,
+        h_k: to_i32("k.shape[1]", dims.h_k)?,
+        h_per_k: to_i32("h_q / h_k", dims.h_q / dims.h_k)?,
+        q_tiles: to_i32("ceil(total_q / 64) + b", q_tiles)?,
+        k_tiles: to_i32("ceil(total_k / 64) + b", k_tiles)?,
+        flags: if dims.causal { FLAG_CAUSAL } else { 0 },
+        sm_scale_log2,
+        sm_scale: dims.softmax_scale,
+        reserved: 0,
+    };
+    let cfg = |grid: u32, block: u32, smem: u32| LaunchConfig {
+        grid: (grid, 1, 1),
+        block: (block, 1, 1),
+        shared_mem_bytes: smem,
+        cluster: None,
+        programmatic: false,
+    };
+    let mut launches = Vec::new();
+    if dims.total_q > 0 {
+        launches.push((
+            delta_kernel,
+            cfg(delta_blocks, BWD_DELTA_THREADS, 0),
+            params,
+        ));
+        launches.push((dq_kernel, cfg(dq_grid, BWD_THREADS, dq_smem), params));
+    }
+    if dims.total_k > 0 {
+        launches.push((dkv_kernel, cfg(dkv_grid, BWD_THREADS, dkv_smem), params));
+    }
+    Ok(launches)
+}
+
+/// Launches the backward's kernels on `gpu`'s stream (asynchronous) for arguments that passed
+/// [`super::validate_bwd`] and gradients / workspace that passed [`super::validate_grads`].
+pub(crate) fn launch_bwd(
+    gpu: &Gpu,
+    dims: &DensePrefillDims,
+    args: &super::DensePrefillBwdArgs<'_, DeviceView>,
+    grads: &super::DensePrefillGrads<DeviceView>,
+    delta: &DeviceView,
+) -> Result<()> {
+    expect_location("q", args.fwd.q, Location::Cuda(gpu.ordinal()))?;
+    for (name, cfg, params) in lower_bwd(dims, args, grads, delta)? {
+        let kernel = gpu.kernel(FAMILY, name)?;
+        // SAFETY: `DensePrefillBwdParams` mirrors the kernels' parameter struct (checked at compile time).
+        // `validate_bwd` / `validate_grads` established the shapes and dtypes and that every tensor lives on this
+        // device; `lower_bwd` checked alignment, contiguity and that every offset fits i64. The kernels clamp every
+        // offset they read (work.cuh), read q / k / v / out / d_out / lse rows and write d_q / d_k / d_v / delta
+        // rows inside the views (heads < h_q, h_k), which by the DeviceView contract are valid, live and do not
+        // alias outputs with inputs; delta is written by the first launch before the next two read it (one stream).
+        unsafe { gpu.launch(&kernel, &cfg, &params)? };
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,14 +1,15 @@
 //! Dense MHA prefill over packed variable-length sequences (docs/spec.md section 5): the MHA form of MLA
 //! (`(d, d_v) = (192, 128)`) and plain 128-wide heads, GQA, bottom-right causal.
 //!
-//! The forward runs on the GPU ([`dense_prefill_fwd_cuda`], the sm_90a kernel of [`launch`]) and on the CPU (the
-//! reference, f32 accumulation; [`crate::reference::dense_prefill`]); the backward runs on the CPU only, so device
-//! tensors get [`Error::Unsupported`] there.
+//! Both directions run on the GPU ([`dense_prefill_fwd_cuda`], [`dense_prefill_bwd_cuda`]: the sm_90a kernels of
+//! [`launch`]) and on the CPU (the reference, f32 accumulation; [`crate::reference::dense_prefill`]).
 
 pub mod launch;
 mod validate;
 
-pub use validate::{validate, validate_bwd, validate_output, DensePrefillDims, HEAD_DIMS};
+pub use validate::{
+    validate, validate_bwd, validate_grads, validate_output, DensePrefillDims, HEAD_DIMS,
+};
 
 use crate::alloc::try_collect;
 use crate::cancel::CancelToken;
@@ -70,7 +71,7 @@ pub struct DensePrefillGrads<T> {
     pub d_v: T,
 }
 
-/// Refuses device tensors on a CPU path (the backward has no GPU kernel yet).
+/// Refuses device tensors on a CPU path.
 fn expect_host(dims_loc: Location, what: &str) -> Result<()> {
     match dims_loc {
         Location::Host => Ok(()),
@@ -79,6 +80,22 @@ fn expect_host(dims_loc: Location, what: &str) -> Result<()> {
             format!("the {what} of this function runs on the CPU"),
         )),
     }
+}
+
+/// The backward on the GPU: writes `grads` (caller-allocated, see [`validate_grads`]) on `gpu`'s stream, using
+/// `delta` (`[h_q, total_q]` f32, caller-allocated, rows contiguous) as its workspace. Asynchronous; allocates
+/// nothing and reads no tensor on the host (CUDA-graph safe). No atomics: the results are deterministic.
+///
+/// Errors: those of [`validate_bwd`] and [`validate_grads`], and the kernels' limits ([`launch::lower_bwd`]).
+pub fn dense_prefill_bwd_cuda(
+    gpu: &Gpu,
+    args: &DensePrefillBwdArgs<'_, DeviceView>,
+    grads: &DensePrefillGrads<DeviceView>,
+    delta: &DeviceView,
+) -> Result<()> {
+    let dims = validate_bwd(args)?;
+    validate_grads(&dims, args.fwd.q.location(), grads, delta)?;
+    launch::launch_bwd(gpu, &dims, args, grads, delta)
 }
 
 /// The forward on the GPU: writes `out` and `lse` (caller-allocated, see [`validate_output`]) on `gpu`'s stream.

@@ -1,6 +1,6 @@
 //! Shape, dtype and placement checks of the dense varlen prefill (docs/spec.md section 5).
 
-use super::{DensePrefillArgs, DensePrefillBwdArgs, DensePrefillOutput};
+use super::{DensePrefillArgs, DensePrefillBwdArgs, DensePrefillGrads, DensePrefillOutput};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Location, TensorMeta};
 use crate::validate::{
@@ -147,5 +147,30 @@ pub fn validate_output<T: TensorMeta>(
     expect_location("lse", &out.lse, loc)?;
     expect_dtype("lse", &out.lse, &[DType::F32])?;
     crate::validate::expect_shape("lse", &out.lse, &[dims.h_q, dims.total_q])?;
+    Ok(())
+}
+
+/// Checks the gradients and the workspace a caller provides for a backward of dimensions `dims` on `loc`: `d_q [total_q,
+/// h_q, d]`, `d_k [total_k, h_k, d]`, `d_v [total_k, h_k, d_v]` of q's dtype (last dimensions contiguous), and
+/// `delta [h_q, total_q]` f32.
+pub fn validate_grads<T: TensorMeta>(
+    dims: &DensePrefillDims,
+    loc: Location,
+    grads: &DensePrefillGrads<T>,
+    delta: &T,
+) -> Result<()> {
+    for (name, t, shape) in [
+        ("d_q", &grads.d_q, [dims.total_q, dims.h_q, dims.d]),
+        ("d_k", &grads.d_k, [dims.total_k, dims.h_k, dims.d]),
+        ("d_v", &grads.d_v, [dims.total_k, dims.h_k, dims.d_v]),
+    ] {
+        expect_location(name, t, loc)?;
+        expect_dtype(name, t, &[dims.dtype])?;
+        crate::validate::expect_shape(name, t, &shape)?;
+        expect_last_dim_contiguous(name, t)?;
+    }
+    expect_location("delta", delta, loc)?;
+    expect_dtype("delta", delta, &[DType::F32])?;
+    crate::validate::expect_shape("delta", delta, &[dims.h_q, dims.total_q])?;
     Ok(())
 }
