@@ -509,7 +509,7 @@ pub fn lower_bwd(
                 )
             })
     };
-    let rows_heads = dims.total_q.checked_mul(dims.h_q).unwrap_or(usize::MAX);
+    let rows_heads = dims.total_q.saturating_mul(dims.h_q);
     let delta_blocks = grid(
         rows_heads.div_ceil(BWD_DELTA_THREADS as usize / 32),
         1,
