@@ -72,9 +72,10 @@ pub const FAMILIES: &[FamilyContract] = &[
     FamilyContract {
         family: dense_prefill::launch::FAMILY,
         kernels: dense_prefill::launch::kernels::ALL,
-        params: &[ParamsMirror::of::<
-            dense_prefill::launch::DensePrefillFwdParams,
-        >()],
+        params: &[
+            ParamsMirror::of::<dense_prefill::launch::DensePrefillFwdParams>(),
+            ParamsMirror::of::<dense_prefill::launch::DensePrefillBwdParams>(),
+        ],
     },
 ];
 
