@@ -5,7 +5,7 @@
 //   dQ:    one CTA per 64 query rows of one (sequence, query head); streams the sequence's K and V in 64-key tiles.
 //          S = Q K^T and dP = dO V^T (wgmma, shared-memory operands), P = exp2(S * scale_log2 - lse2), dS = P (dP -
 //          delta), dQ += dS K (A from registers); dQ * scale is written at the end.
-//   dK/dV: one CTA per 64 keys of one (sequence, key head); streams 32-row tiles of Q and dO of every query head of
+//   dK/dV: one CTA per 64 keys of one (sequence, key head); streams 64-row tiles of Q and dO of every query head of
 //          the group. S^T = K Q^T and dP^T = V dO^T, P^T and dS^T as above, dV += P^T dO and dK += dS^T Q.
 // Each CTA is a producer warpgroup (cp.async into a 2-stage ring, the CTA's own rows loaded once) and one consumer
 // warpgroup. Masked and padded entries get P = 0: a padded row of a streamed tile is zero-filled (its P may be
@@ -33,9 +33,14 @@ inline constexpr int kThreads = 2 * kWarpgroupThreads;  // producer + consumer
 inline constexpr int kStages = 2;
 inline constexpr int kRows = 64;        // the CTA's own rows (queries for dQ, keys for dK / dV); the wgmma M
 inline constexpr int kKeyTile = 64;     // dQ: keys per streamed tile
-inline constexpr int kQueryTile = 32;   // dK / dV: query rows per streamed tile (keeps dK, dV, S^T, dP^T in registers)
+// dK / dV: query rows per streamed tile, the N of S^T and dP^T. At d 192, dK (96 registers), dV (64), the two 64 x 64
+// score tiles and the fragments take all 255 registers without a spill (ptxas); 64-row tiles measured 12-16% faster
+// than 32-row ones there, and 16% at d 128 (docs/perf-log.md).
+template <int kD>
+inline constexpr int kQueryTile = 64;
 inline constexpr uint32_t kSlab64 = kRows * kSw128RowBytes;       // 8 KB: a 64-row slab
-inline constexpr uint32_t kSlab32 = kQueryTile * kSw128RowBytes;  // 4 KB: a 32-row slab
+template <int kD>
+inline constexpr uint32_t kQuerySlab = kQueryTile<kD> * kSw128RowBytes;  // 4 or 8 KB: a slab of a query tile
 
 // Shared-memory plans. Operand tiles are SW128 slabs of 64 columns.
 template <int kD>
@@ -58,10 +63,11 @@ struct DkvPlan {
     static constexpr int kDSlabs = kD / kSw128ColsBf16;
     alignas(kSw128AtomBytes) uint8_t k[kDSlabs * kSlab64];              // the CTA's 64 keys
     alignas(kSw128AtomBytes) uint8_t v[2 * kSlab64];
-    alignas(kSw128AtomBytes) uint8_t q[kStages][kDSlabs * kSlab32];     // Q tiles of 32 rows
-    alignas(kSw128AtomBytes) uint8_t d_out[kStages][2 * kSlab32];       // d_out tiles
-    float lse[kStages][kQueryTile];                                     // the tile rows' lse (0 past the sequence)
-    float delta[kStages][kQueryTile];
+    static constexpr int kQ = kQueryTile<kD>;
+    alignas(kSw128AtomBytes) uint8_t q[kStages][kDSlabs * kQuerySlab<kD>];  // Q tiles of kQ rows
+    alignas(kSw128AtomBytes) uint8_t d_out[kStages][2 * kQuerySlab<kD>];    // d_out tiles
+    float lse[kStages][kQ];                                                 // the tile rows' lse (0 past the sequence)
+    float delta[kStages][kQ];
     uint64_t own_full;
     uint64_t full[kStages];
     uint64_t empty[kStages];
@@ -78,8 +84,8 @@ inline constexpr uint32_t kDkvSmemBytes = static_cast<uint32_t>(sizeof(DkvPlan<k
 // launch.rs requests these exact sizes; keep both in step.
 static_assert(kDqSmemBytes<192> == 124928, "update launch.rs BWD_DQ_SMEM_D192");
 static_assert(kDqSmemBytes<128> == 100352, "update launch.rs BWD_DQ_SMEM_D128");
-static_assert(kDkvSmemBytes<192> == 83968, "update launch.rs BWD_DKV_SMEM_D192");
-static_assert(kDkvSmemBytes<128> == 67584, "update launch.rs BWD_DKV_SMEM_D128");
+static_assert(kDkvSmemBytes<192> == 125952, "update launch.rs BWD_DKV_SMEM_D192");
+static_assert(kDkvSmemBytes<128> == 101376, "update launch.rs BWD_DKV_SMEM_D128");
 
 template <class Plan>
 __device__ __forceinline__ Plan& plan_of(uint8_t* smem) {
@@ -118,6 +124,12 @@ __device__ __forceinline__ void mma_rs_mn(float (&acc)[N], const uint32_t (&a)[k
             wgmma_m64n128k16_rs_mn<E>(acc, a[kb], desc, true);
         }
     }
+}
+
+// D[64 x 64] (+)= A B^T, both operands K-major in shared memory (the score tiles of the dK / dV kernel).
+template <class E>
+__device__ __forceinline__ void mma_ss_kk(float (&acc)[32], uint64_t a, uint64_t b, bool accumulate) {
+    wgmma_m64n64k16_ss_kk<E>(acc, a, b, accumulate);
 }
 
 // Stores a 64 x kN f32 accumulator tile times `scale` as E to rows `row0 + r` (r < rows) of `dst` (row stride
@@ -318,6 +330,8 @@ template <int kD, class E>
 __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8_t* smem) {
     using Plan = DkvPlan<kD>;
     constexpr int kDSlabs = Plan::kDSlabs;
+    constexpr int kQ = Plan::kQ;
+    constexpr uint32_t kQSlab = kQuerySlab<kD>;
     if (static_cast<int64_t>(blockIdx.x) >= static_cast<int64_t>(p.k_tiles) * p.h_k) return;
     Plan& sm = plan_of<Plan>(smem);
     if (threadIdx.x < 32) {
@@ -350,8 +364,8 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
     const bool causal = (p.flags & kFlagCausal) != 0;
     // Query tiles that see any of the CTA's keys: under the mask, row r sees key c iff c <= r + shift.
     const int first_row = causal ? clamp_to(w.t0 - shift, 0, s_q) : 0;
-    const int m_first = first_row / kQueryTile;
-    const int m_count = (s_q + kQueryTile - 1) / kQueryTile - m_first;
+    const int m_first = first_row / kQ;
+    const int m_count = (s_q + kQ - 1) / kQ - m_first;
     const int n_iter = m_count > 0 ? m_count * p.h_per_k : 0;
 
     if (threadIdx.x < kWarpgroupThreads) {  // producer
@@ -365,20 +379,20 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
         MBarrier::arrive_on_cp_async_noinc(&sm.own_full);
         for (int it = 0; it < n_iter; ++it) {
             const int head = w.head * p.h_per_k + it / m_count;
-            const int m0 = (m_first + it % m_count) * kQueryTile;
+            const int m0 = (m_first + it % m_count) * kQ;
             const RingPos<kStages> pos = RingPos<kStages>::of(it);
             MBarrier::wait(&sm.empty[pos.stage], pos.empty_parity);
             const int64_t row0 = static_cast<int64_t>(q0) + m0;
-            copy_tile<kDSlabs, kQueryTile>(smem_addr(sm.q[pos.stage]), p.q + row0 * p.q_stride_t + head * p.q_stride_h,
+            copy_tile<kDSlabs, kQ>(smem_addr(sm.q[pos.stage]), p.q + row0 * p.q_stride_t + head * p.q_stride_h,
                                            p.q_stride_t, 0, s_q - m0, ct, dummy);
-            copy_tile<2, kQueryTile>(smem_addr(sm.d_out[pos.stage]),
+            copy_tile<2, kQ>(smem_addr(sm.d_out[pos.stage]),
                                      p.d_out + row0 * p.d_out_stride_t + head * p.d_out_stride_h, p.d_out_stride_t, 0,
                                      s_q - m0, ct, dummy);
             const int tid = static_cast<int>(threadIdx.x);
-            if (tid < 2 * kQueryTile) {  // threads 0..31: lse, 32..63: delta; rows past the sequence read 0
-                const int rr = tid % kQueryTile;
+            if (tid < 2 * kQ) {  // threads 0..kQ-1: lse, kQ..2kQ-1: delta; rows past the sequence read 0
+                const int rr = tid % kQ;
                 const bool ok = m0 + rr < s_q;
-                if (tid < kQueryTile) {
+                if (tid < kQ) {
                     const float* src = ok ? p.lse + head * p.lse_stride_h + row0 + rr : p.lse;
                     cp_async_4_zfill(smem_addr(&sm.lse[pos.stage][rr]), src, ok);
                 } else {
@@ -404,7 +418,7 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
     const uint64_t desc_k = make_wgmma_desc_sw128(smem_addr(sm.k), kUnusedLbo, kSw128AtomBytes);
     const uint64_t desc_v = make_wgmma_desc_sw128(smem_addr(sm.v), kUnusedLbo, kSw128AtomBytes);
     for (int it = 0; it < n_iter; ++it) {
-        const int m0 = (m_first + it % m_count) * kQueryTile;
+        const int m0 = (m_first + it % m_count) * kQ;
         const RingPos<kStages> pos = RingPos<kStages>::of(it);
         MBarrier::wait(&sm.full[pos.stage], pos.full_parity);
         fence_proxy_async_shared();
@@ -412,21 +426,20 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
         const uint32_t do_addr = smem_addr(sm.d_out[pos.stage]);
         const uint64_t desc_q = make_wgmma_desc_sw128(q_addr, kUnusedLbo, kSw128AtomBytes);
         const uint64_t desc_do = make_wgmma_desc_sw128(do_addr, kUnusedLbo, kSw128AtomBytes);
-        float s[16];
-        float dp[16];
+        float s[kQ / 2];
+        float dp[kQ / 2];
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kD / 16; ++ks) {
             const uint32_t off_k = (ks / 4) * kSlab64 + (ks % 4) * 32;
-            const uint32_t off_q = (ks / 4) * kSlab32 + (ks % 4) * 32;
-            wgmma_m64n32k16_ss_kk<E>(s, wgmma_desc_advance(desc_k, off_k), wgmma_desc_advance(desc_q, off_q), ks > 0);
+            const uint32_t off_q = (ks / 4) * kQSlab + (ks % 4) * 32;
+            mma_ss_kk<E>(s, wgmma_desc_advance(desc_k, off_k), wgmma_desc_advance(desc_q, off_q), ks > 0);
         }
 #pragma unroll
         for (int ks = 0; ks < kDv / 16; ++ks) {
             const uint32_t off_v = (ks / 4) * kSlab64 + (ks % 4) * 32;
-            const uint32_t off_o = (ks / 4) * kSlab32 + (ks % 4) * 32;
-            wgmma_m64n32k16_ss_kk<E>(dp, wgmma_desc_advance(desc_v, off_v), wgmma_desc_advance(desc_do, off_o),
-                                     ks > 0);
+            const uint32_t off_o = (ks / 4) * kQSlab + (ks % 4) * 32;
+            mma_ss_kk<E>(dp, wgmma_desc_advance(desc_v, off_v), wgmma_desc_advance(desc_do, off_o), ks > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -435,7 +448,7 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
         // Under the mask, key c and query row r pair iff c <= r + shift; tiles wholly below the diagonal skip it.
         const bool masked = causal && w.t0 + kRows - 1 > m0 + shift;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < kQ / 8; ++j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int rr = e / 2;
@@ -447,13 +460,13 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
                 dp[4 * j + e] = prob * (dp[4 * j + e] - sm.delta[pos.stage][col]);  // dS^T
             }
         }
-        uint32_t pt[kQueryTile / 16][4];
-        uint32_t dst[kQueryTile / 16][4];
+        uint32_t pt[kQ / 16][4];
+        uint32_t dst[kQ / 16][4];
         to_frags<E>(s, pt);
         to_frags<E>(dp, dst);
         wgmma_fence();
-        mma_rs_mn<E, kDv>(dv, pt, do_addr, kSlab32);
-        mma_rs_mn<E, kD>(dk, dst, q_addr, kSlab32);
+        mma_rs_mn<E, kDv>(dv, pt, do_addr, kQSlab);
+        mma_rs_mn<E, kD>(dk, dst, q_addr, kQSlab);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_regs(dv);

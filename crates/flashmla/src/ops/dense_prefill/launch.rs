@@ -249,9 +249,9 @@ pub const BWD_DQ_SMEM_D192: u32 = 124_928;
 /// The same, `d` 128.
 pub const BWD_DQ_SMEM_D128: u32 = 100_352;
 /// Dynamic shared memory of the dK / dV kernel, `d` 192 (`bwd::kDkvSmemBytes<192>`).
-pub const BWD_DKV_SMEM_D192: u32 = 83_968;
+pub const BWD_DKV_SMEM_D192: u32 = 125_952;
 /// The same, `d` 128.
-pub const BWD_DKV_SMEM_D128: u32 = 67_584;
+pub const BWD_DKV_SMEM_D128: u32 = 101_376;
 
 /// The backward's kernels for `d` and an element type: `(delta, (dQ, smem), (dK / dV, smem))`.
 #[allow(clippy::type_complexity)]
