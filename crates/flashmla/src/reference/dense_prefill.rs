@@ -642,4 +642,86 @@ mod tests {
         let e = dense_prefill_fwd::<f32>(&p, CancelToken::never()).unwrap_err();
         assert!(e.to_string().contains("h_q"), "{e}");
     }
+
+    /// `x` rounded to bf16 (round to nearest even), as f64.
+    fn bf16_round(x: f64) -> f64 {
+        half::bf16::from_f64(x).to_f64()
+    }
+
+    #[test]
+    fn the_rounding_bounds_cover_a_computation_that_rounds_p_and_ds_to_bf16() {
+        // One sequence, one head, peaked logits (q scaled up): the GPU kernels' roundings emulated in f64.
+        let mut c = case(&[(6, 40)], 1, 1, 8, 4, 7);
+        c.q.iter_mut().for_each(|x| *x *= 20.0);
+        let p = c.problem(false);
+        let (s_q, s_k, d, d_v) = (6, 40, 8, 4);
+        let u = 1.0 / 256.0;
+        let fwd = dense_prefill_fwd::<f64>(&p, CancelToken::never()).unwrap();
+        let allow_out = dense_prefill_p_rounding(&p, u, CancelToken::never()).unwrap();
+        let mut g = 3u64;
+        let d_out: Vec<f32> = (0..s_q * d_v).map(|_| lcg(&mut g)).collect();
+        let lse: Vec<f32> = fwd.lse.iter().map(|&x| x as f32).collect();
+        let out: Vec<f32> = fwd.out.iter().map(|&x| x as f32).collect();
+        let bwd = dense_prefill_bwd::<f64>(&p, &out, &lse, &d_out, CancelToken::never()).unwrap();
+        let allow =
+            dense_prefill_bwd_rounding(&p, &out, &lse, &d_out, u, CancelToken::never()).unwrap();
+        let scale = 0.7f64;
+        let dot = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
+                .map(|(&x, &y)| x as f64 * y as f64)
+                .sum::<f64>()
+        };
+        let mut worst = 0.0f64;
+        let mut d_v_emul = vec![0.0f64; s_k * d_v];
+        for r in 0..s_q {
+            let qr = &c.q[r * d..(r + 1) * d];
+            let logits: Vec<f64> = (0..s_k)
+                .map(|j| scale * dot(qr, &c.k[j * d..(j + 1) * d]))
+                .collect();
+            let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = logits.iter().map(|&x| (x - m).exp()).collect();
+            let l: f64 = e.iter().sum();
+            let delta = dot(&out[r * d_v..(r + 1) * d_v], &d_out[r * d_v..(r + 1) * d_v]);
+            let mut dq = vec![0.0f64; d];
+            for j in 0..s_k {
+                let prob = (logits[j] - lse[r] as f64).exp();
+                let dp = dot(&d_out[r * d_v..(r + 1) * d_v], &c.v[j * d_v..(j + 1) * d_v]);
+                let ds = bf16_round(prob * (dp - delta));
+                for (a, &kk) in dq.iter_mut().zip(&c.k[j * d..(j + 1) * d]) {
+                    *a += scale * ds * kk as f64;
+                }
+                for (a, &g) in d_v_emul[j * d_v..(j + 1) * d_v]
+                    .iter_mut()
+                    .zip(&d_out[r * d_v..(r + 1) * d_v])
+                {
+                    *a += bf16_round(prob) * g as f64;
+                }
+            }
+            for (i, &x) in dq.iter().enumerate() {
+                let at = r * d + i;
+                assert!((x - bwd.d_q[at]).abs() <= allow.d_q[at] + 1e-9, "d_q[{at}]");
+            }
+            for i in 0..d_v {
+                // The forward: P rounded for P V, the denominator from the unrounded P.
+                let o: f64 = (0..s_k)
+                    .map(|j| bf16_round(e[j]) * c.v[j * d_v + i] as f64)
+                    .sum::<f64>()
+                    / l;
+                let at = r * d_v + i;
+                let err = (o - fwd.out[at]).abs();
+                assert!(
+                    err <= allow_out[at] + 1e-12,
+                    "out[{at}]: {err} > {}",
+                    allow_out[at]
+                );
+                worst = worst.max(err / allow_out[at]);
+            }
+        }
+        for (at, &x) in d_v_emul.iter().enumerate() {
+            assert!((x - bwd.d_v[at]).abs() <= allow.d_v[at] + 1e-9, "d_v[{at}]");
+        }
+        // The bound is not vacuous: the emulated error uses a good part of it somewhere.
+        assert!(worst > 0.05, "worst error / bound {worst}");
+    }
 }

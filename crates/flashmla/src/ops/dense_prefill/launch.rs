@@ -689,4 +689,77 @@ mod tests {
         let err = lower_for(&v, false).unwrap_err().to_string();
         assert!(err.contains("`q`"), "{err}");
     }
+
+    /// The backward's launches for views `v` (the forward's), with gradients and a workspace of their shapes.
+    fn lower_bwd_for(v: &[DeviceView; 7], delta: &DeviceView) -> Result<Vec<BwdLaunch>> {
+        let (total_q, h_q, d) = (v[0].shape()[0], v[0].shape()[1], v[0].shape()[2]);
+        let (total_k, h_k) = (v[1].shape()[0], v[1].shape()[1]);
+        let t = DType::Bf16;
+        let grads = super::super::DensePrefillGrads {
+            d_q: fake_view(BASE + (7 << 32), t, &[total_q, h_q, d], None),
+            d_k: fake_view(BASE + (8 << 32), t, &[total_k, h_k, d], None),
+            d_v: fake_view(BASE + (9 << 32), t, &[total_k, h_k, 128], None),
+        };
+        let args = super::super::DensePrefillBwdArgs {
+            fwd: DensePrefillArgs {
+                q: &v[0],
+                k: &v[1],
+                v: &v[2],
+                cu_seqlens_q: &v[3],
+                cu_seqlens_k: &v[4],
+                softmax_scale: Some(0.1),
+                causal: true,
+            },
+            out: &v[5],
+            d_out: &v[5],
+            lse: &v[6],
+        };
+        let dims = super::super::validate_bwd(&args)?;
+        super::super::validate_grads(&dims, v[0].location(), &grads, delta)?;
+        lower_bwd(&dims, &args, &grads, delta)
+    }
+
+    #[test]
+    fn lowers_the_backward_to_delta_dq_and_dkv_launches() {
+        let v = views(1000, 3000, 16, 4, 192, 3);
+        let delta = fake_view(BASE + (10 << 32), DType::F32, &[16, 1000], None);
+        let launches = lower_bwd_for(&v, &delta).unwrap();
+        let names: Vec<&str> = launches.iter().map(|l| l.0).collect();
+        assert_eq!(
+            names,
+            [
+                kernels::BWD_DELTA_BF16,
+                kernels::BWD_DQ_D192_BF16,
+                kernels::BWD_DKV_D192_BF16
+            ]
+        );
+        let (_, delta_cfg, p) = &launches[0];
+        // One warp per (row, head), 8 warps per block.
+        assert_eq!(delta_cfg.grid.0, (1000 * 16usize).div_ceil(8) as u32);
+        assert_eq!((p.q_tiles, p.k_tiles), (16 + 3, 47 + 3));
+        assert_eq!(launches[1].1.grid.0, 19 * 16);
+        assert_eq!(launches[2].1.grid.0, 50 * 4);
+        assert_eq!(
+            (
+                launches[1].1.shared_mem_bytes,
+                launches[2].1.shared_mem_bytes
+            ),
+            (BWD_DQ_SMEM_D192, BWD_DKV_SMEM_D192)
+        );
+        assert_eq!((p.h_per_k, p.flags, p.sm_scale), (4, FLAG_CAUSAL, 0.1));
+        assert_eq!((p.lse_stride_h, p.delta_stride_h), (1000, 1000));
+    }
+
+    #[test]
+    fn backward_refuses_a_strided_workspace_and_misaligned_gradients() {
+        let v = views(10, 10, 2, 2, 128, 1);
+        let strided = fake_view(BASE + (10 << 32), DType::F32, &[2, 10], Some(&[1, 2]));
+        let err = lower_bwd_for(&v, &strided).unwrap_err().to_string();
+        assert!(err.contains("delta.strides[1]"), "{err}");
+        let mut v = views(10, 10, 2, 2, 128, 1);
+        v[5] = fake_view(BASE + 6, DType::Bf16, &[10, 2, 128], None);
+        let delta = fake_view(BASE + (10 << 32), DType::F32, &[2, 10], None);
+        let err = lower_bwd_for(&v, &delta).unwrap_err().to_string();
+        assert!(err.contains("`out`"), "{err}");
+    }
 }
