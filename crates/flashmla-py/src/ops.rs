@@ -827,7 +827,7 @@ pub fn decode_sparse<'py>(
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Dense varlen prefill (CPU only in this build)
+// Dense varlen prefill (CUDA or the CPU, both directions)
 
 /// The dense prefill's inputs.
 struct DenseFwdIn<T> {
