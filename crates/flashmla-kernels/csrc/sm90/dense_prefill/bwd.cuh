@@ -95,19 +95,6 @@ __device__ __forceinline__ Plan& plan_of(uint8_t* smem) {
     return *reinterpret_cast<Plan*>(smem + pad);
 }
 
-// Register A fragments (E) of a 64 x (16 kSteps) accumulator tile (fragment layout: smem_layout.cuh).
-template <class E, int kSteps, int N>
-__device__ __forceinline__ void to_frags(const float (&x)[N], uint32_t (&a)[kSteps][4]) {
-    static_assert(N == 8 * kSteps, "a 64 x 16 kSteps tile");
-#pragma unroll
-    for (int kb = 0; kb < kSteps; ++kb) {
-        a[kb][0] = pack_x2<E>(x[8 * kb + 0], x[8 * kb + 1]);
-        a[kb][1] = pack_x2<E>(x[8 * kb + 2], x[8 * kb + 3]);
-        a[kb][2] = pack_x2<E>(x[8 * kb + 4], x[8 * kb + 5]);
-        a[kb][3] = pack_x2<E>(x[8 * kb + 6], x[8 * kb + 7]);
-    }
-}
-
 // O += A B with A from registers and B = rows of an SW128 tile read MN-major (N = kN columns over kN / 64 slabs of
 // `slab` bytes), k-step kb covering rows 16 kb .. 16 kb + 15.
 template <class E, int kN, int kSteps, int N>

@@ -258,15 +258,16 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kSRegs], int i, const Ac
     for (int rr = 0; rr < 2; ++rr) st.l[rr] = st.l[rr] * alpha[rr] + sum[rr];
 }
 
-// P(i) (f32) to register A fragments of E.
-template <class E>
-__device__ __forceinline__ void pack_p(const float (&s)[kSRegs], uint32_t (&pa)[kPSteps][4]) {
+// Register A fragments (E) of a 64 x (16 kSteps) accumulator tile (fragment layout: smem_layout.cuh).
+template <class E, int kSteps, int N>
+__device__ __forceinline__ void to_frags(const float (&x)[N], uint32_t (&a)[kSteps][4]) {
+    static_assert(N == 8 * kSteps, "a 64 x 16 kSteps tile");
 #pragma unroll
-    for (int kb = 0; kb < kPSteps; ++kb) {
-        pa[kb][0] = pack_x2<E>(s[8 * kb + 0], s[8 * kb + 1]);
-        pa[kb][1] = pack_x2<E>(s[8 * kb + 2], s[8 * kb + 3]);
-        pa[kb][2] = pack_x2<E>(s[8 * kb + 4], s[8 * kb + 5]);
-        pa[kb][3] = pack_x2<E>(s[8 * kb + 6], s[8 * kb + 7]);
+    for (int kb = 0; kb < kSteps; ++kb) {
+        a[kb][0] = pack_x2<E>(x[8 * kb + 0], x[8 * kb + 1]);
+        a[kb][1] = pack_x2<E>(x[8 * kb + 2], x[8 * kb + 3]);
+        a[kb][2] = pack_x2<E>(x[8 * kb + 4], x[8 * kb + 5]);
+        a[kb][3] = pack_x2<E>(x[8 * kb + 6], x[8 * kb + 7]);
     }
 }
 
@@ -326,7 +327,7 @@ __device__ __forceinline__ void consumer(const DensePrefillFwdParams& p, SmemPla
         wgmma_fence_regs(s);
         release_by_warp(&sm.k_empty[0], lane);
         softmax_tile(s, 0, f, limit, mask_from, scale, st, alpha);  // O is zero: alpha needs no rescale
-        pack_p<E>(s, pa);
+        to_frags<E>(s, pa);
         for (int i = 1; i < n_tiles; ++i) {
             issue_qk<kD, E>(sm, desc_q, i, s);
             issue_pv<kD, E>(sm, i - 1, pa, o);
@@ -338,7 +339,7 @@ __device__ __forceinline__ void consumer(const DensePrefillFwdParams& p, SmemPla
             wgmma_fence_regs(o);
             release_by_warp(&sm.v_empty[Ring::of(i - 1).stage], lane);
             scale_o(o, alpha);
-            pack_p<E>(s, pa);
+            to_frags<E>(s, pa);
         }
         issue_pv<kD, E>(sm, n_tiles - 1, pa, o);
         wgmma_wait<0>();
