@@ -53,9 +53,9 @@ struct DqPlan {
     uint64_t own_full;
     uint64_t full[kStages];
     uint64_t empty[kStages];
-    SeqTile work;
-    int32_t k0;   // the sequence's first key (global)
-    int32_t s_k;  // its keys
+    SeqTile work;         // the CTA's 64 query rows
+    int32_t other_start;  // the sequence's first key (global)
+    int32_t other_len;    // its keys
 };
 
 template <int kD>
@@ -71,9 +71,9 @@ struct DkvPlan {
     uint64_t own_full;
     uint64_t full[kStages];
     uint64_t empty[kStages];
-    SeqTile work;
-    int32_t q0;   // the sequence's first query (global)
-    int32_t s_q;  // its queries
+    SeqTile work;         // the CTA's 64 keys
+    int32_t other_start;  // the sequence's first query (global)
+    int32_t other_len;    // its queries
 };
 
 inline constexpr uint32_t kSmemAlignSlack = kSw128AtomBytes;
@@ -93,6 +93,33 @@ __device__ __forceinline__ Plan& plan_of(uint8_t* smem) {
     const uint32_t pad = ((raw + kSw128AtomBytes - 1) & ~static_cast<uint32_t>(kSw128AtomBytes - 1)) - raw;
     if (pad + sizeof(Plan) > dynamic_smem_bytes()) __trap();  // the launch asked for less than the plan
     return *reinterpret_cast<Plan*>(smem + pad);
+}
+
+// The prologue of the dQ and dK / dV kernels: warp 0 finds the CTA's tile of the rows that `cu` offsets and the
+// sequence's range in the other tensor (offsets `cu_other`) and publishes them in `sm.work`, `sm.other_start`,
+// `sm.other_len`; thread 32 initialises the barriers.
+template <class Plan>
+__device__ __forceinline__ void begin_cta(Plan& sm, int batch, const int32_t* cu, int total, int tiles,
+                                          const int32_t* cu_other, int total_other) {
+    if (threadIdx.x < 32) {
+        const SeqTile t = find_seq_tile<kRows>(cu, batch, total, tiles, static_cast<int>(threadIdx.x));
+        int start = 0;
+        int len = 0;
+        if (t.found) other_range(cu_other, t.seq, total_other, start, len);
+        if (threadIdx.x == 0) {
+            sm.work = t;
+            sm.other_start = start;
+            sm.other_len = len;
+        }
+    }
+    if (threadIdx.x == 32) {
+        MBarrier::init(&sm.own_full, kWarpgroupThreads);
+        for (int st = 0; st < kStages; ++st) {
+            MBarrier::init(&sm.full[st], kWarpgroupThreads);
+            MBarrier::init(&sm.empty[st], kWarpsPerWarpgroup);
+        }
+    }
+    __syncthreads();
 }
 
 // O += A B with A from registers and B = rows of an SW128 tile read MN-major (N = kN columns over kN / 64 slabs of
@@ -186,30 +213,11 @@ __device__ __forceinline__ void dq_kernel(const DensePrefillBwdParams& p, uint8_
     constexpr int kDSlabs = Plan::kDSlabs;
     if (static_cast<int64_t>(blockIdx.x) >= static_cast<int64_t>(p.q_tiles) * p.h_q) return;
     Plan& sm = plan_of<Plan>(smem);
-    if (threadIdx.x < 32) {
-        const SeqTile t = find_seq_tile<kRows>(p.cu_seqlens_q, p.batch, p.total_q, p.q_tiles,
-                                              static_cast<int>(threadIdx.x));
-        int k0 = 0;
-        int s_k = 0;
-        if (t.found) other_range(p.cu_seqlens_k, t.seq, p.total_k, k0, s_k);
-        if (threadIdx.x == 0) {
-            sm.work = t;
-            sm.k0 = k0;
-            sm.s_k = s_k;
-        }
-    }
-    if (threadIdx.x == 32) {
-        MBarrier::init(&sm.own_full, kWarpgroupThreads);
-        for (int st = 0; st < kStages; ++st) {
-            MBarrier::init(&sm.full[st], kWarpgroupThreads);
-            MBarrier::init(&sm.empty[st], kWarpsPerWarpgroup);
-        }
-    }
-    __syncthreads();
+    begin_cta(sm, p.batch, p.cu_seqlens_q, p.total_q, p.q_tiles, p.cu_seqlens_k, p.total_k);
     const SeqTile w = sm.work;
     if (!w.found) return;
-    const int k0 = sm.k0;
-    const int s_k = sm.s_k;
+    const int k0 = sm.other_start;
+    const int s_k = sm.other_len;
     const int rows = min(kRows, w.len - w.t0);
     const int q0 = w.start + w.t0;
     const int shift = s_k - w.len;
@@ -321,30 +329,11 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
     constexpr uint32_t kQSlab = kQuerySlab<kD>;
     if (static_cast<int64_t>(blockIdx.x) >= static_cast<int64_t>(p.k_tiles) * p.h_k) return;
     Plan& sm = plan_of<Plan>(smem);
-    if (threadIdx.x < 32) {
-        const SeqTile t = find_seq_tile<kRows>(p.cu_seqlens_k, p.batch, p.total_k, p.k_tiles,
-                                              static_cast<int>(threadIdx.x));
-        int q0 = 0;
-        int s_q = 0;
-        if (t.found) other_range(p.cu_seqlens_q, t.seq, p.total_q, q0, s_q);
-        if (threadIdx.x == 0) {
-            sm.work = t;
-            sm.q0 = q0;
-            sm.s_q = s_q;
-        }
-    }
-    if (threadIdx.x == 32) {
-        MBarrier::init(&sm.own_full, kWarpgroupThreads);
-        for (int st = 0; st < kStages; ++st) {
-            MBarrier::init(&sm.full[st], kWarpgroupThreads);
-            MBarrier::init(&sm.empty[st], kWarpsPerWarpgroup);
-        }
-    }
-    __syncthreads();
+    begin_cta(sm, p.batch, p.cu_seqlens_k, p.total_k, p.k_tiles, p.cu_seqlens_q, p.total_q);
     const SeqTile w = sm.work;
     if (!w.found) return;
-    const int q0 = sm.q0;
-    const int s_q = sm.s_q;
+    const int q0 = sm.other_start;
+    const int s_q = sm.other_len;
     const int keys = min(kRows, w.len - w.t0);
     const int k0 = w.start + w.t0;
     const int shift = w.len - s_q;
