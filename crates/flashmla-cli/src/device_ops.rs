@@ -16,6 +16,16 @@ use flashmla::{DType, DeviceView, Result, TensorMeta};
 /// Poison byte for outputs: 0xFF.. is NaN in bf16 and f32, so an element a kernel leaves unwritten fails a check.
 pub const POISON: u8 = 0xFF;
 
+/// A new output tensor, filled with [`POISON`] when `poison` is set (so that an element a kernel leaves unwritten
+/// fails a check).
+fn alloc_output(gpu: &Gpu, poison: bool, dtype: DType, shape: &[usize]) -> Result<DeviceTensor> {
+    if poison {
+        gpu.alloc_filled(dtype, shape, POISON)
+    } else {
+        gpu.alloc(dtype, shape)
+    }
+}
+
 /// A sparse forward problem resident on the GPU, with its outputs.
 pub struct SparseFwdOnGpu {
     q: DeviceTensor,
@@ -46,13 +56,7 @@ impl SparseFwdOnGpu {
     /// Uploads `inp` (keeping its strides) and allocates outputs, filled with [`POISON`] when `poison` is set.
     pub fn new(gpu: &Gpu, inp: &SparseInputs, poison: bool) -> Result<Self> {
         let (s_q, h_q) = (inp.q.shape()[0], inp.q.shape()[1]);
-        let alloc = |dtype: DType, shape: &[usize]| {
-            if poison {
-                gpu.alloc_filled(dtype, shape, POISON)
-            } else {
-                gpu.alloc(dtype, shape)
-            }
-        };
+        let alloc = |dtype: DType, shape: &[usize]| alloc_output(gpu, poison, dtype, shape);
         Ok(SparseFwdOnGpu {
             q: gpu.upload(&inp.q)?,
             kv: gpu.upload(&inp.kv)?,
@@ -186,13 +190,7 @@ impl SparseBwdOnGpu {
         fwd.run(gpu, &SparseFwdTuning::default())?;
         let (s_q, h_q, d_qk) = (inp.q.shape()[0], inp.q.shape()[1], inp.q.shape()[2]);
         let s_kv = inp.kv.shape()[0];
-        let alloc = |dtype: DType, shape: &[usize]| {
-            if poison {
-                gpu.alloc_filled(dtype, shape, POISON)
-            } else {
-                gpu.alloc(dtype, shape)
-            }
-        };
+        let alloc = |dtype: DType, shape: &[usize]| alloc_output(gpu, poison, dtype, shape);
         Ok(SparseBwdOnGpu {
             d_out: gpu.upload(d_out)?,
             d_q: alloc(DType::Bf16, &[s_q, h_q, d_qk])?,
@@ -366,13 +364,7 @@ impl DensePrefillOnGpu {
     /// Uploads `case` (keeping its strides) and allocates outputs, filled with [`POISON`] when `poison` is set.
     pub fn new(gpu: &Gpu, case: &flashmla::testing::PrefillCase, poison: bool) -> Result<Self> {
         let (total_q, h_q) = (case.q.shape()[0], case.q.shape()[1]);
-        let alloc = |dtype: DType, shape: &[usize]| {
-            if poison {
-                gpu.alloc_filled(dtype, shape, POISON)
-            } else {
-                gpu.alloc(dtype, shape)
-            }
-        };
+        let alloc = |dtype: DType, shape: &[usize]| alloc_output(gpu, poison, dtype, shape);
         Ok(DensePrefillOnGpu {
             q: gpu.upload(&case.q)?,
             k: gpu.upload(&case.k)?,
@@ -448,13 +440,7 @@ impl DensePrefillBwdOnGpu {
         let dtype = case.q.dtype();
         let (total_q, h_q, d) = (case.q.shape()[0], case.q.shape()[1], case.q.shape()[2]);
         let (total_k, h_k) = (case.k.shape()[0], case.k.shape()[1]);
-        let alloc = |shape: &[usize]| {
-            if poison {
-                gpu.alloc_filled(dtype, shape, POISON)
-            } else {
-                gpu.alloc(dtype, shape)
-            }
-        };
+        let alloc = |shape: &[usize]| alloc_output(gpu, poison, dtype, shape);
         Ok(DensePrefillBwdOnGpu {
             fwd: DensePrefillOnGpu::new(gpu, case, poison)?,
             d_out: gpu.upload(d_out)?,
