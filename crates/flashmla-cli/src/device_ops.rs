@@ -376,19 +376,16 @@ impl DensePrefillOnGpu {
         })
     }
 
-    /// Launches the forward (asynchronously).
-    pub fn run(&self, gpu: &Gpu, causal: bool, softmax_scale: Option<f32>) -> Result<()> {
-        use flashmla::ops::dense_prefill::{
-            dense_prefill_fwd_cuda, DensePrefillArgs, DensePrefillOutput,
-        };
-        let (q, k, v, cu_q, cu_k) = (
-            self.q.view(),
-            self.k.view(),
-            self.v.view(),
-            self.cu_q.view(),
-            self.cu_k.view(),
-        );
-        let args = DensePrefillArgs {
+    /// Calls `f` with the forward's arguments (views of the uploaded inputs).
+    fn with_args<T>(
+        &self,
+        causal: bool,
+        softmax_scale: Option<f32>,
+        f: impl FnOnce(flashmla::ops::dense_prefill::DensePrefillArgs<'_, DeviceView>) -> Result<T>,
+    ) -> Result<T> {
+        let (q, k, v) = (self.q.view(), self.k.view(), self.v.view());
+        let (cu_q, cu_k) = (self.cu_q.view(), self.cu_k.view());
+        f(flashmla::ops::dense_prefill::DensePrefillArgs {
             q: &q,
             k: &k,
             v: &v,
@@ -396,12 +393,19 @@ impl DensePrefillOnGpu {
             cu_seqlens_k: &cu_k,
             softmax_scale,
             causal,
-        };
+        })
+    }
+
+    /// Launches the forward (asynchronously).
+    pub fn run(&self, gpu: &Gpu, causal: bool, softmax_scale: Option<f32>) -> Result<()> {
+        use flashmla::ops::dense_prefill::{dense_prefill_fwd_cuda, DensePrefillOutput};
         let out = DensePrefillOutput {
             out: self.out.view(),
             lse: self.lse.view(),
         };
-        dense_prefill_fwd_cuda(gpu, &args, &out)
+        self.with_args(causal, softmax_scale, |args| {
+            dense_prefill_fwd_cuda(gpu, &args, &out)
+        })
     }
 
     /// Downloads `(out, lse)` as row-major f32.
@@ -454,37 +458,24 @@ impl DensePrefillBwdOnGpu {
     /// Launches the backward (asynchronously) from the forward's current `out` and `lse`.
     pub fn run(&self, gpu: &Gpu, causal: bool, softmax_scale: Option<f32>) -> Result<()> {
         use flashmla::ops::dense_prefill::{
-            dense_prefill_bwd_cuda, DensePrefillArgs, DensePrefillBwdArgs, DensePrefillGrads,
+            dense_prefill_bwd_cuda, DensePrefillBwdArgs, DensePrefillGrads,
         };
         let f = &self.fwd;
-        let (q, k, v, cu_q, cu_k) = (
-            f.q.view(),
-            f.k.view(),
-            f.v.view(),
-            f.cu_q.view(),
-            f.cu_k.view(),
-        );
         let (out, lse, d_out) = (f.out.view(), f.lse.view(), self.d_out.view());
-        let args = DensePrefillBwdArgs {
-            fwd: DensePrefillArgs {
-                q: &q,
-                k: &k,
-                v: &v,
-                cu_seqlens_q: &cu_q,
-                cu_seqlens_k: &cu_k,
-                softmax_scale,
-                causal,
-            },
-            out: &out,
-            d_out: &d_out,
-            lse: &lse,
-        };
         let grads = DensePrefillGrads {
             d_q: self.d_q.view(),
             d_k: self.d_k.view(),
             d_v: self.d_v.view(),
         };
-        dense_prefill_bwd_cuda(gpu, &args, &grads, &self.delta.view())
+        f.with_args(causal, softmax_scale, |fwd| {
+            let args = DensePrefillBwdArgs {
+                fwd,
+                out: &out,
+                d_out: &d_out,
+                lse: &lse,
+            };
+            dense_prefill_bwd_cuda(gpu, &args, &grads, &self.delta.view())
+        })
     }
 
     /// Downloads `(d_q, d_k, d_v)` as row-major f32.

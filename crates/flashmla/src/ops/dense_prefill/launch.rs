@@ -293,6 +293,40 @@ pub fn bwd_kernels_for(
     }
 }
 
+/// The offsets are contiguous (the kernels index them directly) and every `[h_q, total_q]` f32 tensor of `rows` has
+/// the rows of a head contiguous.
+fn expect_offsets_and_rows(
+    args: &DensePrefillArgs<'_, DeviceView>,
+    rows: &[(&str, &DeviceView)],
+) -> Result<()> {
+    expect_contiguous("cu_seqlens_q", args.cu_seqlens_q)?;
+    expect_contiguous("cu_seqlens_k", args.cu_seqlens_k)?;
+    for &(name, t) in rows {
+        if t.shape()[1] > 1 && t.strides()[1] != 1 {
+            return Err(Error::invalid(
+                format!("{name}.strides[1]"),
+                "1 (rows of a head contiguous)",
+                t.strides()[1],
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The kernels' base-2 logit scale, `softmax_scale * log2(e)`, which must be finite.
+fn scale_log2(dims: &DensePrefillDims) -> Result<f32> {
+    let s = dims.softmax_scale * LOG2_E;
+    if s.is_finite() {
+        Ok(s)
+    } else {
+        Err(Error::invalid(
+            "softmax_scale",
+            "a value whose product with log2(e) is finite",
+            dims.softmax_scale,
+        ))
+    }
+}
+
 /// Kernel symbol and dynamic shared memory of the forward for `d` and an element type.
 pub fn kernel_for(d: usize, dtype: DType) -> Result<(&'static str, u32)> {
     match (d, dtype) {
@@ -324,15 +358,7 @@ pub fn lower(
             ("out", &out.out),
         ],
     )?;
-    expect_contiguous("cu_seqlens_q", args.cu_seqlens_q)?;
-    expect_contiguous("cu_seqlens_k", args.cu_seqlens_k)?;
-    if out.lse.shape()[1] > 1 && out.lse.strides()[1] != 1 {
-        return Err(Error::invalid(
-            "lse.strides[1]",
-            "1 (rows of a head contiguous)",
-            out.lse.strides()[1],
-        ));
-    }
+    expect_offsets_and_rows(args, &[("lse", &out.lse)])?;
     expect_element_aligned(&[
         ("cu_seqlens_q", Some(args.cu_seqlens_q)),
         ("cu_seqlens_k", Some(args.cu_seqlens_k)),
@@ -345,14 +371,7 @@ pub fn lower(
         ("out", Some(&out.out)),
         ("lse", Some(&out.lse)),
     ])?;
-    let sm_scale_log2 = dims.softmax_scale * LOG2_E;
-    if !sm_scale_log2.is_finite() {
-        return Err(Error::invalid(
-            "softmax_scale",
-            "a value whose product with log2(e) is finite",
-            dims.softmax_scale,
-        ));
-    }
+    let sm_scale_log2 = scale_log2(dims)?;
     if dims.total_q == 0 {
         return Ok(None);
     }
@@ -454,17 +473,7 @@ pub fn lower_bwd(
             ("d_v", &grads.d_v),
         ],
     )?;
-    expect_contiguous("cu_seqlens_q", fwd.cu_seqlens_q)?;
-    expect_contiguous("cu_seqlens_k", fwd.cu_seqlens_k)?;
-    for (name, t) in [("lse", args.lse), ("delta", delta)] {
-        if t.shape()[1] > 1 && t.strides()[1] != 1 {
-            return Err(Error::invalid(
-                format!("{name}.strides[1]"),
-                "1 (rows of a head contiguous)",
-                t.strides()[1],
-            ));
-        }
-    }
+    expect_offsets_and_rows(fwd, &[("lse", args.lse), ("delta", delta)])?;
     expect_element_aligned(&[
         ("cu_seqlens_q", Some(fwd.cu_seqlens_q)),
         ("cu_seqlens_k", Some(fwd.cu_seqlens_k)),
@@ -483,14 +492,7 @@ pub fn lower_bwd(
         ("d_v", Some(&grads.d_v)),
         ("delta", Some(delta)),
     ])?;
-    let sm_scale_log2 = dims.softmax_scale * LOG2_E;
-    if !sm_scale_log2.is_finite() {
-        return Err(Error::invalid(
-            "softmax_scale",
-            "a value whose product with log2(e) is finite",
-            dims.softmax_scale,
-        ));
-    }
+    let sm_scale_log2 = scale_log2(dims)?;
     let q_tiles = dims.total_q.div_ceil(BWD_TILE) + dims.batch;
     let k_tiles = dims.total_k.div_ceil(BWD_TILE) + dims.batch;
     let grid = |tiles: usize, heads: usize, what: &str| -> Result<u32> {
