@@ -59,7 +59,7 @@ struct RowTile {
 // past the request's keys. A block id outside 0..num_blocks is a missing key: never dereferenced.
 __device__ __forceinline__ int key_block(const DecodeParams& p, int b, int len, int key) {
     if (key >= len) return -1;
-    return __ldg(p.block_table + static_cast<int64_t>(b) * p.block_table_stride_b + key / p.page_size);
+    return __ldg(p.block_table + static_cast<int64_t>(b) * p.block_table_stride_b + page_div(key, p.page_size));
 }
 __device__ __forceinline__ bool block_valid(const DecodeParams& p, int block) {
     return block >= 0 && block < p.num_blocks;
@@ -67,7 +67,7 @@ __device__ __forceinline__ bool block_valid(const DecodeParams& p, int block) {
 // Row of key `key` in block `block` (valid) for key head `kv_head`.
 __device__ __forceinline__ const uint16_t* key_row(const DecodeParams& p, int block, int key, int kv_head) {
     return p.k_cache + static_cast<int64_t>(block) * p.k_stride_block +
-           static_cast<int64_t>(key % p.page_size) * p.k_stride_tok + static_cast<int64_t>(kv_head) * p.k_stride_head;
+           static_cast<int64_t>(page_mod(key, p.page_size)) * p.k_stride_tok + static_cast<int64_t>(kv_head) * p.k_stride_head;
 }
 
 // ---------------------------------------------------------------------------------------------------------------

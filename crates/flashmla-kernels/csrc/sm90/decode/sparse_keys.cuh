@@ -59,7 +59,7 @@ __device__ __forceinline__ Fp8Row sparse_row(const DecodeParams& p, const Chunk&
     const int page = extra ? p.extra_page_size : p.page_size;
     const int blocks = extra ? p.extra_num_blocks : p.num_blocks;
     if (idx < 0) return {nullptr, 0, page};
-    const int blk = idx / page;
+    const int blk = page_div(idx, page);
     if (blk >= blocks) return {nullptr, 0, page};
     const uint8_t* base = extra ? p.extra_cache : reinterpret_cast<const uint8_t*>(p.k_cache);
     const int64_t stride = extra ? p.extra_stride_block : p.k_stride_block;
@@ -68,7 +68,10 @@ __device__ __forceinline__ Fp8Row sparse_row(const DecodeParams& p, const Chunk&
 
 // Whether index `idx` at key position `key` names a token of its cache (the consumers' mask).
 __device__ __forceinline__ bool sparse_valid(const DecodeParams& p, const Chunk& c, int key, int idx) {
-    return sparse_row(p, c, key, idx).block != nullptr;
+    const bool extra = key >= c.main;
+    const int64_t tokens = extra ? static_cast<int64_t>(p.extra_num_blocks) * p.extra_page_size
+                                 : static_cast<int64_t>(p.num_blocks) * p.page_size;
+    return idx >= 0 && idx < tokens;  // = sparse_row(...).block != nullptr, without its division
 }
 
 // Four e4m3 codes -> two bf16x2 words of code * scale (the code is exact in f16, the product is rounded to bf16 once,
