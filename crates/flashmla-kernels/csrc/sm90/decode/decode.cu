@@ -15,7 +15,6 @@ using flashmla::decode::kThreads;
 
 extern "C" __global__ void __launch_bounds__(kScheduleThreads, 1)
     decode_schedule(const __grid_constant__ DecodeParams p) {
-    flashmla::grid_dep_launch_dependents();  // the split kernel's prologue may overlap this kernel
     flashmla::decode::write_schedule(p);
 }
 

@@ -21,7 +21,6 @@
 #include <cstdint>
 
 #include "common/cp_async.cuh"
-#include "common/grid_dep.cuh"
 #include "common/mbarrier.cuh"
 #include "common/pipeline.cuh"
 #include "common/smem_layout.cuh"
@@ -615,11 +614,6 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
         }
     }
     __syncthreads();
-    // Launched as a programmatic dependent of the schedule kernel: nothing above read or wrote global memory.
-    // Once the schedule is complete (and with it everything before it on the stream), let the combine kernel launch
-    // too: its CTAs take SMs as this grid's CTAs leave and wait for this grid at their own grid_dep_wait.
-    grid_dep_wait();
-    grid_dep_launch_dependents();
 
     const Schedule sched = Schedule::load(p);
     const Role role = static_cast<Role>(threadIdx.x / kWarpgroupThreads);
@@ -645,7 +639,6 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
 // lse_p = -inf) gets out 0, lse +inf.
 template <class E>
 __device__ __forceinline__ void decode_combine(const DecodeParams& p) {
-    grid_dep_wait();  // a programmatic dependent of the split kernel: its partials and the schedule are complete
     const int b = static_cast<int>(blockIdx.x);
     const int x = static_cast<int>(blockIdx.y);
     const Schedule sched = Schedule::load(p);

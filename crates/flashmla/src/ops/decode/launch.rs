@@ -602,8 +602,7 @@ impl DecodePlan {
             // The two row tiles of a 128-row problem read the same keys: co-scheduled as a cluster, the second
             // gather of a key finds it in L2.
             cluster: (geometry.head_tiles == 2).then_some((2, 1, 1)),
-            // Its prologue (barrier set-up) overlaps the schedule kernel; it waits for it before any global access.
-            programmatic: true,
+            programmatic: false,
         };
         let combine = LaunchConfig {
             grid: (
@@ -614,8 +613,7 @@ impl DecodePlan {
             block: (COMBINE_THREADS, 1, 1),
             shared_mem_bytes: 0,
             cluster: None,
-            // Launched while the split kernel runs; waits for it before any global access.
-            programmatic: true,
+            programmatic: false,
         };
         DecodePlan {
             params,
