@@ -17,8 +17,10 @@ Usage (on the GPU machine, flashmla on PYTHONPATH)::
 
     python3 bench/decode_modes.py --json out.json [--cases batch_invariant,page,s_q,graph_replay]
 
-Records: ``op`` (``decode_dense``), ``case``, ``name``, ``variant``, ``reference``, ``time_us``, ``ref_time_us``,
-``ratio``, ``samples_us``, ``ref_samples_us``, ``gpu``, ``commit``, ``date``.
+Records (benchmark records of op ``decode_dense``, docs/benchmarking.md section 7, regime ``short``, for the
+variant's shape): ``case``, ``name``, ``variant``, ``reference``, ``time_us``, ``ref_time_us``, ``ratio``,
+``tflops`` (attended keys), ``reps`` (calls per block), ``run_sm_clock_mhz`` (NVML, after each block),
+``samples_us``, ``ref_samples_us``, ``gpu``, ``commit``, ``date``.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ import time
 import torch
 
 import flashmla
+from gemm_ceiling import Nvml
 
 D_QK = 576
+D_V = 512
 
 
 def make_inputs(b, s_q, h_q, seqlens, page, dtype=torch.bfloat16, seed=0):
@@ -53,7 +57,7 @@ def make_inputs(b, s_q, h_q, seqlens, page, dtype=torch.bfloat16, seed=0):
     return q, k, table, lens
 
 
-def time_block(fn, block_ms):
+def time_block(fn, block_ms, nvml):
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -67,17 +71,21 @@ def time_block(fn, block_ms):
         fn()
     e1.record()
     torch.cuda.synchronize()
-    return e0.elapsed_time(e1) * 1e3 / calls
+    return e0.elapsed_time(e1) * 1e3 / calls, calls, nvml.sm_clock_mhz()
 
 
-def compare(ref, var, rounds, idle_s, block_ms):
-    a, b = [], []
+def compare(ref, var, rounds, idle_s, block_ms, nvml):
+    a, b, calls, clocks = [], [], [], []
     for r in range(rounds):
         order = [(ref, a), (var, b)] if r % 2 == 0 else [(var, b), (ref, a)]
         for fn, out in order:
             time.sleep(idle_s)
-            out.append(time_block(fn, block_ms))
-    return statistics.median(a), statistics.median(b), a, b
+            us, n, mhz = time_block(fn, block_ms, nvml)
+            out.append(us)
+            if out is b:
+                calls.append(n)
+                clocks.append(mhz)
+    return statistics.median(a), statistics.median(b), a, b, min(calls), clocks
 
 
 def cases(selected):
@@ -94,21 +102,24 @@ def cases(selected):
             q, k, t, n = make_inputs(b, s_q, h_q, lens, 64)
             yield ("batch_invariant", name, "batch_invariant=True", "default",
                    lambda q=q, k=k, t=t, n=n: flashmla.decode_dense(q, k, t, n),
-                   lambda q=q, k=k, t=t, n=n: flashmla.decode_dense(q, k, t, n, batch_invariant=True), 1.0)
+                   lambda q=q, k=k, t=t, n=n: flashmla.decode_dense(q, k, t, n, batch_invariant=True), 1.0,
+                   (b, s_q, h_q, 64, s_q * sum(lens)))
     if "page" in selected:
         for page in (16, 1):
             lens = [4096] * 128
             ref = make_inputs(128, 1, 128, lens, 64)
             var = make_inputs(128, 1, 128, lens, page)
             yield ("page", f"b128 s_q 1 h128 4K page {page}", f"page {page}", "page 64",
-                   lambda x=ref: flashmla.decode_dense(*x), lambda x=var: flashmla.decode_dense(*x), 1.0)
+                   lambda x=ref: flashmla.decode_dense(*x), lambda x=var: flashmla.decode_dense(*x), 1.0,
+                   (128, 1, 128, page, sum(lens)))
     if "s_q" in selected:
         lens = [4096] * 32
         ref = make_inputs(32, 2, 128, lens, 64)
         var = make_inputs(32, 16, 128, lens, 64)
         yield ("s_q", "b32 h128 4K causal, per query token", "s_q 16", "s_q 2",
                lambda x=ref: flashmla.decode_dense(*x, causal=True),
-               lambda x=var: flashmla.decode_dense(*x, causal=True), 16 / 2)
+               lambda x=var: flashmla.decode_dense(*x, causal=True), 16 / 2,
+               (32, 16, 128, 64, 32 * sum(4096 - 15 + i for i in range(16))))
     if "graph_replay" in selected:
         for name, b, h_q, s_k in [("b128 s_q 1 h128 4K", 128, 128, 4096), ("b1 s_q 1 h128 4K", 1, 128, 4096)]:
             q, k, t, n = make_inputs(b, 1, h_q, [s_k - 1] * b, 64)
@@ -130,7 +141,8 @@ def cases(selected):
                 delta.neg_()
                 flashmla.decode_dense(q, k, t, n)
 
-            yield ("graph_replay", name, "graph replay, lengths changed in place", "eager", eager, replay, 1.0)
+            yield ("graph_replay", name, "graph replay, lengths changed in place", "eager", eager, replay, 1.0,
+                   (b, 1, h_q, 64, b * s_k))
 
 
 def main():
@@ -145,14 +157,21 @@ def main():
     selected = set(a.cases.split(","))
     records = []
     gpu = torch.cuda.get_device_name()
+    nvml = Nvml(torch.cuda.current_device())
     with torch.inference_mode():
-        for case, name, variant, reference, ref_fn, var_fn, scale in cases(selected):
-            ref_us, var_us, ra, rb = compare(ref_fn, var_fn, a.rounds, a.idle_s, a.block_ms)
+        for case, name, variant, reference, ref_fn, var_fn, scale, shape in cases(selected):
+            ref_us, var_us, ra, rb, calls, clocks = compare(ref_fn, var_fn, a.rounds, a.idle_s, a.block_ms, nvml)
             ratio = ref_us * scale / var_us
+            b, s_q, h_q, page, keys = shape
+            tflops = 2.0 * h_q * keys * (D_QK + D_V) / (var_us * 1e-6) / 1e12
             print(f"{case:16s} {name:42s} {variant:40s} {var_us:9.1f} us  {reference:8s} {ref_us:9.1f} us  ratio {ratio:.3f}",
                   flush=True)
+            known = [c for c in clocks if c]
             records.append(dict(op="decode_dense", case=case, name=name, variant=variant, reference=reference,
-                                time_us=var_us, ref_time_us=ref_us, ratio=ratio, samples_us=rb, ref_samples_us=ra,
+                                b=b, s_q=s_q, h_q=h_q, d_qk=D_QK, d_v=D_V, page_size=page, regime="short",
+                                time_us=var_us, ref_time_us=ref_us, ratio=ratio, tflops=tflops, reps=calls,
+                                samples_us=rb, ref_samples_us=ra,
+                                run_sm_clock_mhz=statistics.median(known) if known else None,
                                 gpu=gpu, commit=a.commit, date=datetime.date.today().isoformat()))
             if a.json:
                 with open(a.json, "w") as f:
