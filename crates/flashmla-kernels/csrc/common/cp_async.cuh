@@ -38,6 +38,24 @@ __device__ __forceinline__ void cp_async_4_zfill(uint32_t dst, const void* src, 
     const uint32_t src_bytes = valid ? 4u : 0u;
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
+// Bulk (TMA-engine) store of `bytes` (a multiple of 16) from shared address `src` to global `dst` (both 16-byte
+// aligned), in the thread's current bulk group, with an L2 evict_last hint: the decode's partials are read back by
+// the combine kernel right after (without the hint that combine ran up to 1.3x longer). The shared bytes must have
+// been made visible to the async proxy (fence.proxy.async.shared::cta after the writes). Stores issued this way do
+// not occupy the SM's load/store path: a CTA's 128 KB decode partial took ~8 us through st.global.
+__device__ __forceinline__ void bulk_store_s2g_keep(void* dst, uint32_t src, uint32_t bytes) {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;" ::"l"(dst),
+                 "r"(src), "r"(bytes), "l"(policy)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Waits until the thread's bulk groups have read their shared-memory sources (the area may be reused).
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// Waits until the thread's bulk groups are complete (their global writes performed).
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
 __device__ __forceinline__ void prefetch_l2(const void* src) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(src));
 }

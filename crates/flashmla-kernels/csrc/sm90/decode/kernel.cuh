@@ -14,8 +14,9 @@
 //   Score:    per tile, S = Q K^T (rope columns of Q from registers), masks missing keys and (causal) keys past
 //             each row's limit, online softmax, publishes P and the row scales, O[:, 0:256] += P V.
 //   Value:    O[:, 256:512] += P V with the published P.
-// Per chunk, both consumers then write their O half (final: scaled by 1 / denominator, in the output dtype;
-// partial: by 1 / row sum, f32).
+// Per chunk, both consumers then write their O half (final: scaled by 1 / denominator, in the output dtype, from
+// registers; partial: by 1 / row sum, f32, staged in shared memory (score: the Q tile, value: the chunk's last key
+// stage) and sent as one bulk store per row; the producer loads nothing of the next chunk until both halves left).
 #pragma once
 
 #include <cstdint>
@@ -334,7 +335,7 @@ __device__ __forceinline__ void issue_qk(SmemPlan<kDqk>& sm, const Ring& pos, ui
     wgmma_commit();
 }
 
-// Writes one consumer's O half of chunk c: final (scaled by inv, output dtype) or partial (f32, scaled by inv).
+// Writes one consumer's O half of an unsplit chunk in final form (scaled by inv, output dtype).
 template <class E>
 __device__ __forceinline__ void store_o_half(const DecodeParams& p, const RowTile& rt, const Chunk& c,
                                              const AccFrag& f, int consumer, const float (&o)[kORegs],
@@ -345,30 +346,58 @@ __device__ __forceinline__ void store_o_half(const DecodeParams& p, const RowTil
     for (int rr = 0; rr < 2; ++rr) {
         const int r = rows[rr];
         if (r >= rt.rows) continue;
-        if (c.split) {
-            float* dst = p.part_o + ((static_cast<int64_t>(c.slot) * p.head_tiles + blockIdx.x) * kRowsPerCta + r) * kDv +
-                         consumer * kDvPerConsumer;
+        uint16_t* dst = p.out + request_offset(p, c.b, p.out_stride_b, p.out_stride_s) +
+                        static_cast<int64_t>(rt.token(p, r)) * p.out_stride_s +
+                        static_cast<int64_t>(rt.head(p, r)) * p.out_stride_h + consumer * kDvPerConsumer;
 #pragma unroll
-            for (int j = 0; j < kORegs / 4; ++j) {
-                *reinterpret_cast<float2*>(dst + f.col(j)) =
-                    make_float2(o[4 * j + 2 * rr] * inv[rr], o[4 * j + 2 * rr + 1] * inv[rr]);
-            }
-        } else {
-            uint16_t* dst = p.out + request_offset(p, c.b, p.out_stride_b, p.out_stride_s) +
-                            static_cast<int64_t>(rt.token(p, r)) * p.out_stride_s +
-                            static_cast<int64_t>(rt.head(p, r)) * p.out_stride_h + consumer * kDvPerConsumer;
-#pragma unroll
-            for (int j = 0; j < kORegs / 4; ++j) {
-                const uint32_t v = pack_x2<E>(o[4 * j + 2 * rr] * inv[rr], o[4 * j + 2 * rr + 1] * inv[rr]);
-                if (vec4) {
-                    *reinterpret_cast<uint32_t*>(dst + f.col(j)) = v;
-                } else {
-                    dst[f.col(j)] = static_cast<uint16_t>(v & 0xFFFFu);
-                    dst[f.col(j) + 1] = static_cast<uint16_t>(v >> 16);
-                }
+        for (int j = 0; j < kORegs / 4; ++j) {
+            const uint32_t v = pack_x2<E>(o[4 * j + 2 * rr] * inv[rr], o[4 * j + 2 * rr + 1] * inv[rr]);
+            if (vec4) {
+                *reinterpret_cast<uint32_t*>(dst + f.col(j)) = v;
+            } else {
+                dst[f.col(j)] = static_cast<uint16_t>(v & 0xFFFFu);
+                dst[f.col(j) + 1] = static_cast<uint16_t>(v >> 16);
             }
         }
     }
+}
+
+// Writes one consumer's O half of a split chunk as an f32 partial (scaled by inv). Stored from registers, a CTA's
+// 128 KB partial took ~8 us of the load/store path (the accumulator layout writes each 128-byte row segment in
+// four 32-byte pieces). So the half is staged in `area`, 64 KB of shared memory nothing reads now (the caller keeps
+// the producer off it until PartialStaged), as 64 rows of 1 KB, and each row leaves as one bulk store. (The staging
+// writes are 8-way bank conflicted: a padded or swizzled row does not fit the area or would reach memory permuted,
+// and the combine measured 1.3-1.6x slower reading a row-swizzled partial.)
+__device__ __forceinline__ void store_partial_half(const DecodeParams& p, const RowTile& rt, const Chunk& c,
+                                                   const AccFrag& f, int consumer, const float (&o)[kORegs],
+                                                   const float (&inv)[2], uint32_t area) {
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    // The 64 write addresses are loop invariants of the caller's chunk loop; formed from opaque copies of the
+    // thread's geometry they stay here instead of being hoisted (and spilled) there.
+    uint32_t base, row0, quad;
+    asm volatile("mov.u32 %0, %1;" : "=r"(base) : "r"(area));
+    asm volatile("mov.u32 %0, %1;" : "=r"(row0) : "r"(static_cast<uint32_t>(f.row0)));
+    asm volatile("mov.u32 %0, %1;" : "=r"(quad) : "r"(static_cast<uint32_t>(f.quad)));
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const uint32_t row_base = base + (row0 + 8 * rr) * kPartialRowBytes + quad * 8;
+#pragma unroll
+        for (int j = 0; j < kORegs / 4; ++j) {
+            // Columns f.col(j) = 8 j + 2 quad and the next one.
+            st_shared_v2_f32(row_base + 32 * j, o[4 * j + 2 * rr] * inv[rr], o[4 * j + 2 * rr + 1] * inv[rr]);
+        }
+    }
+    fence_proxy_async_shared();  // generic-proxy writes -> the bulk copy (async proxy) reads them
+    __syncwarp();
+    const int row = (f.row0 & ~15) + lane;  // lanes 0..15 store the warp's 16 rows
+    if (lane < 16 && row < rt.rows) {
+        float* dst = p.part_o + ((static_cast<int64_t>(c.slot) * p.head_tiles + blockIdx.x) * kRowsPerCta + row) * kDv +
+                     consumer * kDvPerConsumer;
+        bulk_store_s2g_keep(dst, base + row * kPartialRowBytes, kPartialRowBytes);
+    }
+    bulk_commit();
+    bulk_wait_read();
+    __syncwarp();
 }
 
 // Per-chunk state of the score warpgroup's softmax.
@@ -465,7 +494,9 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 wgmma_fence_regs(s);
                 wgmma_fence_regs(o);
                 if constexpr (C::kRopeSlabs > 0) release_by_warp(&sm.kv_empty[pos.stage][kGroupRope], lane);
-                if (!has_next) release_by_warp(&sm.q_empty, lane);  // the chunk's last QK has read Q
+                // The chunk's last QK has read Q. A split chunk keeps it until its epilogue has staged the partial
+                // there (the producer loads nothing of the next chunk before Q).
+                if (!has_next && !c.split) release_by_warp(&sm.q_empty, lane);
 
                 mask_invalid_rows(s, mask, f);
                 if (causal) mask_causal(s, c.tile0 + i, limit, f);
@@ -537,7 +568,14 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
             float inv[2];
             score_epilogue(p, sm.row_inv[chunks % 2], rt, c, f, st, inv);
             named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
-            store_o_half<E>(p, rt, c, f, 0, o, inv);
+            if (c.split) {
+                store_partial_half(p, rt, c, f, 0, o, inv, smem_addr(sm.q));
+                // Both halves have left shared memory: the producer may load the next chunk (Q, then its tiles).
+                named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
+                release_by_warp(&sm.q_empty, lane);
+            } else {
+                store_o_half<E>(p, rt, c, f, 0, o, inv);
+            }
             ++chunks;
         });
     }
@@ -583,7 +621,14 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
             }
             named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
             const float inv[2] = {sm.row_inv[chunks % 2][rows[0]], sm.row_inv[chunks % 2][rows[1]]};
-            store_o_half<E>(p, rt, c, f, 1, o, inv);
+            if (c.split) {
+                // The chunk's last stage takes this half: both PVs are done, and the producer writes no stage
+                // before the next chunk's Q, which the score warpgroup releases after PartialStaged.
+                store_partial_half(p, rt, c, f, 1, o, inv, smem_addr(sm.kv[Ring::of(tile - 1).stage]));
+                named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
+            } else {
+                store_o_half<E>(p, rt, c, f, 1, o, inv);
+            }
             ++chunks;
         });
     }
@@ -627,9 +672,11 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
     } else if (role == Role::Score) {
         setmaxnreg_inc<kScoreRegs>();
         score_consumer<E, kDqk, kSparse>(p, sm, sched);
+        bulk_wait_all();  // the partials' bulk stores are performed before the CTA ends
     } else {
         setmaxnreg_inc<kValueRegs>();
         value_consumer<E, kDqk>(p, sm, sched);
+        bulk_wait_all();
     }
 }
 
@@ -673,7 +720,7 @@ __device__ __forceinline__ void decode_combine(const DecodeParams& p) {
     for (int e = 0; e < kCombineColsPerLane; ++e) acc[e] = 0.f;
     float wsum = 0.f;
     if (m != -kInf) {
-#pragma unroll 4
+#pragma unroll 8
         for (int part = fp; part <= lp; ++part) {
             const float w = __expf(lse_at(part) - m);
             wsum += w;
