@@ -1,0 +1,108 @@
+"""Where a dense decode step's GPU time goes, kernel by kernel, for flashmla and (optionally) the peer.
+
+For each shape it runs a few untimed calls, then ``--calls`` back-to-back calls under ``torch.profiler`` (CUDA
+activity only) and prints, per implementation, the mean duration of every kernel the call launched and the mean
+span per call (first kernel start to last kernel end over the run, divided by the calls: it includes the gaps
+between kernels, and host time where the call is host-bound). It is a diagnostic, not a benchmark: no clock control
+and no alternation; the side-by-side benchmark (``side_by_side.py``) makes the claims. docs/decode.md cites its
+output for the split/combine breakdown.
+
+Usage (on the GPU machine, flashmla on PYTHONPATH; the peer built with scripts/build-peer.sh)::
+
+    python3 bench/decode_kernel_times.py [--peer .peer] [--calls 20] [SHAPE ...]
+
+Shapes (all page 64, bf16, d_qk 576): see ``SHAPES`` (default: all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import flashmla.compat as compat
+
+PAGE = 64
+D_V = 512
+#: name -> (batch, s_q, h_q, per-request cache lengths)
+SHAPES = {
+    "b128 h16 4K": (128, 1, 16, [4096] * 128),
+    "b128 h128 4K": (128, 1, 128, [4096] * 128),
+    "b128 s_q2 h128 4K": (128, 2, 128, [4096] * 128),
+    "skewed h16": (128, 1, 16, [131072] + [1024] * 127),
+    "skewed h128": (128, 1, 128, [131072] + [1024] * 127),
+    "b1 h128 4K": (1, 1, 128, [4096]),
+    "b1 h128 16K": (1, 1, 128, [16384]),
+    "b4 h128 4K": (4, 1, 128, [4096] * 4),
+}
+
+
+def inputs(b: int, s_q: int, h_q: int, lengths: list, gen: torch.Generator):
+    """q, a paged cache with every request's pages at random places, the block table and the lengths."""
+    blocks = [(n + PAGE - 1) // PAGE for n in lengths]
+    perm = torch.randperm(sum(blocks), device="cuda", generator=gen).to(torch.int32)
+    table = torch.zeros(b, max(blocks), dtype=torch.int32, device="cuda")
+    at = 0
+    for i, n in enumerate(blocks):
+        table[i, :n] = perm[at : at + n]
+        at += n
+    cache = (torch.randn(sum(blocks), PAGE, 1, 576, device="cuda", generator=gen) / 10).to(torch.bfloat16)
+    q = (torch.randn(b, s_q, h_q, 576, device="cuda", generator=gen) / 10).to(torch.bfloat16)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    return q, cache, table, seqlens
+
+
+def profile_calls(fn, calls: int):
+    """Mean duration per kernel name (with launches per call) and the mean span per call, in us."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.time_range.start)
+    per = collections.defaultdict(list)
+    for e in events:
+        per[e.name].append(e.time_range.end - e.time_range.start)
+    span = (events[-1].time_range.end - events[0].time_range.start) / calls
+    return {name: (sum(v) / len(v), len(v) // calls) for name, v in per.items()}, span
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("shapes", nargs="*", help=f"shape names (default all): {', '.join(SHAPES)}")
+    ap.add_argument("--peer", help="folder of a built FlashMLA checkout (its kernels are profiled too)")
+    ap.add_argument("--calls", type=int, default=20)
+    args = ap.parse_args()
+    unknown = [s for s in args.shapes if s not in SHAPES]
+    if unknown:
+        print(f"unknown shapes {unknown}; known: {list(SHAPES)}", file=sys.stderr)
+        return 2
+    peer = None
+    if args.peer:
+        sys.path.insert(0, str(Path(args.peer).resolve()))
+        import flash_mla as peer  # noqa: E402 (the peer's module lives in its checkout)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name in args.shapes or list(SHAPES):
+        b, s_q, h_q, lengths = SHAPES[name]
+        q, cache, table, seqlens = inputs(b, s_q, h_q, lengths, gen)
+        meta = compat.get_mla_metadata()[0]
+        impls = {"flashmla": lambda: compat.flash_mla_with_kvcache(q, cache, table, seqlens, D_V, meta, None)}
+        if peer is not None:
+            peer_meta = peer.get_mla_metadata()[0]
+            impls["peer"] = lambda: peer.flash_mla_with_kvcache(q, cache, table, seqlens, D_V, peer_meta, None)
+        for impl, fn in impls.items():
+            kernels, span = profile_calls(fn, args.calls)
+            parts = "  ".join(f"{k[:32]}={t:.1f}" + (f"x{n}" if n != 1 else "") for k, (t, n) in kernels.items())
+            print(f"{name:18s} {impl:8s} span/call {span:8.1f} us  {parts}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
