@@ -42,7 +42,7 @@ __device__ __forceinline__ void cp_async_4_zfill(uint32_t dst, const void* src, 
 // aligned), in the thread's current bulk group, with an L2 evict_last hint: the decode's partials are read back by
 // the combine kernel right after (without the hint that combine ran up to 1.3x longer). The shared bytes must have
 // been made visible to the async proxy (fence.proxy.async.shared::cta after the writes). Stores issued this way do
-// not occupy the SM's load/store path: a CTA's 128 KB decode partial took ~8 us through st.global.
+// not occupy the SM's load/store path: a CTA's 128 KB decode partial took 8-10 us through st.global.
 __device__ __forceinline__ void bulk_store_s2g_keep(void* dst, uint32_t src, uint32_t bytes) {
     uint64_t policy;
     asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));

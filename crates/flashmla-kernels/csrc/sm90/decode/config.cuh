@@ -121,13 +121,13 @@ static_assert(kSmemBytes<512> <= kMaxSmemPerBlock, "d_qk 512 plan exceeds 227 KB
 static_assert(kSmemBytes<576> == 232448, "update launch.rs SMEM_BYTES_D576");
 static_assert(kSmemBytes<512> == 216064, "update launch.rs SMEM_BYTES_D512");
 
-// Combine kernel: one warp per output row, 16 columns per lane, 8 rows per CTA (grid z = 64 / 8 row groups).
 // A split chunk's f32 partial: per row tile 64 rows of kDv floats; each consumer's half-row (1 KB) leaves the CTA as
 // one bulk store from a staged copy in the Q tile (score) or the chunk's last key stage (value).
 inline constexpr uint32_t kPartialRowBytes = kDvPerConsumer * sizeof(float);
 static_assert(kRowsPerCta * kPartialRowBytes <= Config<512>::kQSmemBytes, "a staged partial half fits the Q tile");
 static_assert(kRowsPerCta * kPartialRowBytes <= Config<512>::kStageBytes, "a staged partial half fits a key stage");
 
+// Combine kernel: one warp per output row, 16 columns per lane, 8 rows per CTA (grid z = 64 / 8 row groups).
 inline constexpr int kCombineThreads = 256;
 inline constexpr int kCombineRowsPerCta = kCombineThreads / 32;
 inline constexpr int kCombineRowGroups = kRowsPerCta / kCombineRowsPerCta;  // 8
