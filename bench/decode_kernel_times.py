@@ -84,6 +84,9 @@ def main() -> int:
     if unknown:
         print(f"unknown shapes {unknown}; known: {list(SHAPES)}", file=sys.stderr)
         return 2
+    if not torch.cuda.is_available():
+        print("decode_kernel_times: needs a CUDA GPU (it profiles the GPU kernels)", file=sys.stderr)
+        return 2
     peer = None
     if args.peer:
         sys.path.insert(0, str(Path(args.peer).resolve()))
