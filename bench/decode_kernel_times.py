@@ -25,6 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flashmla.compat as compat
+import side_by_side_core as core
 
 PAGE = 64
 D_V = 512
@@ -42,17 +43,12 @@ SHAPES = {
 
 
 def inputs(b: int, s_q: int, h_q: int, lengths: list, gen: torch.Generator):
-    """q, a paged cache with every request's pages at random places, the block table and the lengths."""
-    blocks = [(n + PAGE - 1) // PAGE for n in lengths]
-    perm = torch.randperm(sum(blocks), device="cuda", generator=gen).to(torch.int32)
-    table = torch.zeros(b, max(blocks), dtype=torch.int32, device="cuda")
-    at = 0
-    for i, n in enumerate(blocks):
-        table[i, :n] = perm[at : at + n]
-        at += n
-    cache = (torch.randn(sum(blocks), PAGE, 1, 576, device="cuda", generator=gen) / 10).to(torch.bfloat16)
-    q = (torch.randn(b, s_q, h_q, 576, device="cuda", generator=gen) / 10).to(torch.bfloat16)
-    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    """q, a paged cache with every request's pages at random places (side_by_side_core.paged_layout), the block
+    table and the lengths."""
+    table, pages = core.paged_layout(lengths, PAGE, gen)
+    cache = core.randn_offset((pages, PAGE, 1, 576), gen)
+    q = core.randn_offset((b, s_q, h_q, 576), gen)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=gen.device)
     return q, cache, table, seqlens
 
 

@@ -363,7 +363,7 @@ __device__ __forceinline__ void store_o_half(const DecodeParams& p, const RowTil
 }
 
 // Writes one consumer's O half of a split chunk as an f32 partial (scaled by inv). Stored from registers, a CTA's
-// 128 KB partial took ~8 us of the load/store path (the accumulator layout writes each 128-byte row segment in
+// 128 KB partial took 8-10 us of the load/store path (the accumulator layout writes each 128-byte row segment in
 // four 32-byte pieces). So the half is staged in `area`, 64 KB of shared memory nothing reads now (the caller keeps
 // the producer off it until PartialStaged), as 64 rows of 1 KB, and each row leaves as one bulk store. (The staging
 // writes are 8-way bank conflicted: a padded or swizzled row does not fit the area or would reach memory permuted,
