@@ -14,9 +14,10 @@
 //   Score:    per tile, S = Q K^T (rope columns of Q from registers), masks missing keys and (causal) keys past
 //             each row's limit, online softmax, publishes P and the row scales, O[:, 0:256] += P V.
 //   Value:    O[:, 256:512] += P V with the published P.
-// Per chunk, both consumers then write their O half (final: scaled by 1 / denominator, in the output dtype, from
-// registers; partial: by 1 / row sum, f32, staged in shared memory (score: the Q tile, value: the chunk's last key
-// stage) and sent as one bulk store per row; the producer loads nothing of the next chunk until both halves left).
+// Per chunk, both consumers then write their O half (final: scaled by 1 / denominator, in the output dtype, staged
+// in the Q tile and sent as one bulk store per 1 KB row when out rows are 16-byte aligned, else from registers;
+// partial: by 1 / row sum, f32, staged in shared memory (score: the Q tile, value: the chunk's last key stage) and
+// sent as one bulk store per row; the producer loads nothing of the next chunk until the staged rows left).
 #pragma once
 
 #include <cstdint>
@@ -400,6 +401,42 @@ __device__ __forceinline__ void store_partial_half(const DecodeParams& p, const 
     __syncwarp();
 }
 
+// Stages one consumer's final half (output dtype, scaled by inv) into the Q tile: row r's 512 elements at
+// q + r * 1 KB, this consumer's 256 at + consumer * 512 bytes. The score warpgroup then sends each row as one 1 KB
+// bulk store (store_final_rows) once both halves are staged.
+template <class E>
+__device__ __forceinline__ void stage_final_half(const AccFrag& f, int consumer, const float (&o)[kORegs],
+                                                 const float (&inv)[2], uint32_t q_area) {
+    uint32_t base, row0, quad;
+    asm volatile("mov.u32 %0, %1;" : "=r"(base) : "r"(q_area));
+    asm volatile("mov.u32 %0, %1;" : "=r"(row0) : "r"(static_cast<uint32_t>(f.row0)));
+    asm volatile("mov.u32 %0, %1;" : "=r"(quad) : "r"(static_cast<uint32_t>(f.quad)));
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const uint32_t row_base = base + (row0 + 8 * rr) * 1024u + consumer * 512u + quad * 4;
+#pragma unroll
+        for (int j = 0; j < kORegs / 4; ++j) {
+            st_shared_u32(row_base + 16 * j, pack_x2<E>(o[4 * j + 2 * rr] * inv[rr], o[4 * j + 2 * rr + 1] * inv[rr]));
+        }
+    }
+    fence_proxy_async_shared();
+}
+// Score warpgroup: lanes 0..15 of each warp send the warp's 16 staged rows of chunk c to `out` (1 KB each).
+__device__ __forceinline__ void store_final_rows(const DecodeParams& p, const RowTile& rt, const Chunk& c,
+                                                 const AccFrag& f, uint32_t q_area) {
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const int row = (f.row0 & ~15) + lane;
+    if (lane < 16 && row < rt.rows) {
+        uint16_t* dst = p.out + request_offset(p, c.b, p.out_stride_b, p.out_stride_s) +
+                        static_cast<int64_t>(rt.token(p, row)) * p.out_stride_s +
+                        static_cast<int64_t>(rt.head(p, row)) * p.out_stride_h;
+        bulk_store_s2g_keep(dst, q_area + row * 1024u, 1024u);
+    }
+    bulk_commit();
+    bulk_wait_read();
+    __syncwarp();
+}
+
 // Per-chunk state of the score warpgroup's softmax.
 struct SoftmaxState {
     float m_run[2];   // running max of the base-2 logits
@@ -456,6 +493,7 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
     const RowTile rt = RowTile::of(p);
     const bool causal = (p.flags & kFlagCausal) != 0;
     const uint64_t desc_q = make_wgmma_desc_sw128(smem_addr(sm.q), kUnusedLbo, kSw128AtomBytes);
+    const bool bulk_out = (p.flags & kFlagOutBulk) != 0;
 
     int tile = 0;
     int q_uses = 0;
@@ -496,7 +534,7 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 if constexpr (C::kRopeSlabs > 0) release_by_warp(&sm.kv_empty[pos.stage][kGroupRope], lane);
                 // The chunk's last QK has read Q. A split chunk keeps it until its epilogue has staged the partial
                 // there (the producer loads nothing of the next chunk before Q).
-                if (!has_next && !c.split) release_by_warp(&sm.q_empty, lane);
+                if (!has_next && !c.split && !bulk_out) release_by_warp(&sm.q_empty, lane);
 
                 mask_invalid_rows(s, mask, f);
                 if (causal) mask_causal(s, c.tile0 + i, limit, f);
@@ -573,6 +611,11 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 // Both halves have left shared memory: the producer may load the next chunk (Q, then its tiles).
                 named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
                 release_by_warp(&sm.q_empty, lane);
+            } else if (bulk_out && n_tiles > 0) {
+                stage_final_half<E>(f, 0, o, inv, smem_addr(sm.q));
+                named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
+                store_final_rows(p, rt, c, f, smem_addr(sm.q));
+                release_by_warp(&sm.q_empty, lane);
             } else {
                 store_o_half<E>(p, rt, c, f, 0, o, inv);
             }
@@ -590,6 +633,7 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
     const AccFrag f = AccFrag::of_thread(t);
     const int rows[2] = {f.row0, f.row1()};
     const RowTile rt = RowTile::of(p);
+    const bool bulk_out = (p.flags & kFlagOutBulk) != 0;
 
     int tile = 0;
     int chunks = 0;
@@ -625,6 +669,10 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
                 // The chunk's last stage takes this half: both PVs are done, and the producer writes no stage
                 // before the next chunk's Q, which the score warpgroup releases after PartialStaged.
                 store_partial_half(p, rt, c, f, 1, o, inv, smem_addr(sm.kv[Ring::of(tile - 1).stage]));
+                named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
+            } else if (bulk_out && c.tile1 > c.tile0) {
+                // The Q tile is held by the score warpgroup until the rows left (its last QK is done).
+                stage_final_half<E>(f, 1, o, inv, smem_addr(sm.q));
                 named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
             } else {
                 store_o_half<E>(p, rt, c, f, 1, o, inv);

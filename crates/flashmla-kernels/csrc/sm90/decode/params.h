@@ -22,6 +22,7 @@ namespace flashmla::decode {
 inline constexpr uint32_t kFlagCausal = 1u << 0;     // bottom-right causal mask (only set when s_q > 1)
 inline constexpr uint32_t kFlagOutVec4 = 1u << 1;    // out base and strides allow 4-byte (2-element) stores
 inline constexpr uint32_t kFlagSparse = 1u << 2;     // sparse FP8 decode: keys come from indices, not the block table
+inline constexpr uint32_t kFlagOutBulk = 1u << 4;    // out rows are 16-byte aligned: final halves go out as bulk stores
 inline constexpr uint32_t kFlagCopy8 = 1u << 3;      // sparse: a cache is only 8-byte aligned (base or block stride):
                                                      // copy its rows in 8-byte pieces
 

@@ -64,6 +64,8 @@ pub const FLAG_OUT_VEC4: u32 = 2;
 pub const FLAG_SPARSE: u32 = 4;
 /// `flags` bit: an FP8 cache is only 8-byte aligned, rows are copied in 8-byte pieces (`kFlagCopy8`).
 pub const FLAG_COPY8: u32 = 8;
+/// `flags` bit: `out` rows are 16-byte aligned, final rows go out as bulk stores (`kFlagOutBulk`).
+pub const FLAG_OUT_BULK: u32 = 16;
 /// Words of the schedule after the `batch + 1` line starts (`kScheduleTail`).
 pub const SCHEDULE_TAIL: usize = 2;
 /// The gather moves 16-byte chunks.
@@ -565,6 +567,10 @@ pub fn lower(
             FLAG_OUT_VEC4
         } else {
             0
+        } | if rows_aligned(&out.out, 16) {
+            FLAG_OUT_BULK
+        } else {
+            0
         },
         sm_scale_log2,
         ..DecodeParams::default()
@@ -796,6 +802,11 @@ pub fn lower_sparse(
             | if copy16 { 0 } else { FLAG_COPY8 }
             | if rows_aligned(&out.out, 4) {
                 FLAG_OUT_VEC4
+            } else {
+                0
+            }
+            | if rows_aligned(&out.out, 16) {
+                FLAG_OUT_BULK
             } else {
                 0
             },
@@ -1039,7 +1050,10 @@ mod tests {
         assert_eq!(plan.launches[1].1.grid, (2, 66, 1));
         assert_eq!(plan.launches[1].1.cluster, Some((2, 1, 1)));
         assert_eq!(plan.launches[2].1.grid, (3, 2, COMBINE_ROW_GROUPS));
-        assert_eq!(plan.params.flags, FLAG_CAUSAL | FLAG_OUT_VEC4);
+        assert_eq!(
+            plan.params.flags,
+            FLAG_CAUSAL | FLAG_OUT_VEC4 | FLAG_OUT_BULK
+        );
         assert_eq!((plan.params.rows, plan.params.row_tiles), (128, 2));
         // One query token: the causal flag is dropped. Odd out strides: 2-byte stores.
         let d1 = DenseDecodeDims { s_q: 1, ..d };
