@@ -34,6 +34,9 @@ pub struct DenseCheck {
     pub sink_value: Option<f32>,
     /// Non-contiguous q, k_cache, out and lse.
     pub strided: bool,
+    /// Every third block-table entry a request uses replaced by an id outside `0..num_blocks` (missing keys: the
+    /// kernels must skip them without reading, as the reference does).
+    pub missing_blocks: bool,
 }
 
 /// Host tensors of a case in the kernel's dtype (values rounded to f16 first for f16 cases, so the reference sees
@@ -59,6 +62,14 @@ fn tensor_of(values: &[f32], shape: &[usize], dtype: DType) -> flashmla::Result<
 
 fn host_case(c: &DenseCheck, seed: u64) -> flashmla::Result<HostCase> {
     let mut case = dense_case(&mut rng(seed), &c.spec);
+    if c.missing_blocks {
+        let (page, max_blocks, num_blocks) = (case.p.page_size, case.p.max_blocks, case.p.num_blocks);
+        for (b, &n) in case.cache_seqlens.iter().enumerate() {
+            for j in (1..(n.max(0) as usize).div_ceil(page)).step_by(3) {
+                case.block_table[b * max_blocks + j] = if j % 2 == 0 { -1 } else { num_blocks as i32 };
+            }
+        }
+    }
     if c.dtype == DType::F16 {
         for v in case.q.iter_mut().chain(case.k_cache.iter_mut()) {
             *v = f16::from_f32(*v).to_f32();
@@ -268,6 +279,7 @@ pub fn cases() -> Vec<Case> {
         options: DecodeOptions::default(),
         sink_value: None,
         strided: false,
+        missing_blocks: false,
     };
     // Head ratios and query lengths, default schedule and forced splits.
     for (h_q, h_kv) in [
@@ -300,9 +312,23 @@ pub fn cases() -> Vec<Case> {
         v.push((format!("decode_dense/bf16/s_q16/causal{causal}"), false, c));
     }
     // Page sizes, f16, sinks, d_qk 512, strided, invariant schedule.
-    for page in [16usize, 48, 1] {
+    // Pages of several key tiles (tiles start inside a page) and pages smaller than or not a multiple of a tile.
+    for page in [128usize, 256, 16, 48, 1] {
         let c = base(spec(5, 1, 64, 1, page, lengths(5, page)));
         v.push((format!("decode_dense/bf16/page{page}"), page == 16, c));
+    }
+    // Missing blocks inside the requests' ranges, one and two row tiles, unsplit and forced splits.
+    for (h_q, page) in [(128usize, 64usize), (16, 128)] {
+        for (oname, options) in [("default", DecodeOptions::default()), ("split7", forced)] {
+            let mut c = base(spec(6, 1, h_q, 1, page, lengths(6, 5)));
+            c.missing_blocks = true;
+            c.options = options;
+            v.push((
+                format!("decode_dense/bf16/missing_blocks/h{h_q}page{page}/{oname}"),
+                false,
+                c,
+            ));
+        }
     }
     for (h_q, h_kv) in [(128usize, 1usize), (16, 1), (12, 4)] {
         let mut c = base(spec(6, 2, h_q, h_kv, 64, lengths(6, 3)));

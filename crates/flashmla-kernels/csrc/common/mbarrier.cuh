@@ -36,6 +36,19 @@ struct MBarrier {
         asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
     }
 
+    // `count` arrivals at once (release semantics at CTA scope), e.g. one thread standing for a warpgroup.
+    static __device__ __forceinline__ void arrive(uint64_t* bar, uint32_t count) {
+        asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
+                     : "memory");
+    }
+
+    // Raises the current phase's expected transaction count by `bytes`: the phase then also waits for that many
+    // bytes of asynchronous copies (TMA) completing on this barrier. Call it before the arrival it belongs with.
+    static __device__ __forceinline__ void expect_tx(uint64_t* bar, uint32_t bytes) {
+        asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+                     : "memory");
+    }
+
     // Non-blocking probe: true when the phase with parity `parity` has completed (acquire at CTA scope).
     static __device__ __forceinline__ bool try_wait(uint64_t* bar, uint32_t parity) {
         uint32_t done;

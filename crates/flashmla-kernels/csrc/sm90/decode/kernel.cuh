@@ -27,6 +27,7 @@
 #include "common/pipeline.cuh"
 #include "common/smem_layout.cuh"
 #include "common/softmax_tile.cuh"
+#include "common/tma.cuh"
 #include "common/wgmma.cuh"
 #include "sm90/decode/config.cuh"
 #include "sm90/decode/params.h"
@@ -118,12 +119,56 @@ __device__ __forceinline__ void load_q_tile(const DecodeParams& p, SmemPlan<kDqk
     MBarrier::arrive_on_cp_async_noinc(&sm.q_full);
 }
 
+// A whole key tile by TMA (kFlagKTma: pages are multiples of 64 keys, so tile k is 64 consecutive rows of one
+// page): every producer thread waits for each column group's release, so that all of them keep in step with the
+// ring's phases (the gather path below needs that); thread 0 announces the group's bytes, issues one box per 64-column
+// slab and arrives for the warpgroup.
+template <int kDqk, int kGroup>
+__device__ __forceinline__ void tma_group(const DecodeParams& p, SmemPlan<kDqk>& sm, const Ring& pos,
+                                          uint32_t stage_addr, int block, int row0, int kv_head) {
+    using C = Config<kDqk>;
+    MBarrier::wait(&sm.kv_empty[pos.stage][kGroup], pos.empty_parity);
+    if (threadIdx.x != 0) return;
+    uint64_t* full = &sm.kv_full[pos.stage][kGroup];
+    constexpr int kFirst = group_first_slab(kGroup);
+    constexpr int kSlabs = group_slabs<kDqk>(kGroup);
+    MBarrier::expect_tx(full, kSlabs * C::kSlabBytes);
+#pragma unroll
+    for (int slab = kFirst; slab < kFirst + kSlabs; ++slab) {
+        tma_load_4d(stage_addr + slab * C::kSlabBytes, &p.k_tmap, slab * kSw128ColsBf16, kv_head, row0, block,
+                    smem_addr(full));
+    }
+    MBarrier::arrive(full, kWarpgroupThreads);
+}
+
+// The thread's share of gathering key tile k of chunk c with cp.async (rows of keys past the request or in a missing
+// block zero-filled, never read), given the block ids of its 4 rows.
+template <int kDqk>
+__device__ __forceinline__ void gather_tile(const DecodeParams& p, SmemPlan<kDqk>& sm, const RowTile& rt, int k,
+                                            const Ring& pos, uint32_t stage_base, const int (&blk)[kPassesPerTile],
+                                            const Sw128CopyThread& ct) {
+    using C = Config<kDqk>;
+    const uint16_t* src[kPassesPerTile];
+    bool ok[kPassesPerTile];
+#pragma unroll
+    for (int pass = 0; pass < kPassesPerTile; ++pass) {
+        const int key = k * kKeysPerTile + pass * kRowsPerPass + ct.row_in_pass;
+        ok[pass] = block_valid(p, blk[pass]);
+        src[pass] = (ok[pass] ? key_row(p, blk[pass], key, rt.kv_head) : p.q) + ct.chunk_elems;
+    }
+    if constexpr (C::kRopeSlabs > 0) gather_group<kDqk, kGroupRope>(sm, pos, stage_base, src, ok);
+    gather_group<kDqk, kGroupLeft>(sm, pos, stage_base, src, ok);
+    gather_group<kDqk, kGroupRight>(sm, pos, stage_base, src, ok);
+}
+
 template <int kDqk>
 __device__ __forceinline__ void producer(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched) {
     using C = Config<kDqk>;
     const Sw128CopyThread ct = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
     const RowTile rt = RowTile::of(p);
     const uint32_t kv_base = smem_addr(sm.kv[0]) + ct.smem_off;
+    const bool tma = (p.flags & kFlagKTma) != 0;
+    if (tma && threadIdx.x == 0) tma_prefetch_map(&p.k_tmap);
     int tile = 0;      // ring position, continued across chunks
     int q_uses = 0;    // chunks with keys so far (phases of q_full / q_empty)
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
@@ -132,33 +177,46 @@ __device__ __forceinline__ void producer(const DecodeParams& p, SmemPlan<kDqk>& 
             if (q_uses > 0) MBarrier::wait(&sm.q_empty, static_cast<uint32_t>((q_uses - 1) & 1));
             load_q_tile<kDqk>(p, sm, rt, c.b, ct);
             ++q_uses;
-            // Block ids of the thread's 4 rows, loaded a tile ahead (their latency would otherwise sit in front of
-            // every gather).
+            // Block ids of the thread's 4 rows (gather) or of the tile (TMA, the same for every thread), loaded a
+            // tile ahead: their latency would otherwise sit in front of every tile.
             auto load_blocks = [&](int kt, int (&blk)[kPassesPerTile]) {
 #pragma unroll
                 for (int pass = 0; pass < kPassesPerTile; ++pass) {
                     blk[pass] = key_block(p, c.b, c.len, kt * kKeysPerTile + pass * kRowsPerPass + ct.row_in_pass);
                 }
             };
+            if (tma) {
+                int next = key_block(p, c.b, c.len, c.tile0 * kKeysPerTile);
+                for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
+                    const int block = next;
+                    if (k + 1 < c.tile1) next = key_block(p, c.b, c.len, (k + 1) * kKeysPerTile);
+                    const Ring pos = Ring::of(tile);
+                    const int key0 = k * kKeysPerTile;
+                    if (block_valid(p, block) && key0 + kKeysPerTile <= c.len) {
+                        const uint32_t stage_addr = smem_addr(sm.kv[pos.stage]);
+                        const int row0 = page_mod(key0, p.page_size);
+                        if constexpr (C::kRopeSlabs > 0) {
+                            tma_group<kDqk, kGroupRope>(p, sm, pos, stage_addr, block, row0, rt.kv_head);
+                        }
+                        tma_group<kDqk, kGroupLeft>(p, sm, pos, stage_addr, block, row0, rt.kv_head);
+                        tma_group<kDqk, kGroupRight>(p, sm, pos, stage_addr, block, row0, rt.kv_head);
+                    } else {
+                        // The request's last, partial tile or a missing block: rows past the request's keys must
+                        // be zeros (the cache may hold NaN there), which only the gather writes.
+                        int blk[kPassesPerTile];
+                        load_blocks(k, blk);
+                        gather_tile<kDqk>(p, sm, rt, k, pos, kv_base + pos.stage * C::kStageBytes, blk, ct);
+                    }
+                }
+                return;
+            }
             int blk[kPassesPerTile];
             int blk_next[kPassesPerTile];
             load_blocks(c.tile0, blk);
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
-                const bool has_next = k + 1 < c.tile1;
-                if (has_next) load_blocks(k + 1, blk_next);
-                const uint16_t* src[kPassesPerTile];
-                bool ok[kPassesPerTile];
-#pragma unroll
-                for (int pass = 0; pass < kPassesPerTile; ++pass) {
-                    const int key = k * kKeysPerTile + pass * kRowsPerPass + ct.row_in_pass;
-                    ok[pass] = block_valid(p, blk[pass]);
-                    src[pass] = (ok[pass] ? key_row(p, blk[pass], key, rt.kv_head) : p.q) + ct.chunk_elems;
-                }
+                if (k + 1 < c.tile1) load_blocks(k + 1, blk_next);
                 const Ring pos = Ring::of(tile);
-                const uint32_t stage_base = kv_base + pos.stage * C::kStageBytes;
-                if constexpr (C::kRopeSlabs > 0) gather_group<kDqk, kGroupRope>(sm, pos, stage_base, src, ok);
-                gather_group<kDqk, kGroupLeft>(sm, pos, stage_base, src, ok);
-                gather_group<kDqk, kGroupRight>(sm, pos, stage_base, src, ok);
+                gather_tile<kDqk>(p, sm, rt, k, pos, kv_base + pos.stage * C::kStageBytes, blk, ct);
 #pragma unroll
                 for (int pass = 0; pass < kPassesPerTile; ++pass) blk[pass] = blk_next[pass];
             }

@@ -16,6 +16,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/tensor_map.h"
+
 namespace flashmla::decode {
 
 // `flags` bits.
@@ -23,6 +25,7 @@ inline constexpr uint32_t kFlagCausal = 1u << 0;     // bottom-right causal mask
 inline constexpr uint32_t kFlagOutVec4 = 1u << 1;    // out base and strides allow 4-byte (2-element) stores
 inline constexpr uint32_t kFlagSparse = 1u << 2;     // sparse FP8 decode: keys come from indices, not the block table
 inline constexpr uint32_t kFlagOutBulk = 1u << 4;    // out rows are 16-byte aligned: final halves go out as bulk stores
+inline constexpr uint32_t kFlagKTma = 1u << 5;       // dense: k_tmap describes k_cache; whole key tiles load by TMA
 inline constexpr uint32_t kFlagCopy8 = 1u << 3;      // sparse: a cache is only 8-byte aligned (base or block stride):
                                                      // copy its rows in 8-byte pieces
 
@@ -31,6 +34,8 @@ inline constexpr uint32_t kFlagCopy8 = 1u << 3;      // sparse: a cache is only 
 inline constexpr int kScheduleTail = 2;
 
 struct DecodeParams {
+    TensorMapBytes k_tmap;          // dense, kFlagKTma: rank-4 tiled map of k_cache, dims (d_qk, h_kv, page_size,
+                                    // num_blocks), box 64 x 1 x 64 x 1 (one 64-column slab of 64 keys), 128B swizzle
     const uint16_t* q;              // [b, s_q, h_q, d_qk] bf16/f16; strides (q_stride_b, q_stride_s, q_stride_h, 1)
     const uint16_t* k_cache;        // dense: [num_blocks, page_size, h_kv, d_qk]; strides (k_stride_block,
                                     // k_stride_tok, k_stride_head, 1); V = the first 512 columns of a key row.
@@ -102,6 +107,7 @@ struct DecodeParams {
     int32_t reserved;               // 0; keeps the struct free of padding
     uint32_t flags;                 // kFlag* bits
     float sm_scale_log2;            // softmax_scale * log2(e)
+    int32_t tail[14];               // 0; pads the struct to its 64-byte alignment without implicit padding
 };
 
 }  // namespace flashmla::decode

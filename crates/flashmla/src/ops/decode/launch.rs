@@ -27,7 +27,7 @@ use super::{
     DecodeOptions, DecodeOutput, DenseDecodeArgs, DenseDecodeDims, ExtraKvArgs, SparseDecodeArgs,
     SparseDecodeDims,
 };
-use crate::cuda::{device_params, Gpu, LaunchConfig};
+use crate::cuda::{device_params, encode_tiled_u16_sw128, Gpu, LaunchConfig, TensorMapBytes};
 use crate::error::{Error, Result};
 use crate::ops::layout::{
     expect_element_aligned, expect_offsets_fit_i64, expect_rows_16b, rows_aligned, stride_param,
@@ -66,6 +66,8 @@ pub const FLAG_SPARSE: u32 = 4;
 pub const FLAG_COPY8: u32 = 8;
 /// `flags` bit: `out` rows are 16-byte aligned, final rows go out as bulk stores (`kFlagOutBulk`).
 pub const FLAG_OUT_BULK: u32 = 16;
+/// `flags` bit: `k_tmap` describes the dense cache; whole key tiles are loaded by TMA (`kFlagKTma`).
+pub const FLAG_K_TMA: u32 = 32;
 /// Words of the schedule after the `batch + 1` line starts (`kScheduleTail`).
 pub const SCHEDULE_TAIL: usize = 2;
 /// The gather moves 16-byte chunks.
@@ -84,6 +86,9 @@ device_params! {
     /// in bytes). `Default` is all zeros (absent pointers).
     #[derive(Debug, Clone, Copy, PartialEq, Default)]
     pub struct DecodeParams {
+        /// Dense, [`FLAG_K_TMA`]: the TMA map of `k_cache` (dims `d_qk, h_kv, page_size, num_blocks`, boxes of
+        /// 64 columns x 64 keys); zeros otherwise.
+        pub k_tmap: TensorMapBytes,
         /// `[b, s_q, h_q, d_qk]`.
         pub q: u64,
         /// `[num_blocks, page_size, h_kv, d_qk]`.
@@ -206,6 +211,8 @@ device_params! {
         pub flags: u32,
         /// `softmax_scale * log2(e)`.
         pub sm_scale_log2: f32,
+        /// Zeros: pad the struct to its 64-byte alignment (`k_tmap`) without implicit padding.
+        pub tail: [i32; 14],
     }
 }
 
@@ -838,13 +845,46 @@ pub(crate) fn launch(
     workspace: Option<&DeviceView>,
 ) -> Result<()> {
     expect_location("q", args.q, Location::Cuda(gpu.ordinal()))?;
-    let plan = lower(dims, args, out, options, gpu.info().sm_count as usize)?;
+    let mut plan = lower(dims, args, out, options, gpu.info().sm_count as usize)?;
+    if let Some(map) = k_cache_tensor_map(dims, args.k_cache) {
+        plan.params.k_tmap = map;
+        plan.params.flags |= FLAG_K_TMA;
+    }
     // SAFETY (of the kernels' accesses, for `run`): `validate_dense`/`validate_dense_output` established the
     // shapes and dtypes the params describe and that every tensor lives on this device; `lower` checked alignment
     // and that every offset fits i64. The kernels read q rows of their requests, block-table entries below each
     // request's clamped length, cache rows only at block ids in 0..num_blocks, and write out/lse rows of their
     // requests and the workspace regions sized by the geometry.
     run(gpu, plan, workspace)
+}
+
+/// The TMA map of a dense cache whose pages hold whole key tiles (`page_size % 64 == 0`), or `None` where the
+/// kernels gather every tile with cp.async instead: other page sizes, strides the TMA unit cannot take (not
+/// multiples of 16 bytes or beyond 2^40), or a map the driver refuses. Boxes are one 64-column slab of the 64 keys of
+/// one key head in one page; a tile whose keys are not all in the request, or whose block id is missing, is still
+/// gathered (zero rows must stay zero).
+fn k_cache_tensor_map(dims: &DenseDecodeDims, k_cache: &DeviceView) -> Option<TensorMapBytes> {
+    if dims.page_size % KEYS_PER_TILE != 0 || dims.num_blocks == 0 {
+        return None;
+    }
+    let strides = k_cache.strides();
+    let elem = 2u64;
+    let stride_bytes = |i: usize| -> Option<u64> {
+        let s = (*strides.get(i)? as u64).checked_mul(elem)?;
+        (s % 16 == 0 && s > 0 && s < (1u64 << 40)).then_some(s)
+    };
+    let (block, tok, head) = (stride_bytes(0)?, stride_bytes(1)?, stride_bytes(2)?);
+    let dims4 = [
+        dims.d_qk as u64,
+        dims.h_kv as u64,
+        dims.page_size as u64,
+        dims.num_blocks as u64,
+    ];
+    if dims4.iter().any(|&d| d == 0 || d > u32::MAX as u64) {
+        return None;
+    }
+    let box_dims = [64, 1, KEYS_PER_TILE as u32, 1];
+    encode_tiled_u16_sw128(k_cache.ptr(), dims4, [head, tok, block], box_dims).ok()
 }
 
 /// Queues a validated sparse FP8 decode on `gpu`'s stream (`workspace` as for [`launch`]).
