@@ -63,10 +63,12 @@ fn tensor_of(values: &[f32], shape: &[usize], dtype: DType) -> flashmla::Result<
 fn host_case(c: &DenseCheck, seed: u64) -> flashmla::Result<HostCase> {
     let mut case = dense_case(&mut rng(seed), &c.spec);
     if c.missing_blocks {
-        let (page, max_blocks, num_blocks) = (case.p.page_size, case.p.max_blocks, case.p.num_blocks);
+        let (page, max_blocks, num_blocks) =
+            (case.p.page_size, case.p.max_blocks, case.p.num_blocks);
         for (b, &n) in case.cache_seqlens.iter().enumerate() {
             for j in (1..(n.max(0) as usize).div_ceil(page)).step_by(3) {
-                case.block_table[b * max_blocks + j] = if j % 2 == 0 { -1 } else { num_blocks as i32 };
+                case.block_table[b * max_blocks + j] =
+                    if j % 2 == 0 { -1 } else { num_blocks as i32 };
             }
         }
     }

@@ -23,6 +23,67 @@ pub(crate) fn encode_tiled_u16_sw128(
     strides_bytes: [u64; 3],
     box_dims: [u32; 4],
 ) -> Result<TensorMapBytes> {
+    let key = MapKey {
+        base,
+        dims,
+        strides_bytes,
+        box_dims,
+    };
+    if let Some(map) = RECENT.with(|r| r.borrow().get(&key)) {
+        return Ok(map);
+    }
+    let map = encode_uncached(base, dims, strides_bytes, box_dims)?;
+    RECENT.with(|r| r.borrow_mut().put(key, map));
+    Ok(map)
+}
+
+/// What a map is a function of: encoding the same arguments again gives the same bytes (the map holds the address,
+/// not the memory), so a reused entry is exact even if the memory behind it was freed and allocated again.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct MapKey {
+    base: u64,
+    dims: [u64; 4],
+    strides_bytes: [u64; 3],
+    box_dims: [u32; 4],
+}
+
+/// The last maps this thread encoded (a model's layers each keep their own cache: a few dozen distinct maps per
+/// decode step). Looking one up costs a short scan; encoding costs a driver call.
+struct RecentMaps {
+    entries: Vec<(MapKey, TensorMapBytes)>,
+    next: usize,
+}
+
+impl RecentMaps {
+    const CAPACITY: usize = 128;
+
+    fn get(&self, key: &MapKey) -> Option<TensorMapBytes> {
+        self.entries.iter().find(|(k, _)| k == key).map(|(_, m)| *m)
+    }
+
+    /// Inserts, replacing the oldest entry once full.
+    fn put(&mut self, key: MapKey, map: TensorMapBytes) {
+        if self.entries.len() < Self::CAPACITY {
+            self.entries.push((key, map));
+        } else {
+            self.entries[self.next] = (key, map);
+            self.next = (self.next + 1) % Self::CAPACITY;
+        }
+    }
+}
+
+thread_local! {
+    static RECENT: std::cell::RefCell<RecentMaps> = const {
+        std::cell::RefCell::new(RecentMaps { entries: Vec::new(), next: 0 })
+    };
+}
+
+fn encode_uncached(
+    base: u64,
+    dims: [u64; 4],
+    strides_bytes: [u64; 3],
+    box_dims: [u32; 4],
+) -> Result<TensorMapBytes> {
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
     let element_strides = [1u32; 4];
     // SAFETY: every pointer is to a live local array of the rank's length (4 dims and boxes, 3 strides) or the
@@ -45,4 +106,35 @@ pub(crate) fn encode_tiled_u16_sw128(
     };
     check("cuTensorMapEncodeTiled", r)?;
     Ok(TensorMapBytes(map.opaque))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(base: u64) -> MapKey {
+        MapKey {
+            base,
+            dims: [576, 1, 64, 10],
+            strides_bytes: [1152, 1152, 73728],
+            box_dims: [64, 1, 64, 1],
+        }
+    }
+
+    #[test]
+    fn recent_maps_find_what_was_put_and_replace_the_oldest_once_full() {
+        let mut r = RecentMaps {
+            entries: Vec::new(),
+            next: 0,
+        };
+        for i in 0..RecentMaps::CAPACITY as u64 {
+            r.put(key(i), TensorMapBytes([i; 16]));
+        }
+        assert_eq!(r.get(&key(5)), Some(TensorMapBytes([5; 16])));
+        assert_eq!(r.get(&key(1000)), None);
+        r.put(key(1000), TensorMapBytes([7; 16]));
+        assert_eq!(r.get(&key(0)), None, "the oldest entry gave way");
+        assert_eq!(r.get(&key(1000)), Some(TensorMapBytes([7; 16])));
+        assert_eq!(r.entries.len(), RecentMaps::CAPACITY);
+    }
 }
