@@ -421,6 +421,22 @@ __device__ __forceinline__ void store_o_half(const DecodeParams& p, const RowTil
     }
 }
 
+// A staging area's base and the thread's accumulator rows and quad, as opaque copies: the 64 shared-memory write
+// addresses formed from them are loop invariants of the caller's chunk loop, and formed from plain values they
+// were hoisted there (and spilled).
+struct StagingGeometry {
+    uint32_t base;
+    uint32_t row0;
+    uint32_t quad;
+    static __device__ __forceinline__ StagingGeometry of(uint32_t area, const AccFrag& f) {
+        StagingGeometry g;
+        asm volatile("mov.u32 %0, %1;" : "=r"(g.base) : "r"(area));
+        asm volatile("mov.u32 %0, %1;" : "=r"(g.row0) : "r"(static_cast<uint32_t>(f.row0)));
+        asm volatile("mov.u32 %0, %1;" : "=r"(g.quad) : "r"(static_cast<uint32_t>(f.quad)));
+        return g;
+    }
+};
+
 // Writes one consumer's O half of a split chunk as an f32 partial (scaled by inv). Stored from registers, a CTA's
 // 128 KB partial took 8-10 us of the load/store path (the accumulator layout writes each 128-byte row segment in
 // four 32-byte pieces). So the half is staged in `area`, 64 KB of shared memory nothing reads now (the caller keeps
@@ -431,12 +447,7 @@ __device__ __forceinline__ void store_partial_half(const DecodeParams& p, const 
                                                    const AccFrag& f, int consumer, const float (&o)[kORegs],
                                                    const float (&inv)[2], uint32_t area) {
     const int lane = static_cast<int>(threadIdx.x) % 32;
-    // The 64 write addresses are loop invariants of the caller's chunk loop; formed from opaque copies of the
-    // thread's geometry they stay here instead of being hoisted (and spilled) there.
-    uint32_t base, row0, quad;
-    asm volatile("mov.u32 %0, %1;" : "=r"(base) : "r"(area));
-    asm volatile("mov.u32 %0, %1;" : "=r"(row0) : "r"(static_cast<uint32_t>(f.row0)));
-    asm volatile("mov.u32 %0, %1;" : "=r"(quad) : "r"(static_cast<uint32_t>(f.quad)));
+    const auto [base, row0, quad] = StagingGeometry::of(area, f);
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
         const uint32_t row_base = base + (row0 + 8 * rr) * kPartialRowBytes + quad * 8;
@@ -465,10 +476,7 @@ __device__ __forceinline__ void store_partial_half(const DecodeParams& p, const 
 template <class E>
 __device__ __forceinline__ void stage_final_half(const AccFrag& f, int consumer, const float (&o)[kORegs],
                                                  const float (&inv)[2], uint32_t q_area) {
-    uint32_t base, row0, quad;
-    asm volatile("mov.u32 %0, %1;" : "=r"(base) : "r"(q_area));
-    asm volatile("mov.u32 %0, %1;" : "=r"(row0) : "r"(static_cast<uint32_t>(f.row0)));
-    asm volatile("mov.u32 %0, %1;" : "=r"(quad) : "r"(static_cast<uint32_t>(f.quad)));
+    const auto [base, row0, quad] = StagingGeometry::of(q_area, f);
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
         const uint32_t row_base = base + (row0 + 8 * rr) * 1024u + consumer * 512u + quad * 4;
