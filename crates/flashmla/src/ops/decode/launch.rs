@@ -864,13 +864,22 @@ pub(crate) fn launch(
 /// one key head in one page; a tile whose keys are not all in the request, or whose block id is missing, is still
 /// gathered (zero rows must stay zero).
 fn k_cache_tensor_map(dims: &DenseDecodeDims, k_cache: &DeviceView) -> Option<TensorMapBytes> {
+    let (dims4, strides, box_dims) = k_cache_map_args(dims, k_cache)?;
+    encode_tiled_u16_sw128(k_cache.ptr(), dims4, strides, box_dims).ok()
+}
+
+/// What [`k_cache_tensor_map`] encodes: dims `(d_qk, h_kv, page_size, num_blocks)`, byte strides of the head, token
+/// and block dimensions, the box; `None` where the TMA path does not apply.
+fn k_cache_map_args(
+    dims: &DenseDecodeDims,
+    k_cache: &DeviceView,
+) -> Option<([u64; 4], [u64; 3], [u32; 4])> {
     if dims.page_size % KEYS_PER_TILE != 0 || dims.num_blocks == 0 {
         return None;
     }
     let strides = k_cache.strides();
-    let elem = 2u64;
     let stride_bytes = |i: usize| -> Option<u64> {
-        let s = (*strides.get(i)? as u64).checked_mul(elem)?;
+        let s = (*strides.get(i)? as u64).checked_mul(2)?;
         (s % 16 == 0 && s > 0 && s < (1u64 << 40)).then_some(s)
     };
     let (block, tok, head) = (stride_bytes(0)?, stride_bytes(1)?, stride_bytes(2)?);
@@ -883,8 +892,7 @@ fn k_cache_tensor_map(dims: &DenseDecodeDims, k_cache: &DeviceView) -> Option<Te
     if dims4.iter().any(|&d| d == 0 || d > u32::MAX as u64) {
         return None;
     }
-    let box_dims = [64, 1, KEYS_PER_TILE as u32, 1];
-    encode_tiled_u16_sw128(k_cache.ptr(), dims4, [head, tok, block], box_dims).ok()
+    Some((dims4, [head, tok, block], [64, 1, KEYS_PER_TILE as u32, 1]))
 }
 
 /// Queues a validated sparse FP8 decode on `gpu`'s stream (`workspace` as for [`launch`]).
@@ -1057,6 +1065,33 @@ mod tests {
                 lse: view(BASE + (5 << 36), DType::F32, &[b, h_q, s_q], None),
             },
         }
+    }
+
+    #[test]
+    fn the_tma_map_covers_pages_of_whole_tiles_with_16_byte_strides_only() {
+        let mut d = dims(4, 1, 128, 1, 8);
+        let k = |page: usize, strides: Option<&[usize]>| {
+            view(BASE, DType::Bf16, &[d.num_blocks, page, 1, 576], strides)
+        };
+        // Contiguous pages of 64 keys: dims (576, 1, 64, blocks), byte strides (head, token, block).
+        let args = k_cache_map_args(&d, &k(64, None)).unwrap();
+        assert_eq!(args.0, [576, 1, 64, 32]);
+        assert_eq!(args.1, [1152, 1152, 64 * 1152]);
+        assert_eq!(args.2, [64, 1, 64, 1]);
+        // Pages of 128 keys: tiles start inside a page.
+        d.page_size = 128;
+        assert_eq!(k_cache_map_args(&d, &k(128, None)).unwrap().0[2], 128);
+        // Pages that are not multiples of a tile, and a token stride that is not a multiple of 16 bytes: gathered.
+        d.page_size = 48;
+        assert!(k_cache_map_args(&d, &k(48, None)).is_none());
+        d.page_size = 64;
+        let odd = [64 * 580, 580, 580, 1];
+        assert!(k_cache_map_args(&d, &k(64, Some(&odd))).is_none());
+        let padded = [64 * 584, 584, 584, 1];
+        assert_eq!(
+            k_cache_map_args(&d, &k(64, Some(&padded))).unwrap().1,
+            [1168, 1168, 64 * 1168]
+        );
     }
 
     fn lower_case(d: &DenseDecodeDims, c: &Case) -> Result<DecodePlan> {
