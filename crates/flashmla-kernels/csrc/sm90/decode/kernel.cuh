@@ -141,8 +141,8 @@ __device__ __forceinline__ void tma_group(const DecodeParams& p, SmemPlan<kDqk>&
     MBarrier::arrive(full, kWarpgroupThreads);
 }
 
-// The thread's share of gathering key tile k of chunk c with cp.async (rows of keys past the request or in a missing
-// block zero-filled, never read), given the block ids of its 4 rows.
+// The thread's share of gathering key tile k with cp.async (rows of keys past the request or in a missing block
+// zero-filled, never read), given the block ids of its 4 rows.
 template <int kDqk>
 __device__ __forceinline__ void gather_tile(const DecodeParams& p, SmemPlan<kDqk>& sm, const RowTile& rt, int k,
                                             const Ring& pos, uint32_t stage_base, const int (&blk)[kPassesPerTile],
