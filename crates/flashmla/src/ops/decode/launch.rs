@@ -471,6 +471,20 @@ impl DecodePlan {
     }
 }
 
+/// The `flags` bits the kernels' output stores take from `out`'s alignment: 4-byte element-pair stores
+/// ([`FLAG_OUT_VEC4`]) and 16-byte aligned rows for bulk stores ([`FLAG_OUT_BULK`]).
+fn out_flags(out: &DeviceView) -> u32 {
+    (if rows_aligned(out, 4) {
+        FLAG_OUT_VEC4
+    } else {
+        0
+    }) | (if rows_aligned(out, 16) {
+        FLAG_OUT_BULK
+    } else {
+        0
+    })
+}
+
 /// Lowers a validated dense decode to its three launches (workspace pointers left 0).
 pub fn lower(
     dims: &DenseDecodeDims,
@@ -570,15 +584,7 @@ pub fn lower(
             FLAG_CAUSAL
         } else {
             0
-        }) | if rows_aligned(&out.out, 4) {
-            FLAG_OUT_VEC4
-        } else {
-            0
-        } | if rows_aligned(&out.out, 16) {
-            FLAG_OUT_BULK
-        } else {
-            0
-        },
+        }) | out_flags(&out.out),
         sm_scale_log2,
         ..DecodeParams::default()
     };
@@ -805,18 +811,7 @@ pub fn lower_sparse(
         chunk_overhead: CHUNK_OVERHEAD_TILES as i32,
         fixed_budget: to_i32("options.chunk_tiles", geometry.fixed_budget)?,
         max_request_parts: MAX_REQUEST_PARTS as i32,
-        flags: FLAG_SPARSE
-            | if copy16 { 0 } else { FLAG_COPY8 }
-            | if rows_aligned(&out.out, 4) {
-                FLAG_OUT_VEC4
-            } else {
-                0
-            }
-            | if rows_aligned(&out.out, 16) {
-                FLAG_OUT_BULK
-            } else {
-                0
-            },
+        flags: FLAG_SPARSE | if copy16 { 0 } else { FLAG_COPY8 } | out_flags(&out.out),
         sm_scale_log2,
         ..DecodeParams::default()
     };
@@ -1134,6 +1129,9 @@ mod tests {
         let d1 = DenseDecodeDims { s_q: 1, ..d };
         let odd = case(&d1, None, Some(&[64 * 513 + 1, 64 * 513 + 1, 513, 1]));
         assert_eq!(lower_case(&d1, &odd).unwrap().params.flags, 0);
+        // Rows 4-byte but not 16-byte aligned: pair stores from registers, no bulk stores.
+        let even = case(&d1, None, Some(&[64 * 514, 64 * 514, 514, 1]));
+        assert_eq!(lower_case(&d1, &even).unwrap().params.flags, FLAG_OUT_VEC4);
     }
 
     #[test]
