@@ -278,6 +278,100 @@ __device__ __forceinline__ void producer_sparse(const DecodeParams& p, SmemPlan<
     }
 }
 
+// The sparse producer of a 2-CTA cluster (kFlagSplitDequant): the same walk, but each CTA dequantises only its
+// half of a tile's rows (sparse_keys.cuh, SplitLane) and writes them to both CTAs' stages; the RoPE columns (bf16)
+// of all 64 rows are copied locally as before. A left / right group may only be written once both CTAs' consumers
+// released it (kv_empty counts the peer's credits too); its full barrier counts the 128 local arrivals and the
+// peer's st.async bytes, which thread 0 announces with its arrival.
+template <int kDqk>
+__device__ __forceinline__ void producer_sparse_split(const DecodeParams& p, SmemPlan<kDqk>& sm,
+                                                      const Schedule& sched) {
+    using C = Config<kDqk>;
+    constexpr int kNopeSlabs = Fp8Format<kDqk>::kDNope / kSw128ColsBf16;  // 8 (V3.2) or 7 (MODEL1)
+    constexpr uint32_t kPeerBytesPerSlab = 32 * kSw128RowBytes;           // the peer's 32 rows of a slab
+    const int t = static_cast<int>(threadIdx.x);
+    const uint32_t rank = cluster_ctarank();
+    const uint32_t peer = rank ^ 1u;
+    const Sw128CopyThread ct = Sw128CopyThread::of(t);
+    const RawLane lane = RawLane::of(t);             // RoPE: row t / 2, as the unsplit producer
+    const SplitLane split = SplitLane::of(t, rank);  // NoPE: row 32 rank + t / 4
+    const bool copy8 = (p.flags & kFlagCopy8) != 0;
+    int tile = 0;
+    int q_uses = 0;
+    for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
+        for_each_chunk(p, sched, part, [&](const Chunk& c) {
+            if (c.tile0 == c.tile1) return;
+            if (q_uses > 0) MBarrier::wait(&sm.q_empty, static_cast<uint32_t>((q_uses - 1) & 1));
+            load_q_tile<kDqk>(p, sm, RowTile::of(p), c.b, ct);
+            ++q_uses;
+            int idx_rope = sparse_index(p, c, c.tile0 * kKeysPerTile + lane.row);
+            int idx_nope = sparse_index(p, c, c.tile0 * kKeysPerTile + split.row);
+            for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
+                const Fp8Row rope_row = sparse_row(p, c, k * kKeysPerTile + lane.row, idx_rope);
+                const Fp8Row nope_row = sparse_row(p, c, k * kKeysPerTile + split.row, idx_nope);
+                const uint4 scales = load_scales<kDqk>(nope_row);
+                if (k + 1 < c.tile1) {
+                    idx_rope = sparse_index(p, c, (k + 1) * kKeysPerTile + lane.row);
+                    idx_nope = sparse_index(p, c, (k + 1) * kKeysPerTile + split.row);
+                }
+                const Ring pos = Ring::of(tile);
+                const uint32_t stage = smem_addr(sm.kv[pos.stage]);
+                const uint32_t peer_stage = mapa_shared(stage, peer);
+                if constexpr (C::kRopeSlabs > 0) {
+                    MBarrier::wait(&sm.kv_empty[pos.stage][kGroupRope], pos.empty_parity);
+                    copy_rope<kDqk>(stage, lane, rope_row, p.q, copy8);
+                    MBarrier::arrive_on_cp_async_noinc(&sm.kv_full[pos.stage][kGroupRope]);
+                }
+                MBarrier::wait(&sm.kv_empty[pos.stage][kGroupLeft], pos.empty_parity);
+#pragma unroll
+                for (int sl = 0; sl < kSlabsPerHalf; ++sl) {
+                    copy_nope_raw_split<kDqk>(stage, split, nope_row, sl, p.q, copy8);
+                }
+                cp_async_commit_group();
+                MBarrier::wait(&sm.kv_empty[pos.stage][kGroupRight], pos.empty_parity);
+#pragma unroll
+                for (int sl = kSlabsPerHalf; sl < kNopeSlabs; ++sl) {
+                    copy_nope_raw_split<kDqk>(stage, split, nope_row, sl, p.q, copy8);
+                }
+                if constexpr (C::kRopeSlabs == 0) copy_rope<kDqk>(stage, lane, rope_row, p.q, copy8);  // MODEL1
+                cp_async_commit_group();
+
+                uint64_t* left = &sm.kv_full[pos.stage][kGroupLeft];
+                uint64_t* right = &sm.kv_full[pos.stage][kGroupRight];
+                cp_async_wait_group<1>();
+                dequant_slabs_split<kDqk, 0, kSlabsPerHalf>(stage, peer_stage, mapa_shared(smem_addr(left), peer),
+                                                            split, scales);
+                fence_proxy_async_shared();
+                if (t == 0) {
+                    mbarrier_arrive_expect_tx(smem_addr(left), kSlabsPerHalf * kPeerBytesPerSlab);
+                } else {
+                    MBarrier::arrive(left);
+                }
+                cp_async_wait_group<0>();
+                dequant_slabs_split<kDqk, kSlabsPerHalf, kNopeSlabs>(stage, peer_stage,
+                                                                     mapa_shared(smem_addr(right), peer), split,
+                                                                     scales);
+                fence_proxy_async_shared();
+                if (t == 0) {
+                    mbarrier_arrive_expect_tx(smem_addr(right), (kNopeSlabs - kSlabsPerHalf) * kPeerBytesPerSlab);
+                } else {
+                    MBarrier::arrive(right);
+                }
+            }
+        });
+    }
+    // Lifetime: the peer's consumers still credit this CTA's barriers for the last tiles. Wait for the releases of
+    // the last two tiles (both CTAs' credits) before the CTA may exit; the peer's st.async into this CTA's stages
+    // completed before its own consumers finished. (A cluster barrier at the end, reached from the three roles'
+    // paths, made ptxas serialise the consumers' wgmma pipelines.)
+#pragma unroll
+    for (int i = 0; i < kStages; ++i) {
+        const Ring pos = Ring::of(tile + i);
+        MBarrier::wait(&sm.kv_empty[pos.stage][kGroupLeft], pos.empty_parity);
+        MBarrier::wait(&sm.kv_empty[pos.stage][kGroupRight], pos.empty_parity);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Consumer warpgroups.
 
@@ -560,6 +654,8 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
     const bool causal = (p.flags & kFlagCausal) != 0;
     const uint64_t desc_q = make_wgmma_desc_sw128(smem_addr(sm.q), kUnusedLbo, kSw128AtomBytes);
     const bool bulk_out = (p.flags & kFlagOutBulk) != 0;
+    const bool split_dequant = (p.flags & kFlagSplitDequant) != 0;  // credits for the peer's producer too
+    const uint32_t peer = split_dequant ? cluster_ctarank() ^ 1u : 0u;
 
     int tile = 0;
     int q_uses = 0;
@@ -664,6 +760,9 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 wgmma_fence_regs(pa[2]);
                 wgmma_fence_regs(pa[3]);
                 release_by_warp(&sm.kv_empty[pos.stage][kGroupLeft], lane);
+                if (split_dequant && lane == 0) {
+                    mbarrier_arrive_remote_relaxed(mapa_shared(smem_addr(&sm.kv_empty[pos.stage][kGroupLeft]), peer));
+                }
                 if (has_next) issue_qk<E, kDqk>(sm, Ring::of(tile + 1), desc_q, q_rope, s);
                 named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
             }
@@ -676,6 +775,9 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 store_partial_half(p, rt, c, f, 0, o, inv, smem_addr(sm.q));
                 // Both halves have left shared memory: the producer may load the next chunk (Q, then its tiles).
                 named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
+                // Split dequantisation: the value half goes through the Q tile after this one (the peer's producer
+                // may already fill the last key stage).
+                if (split_dequant) named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
                 release_by_warp(&sm.q_empty, lane);
             } else if (bulk_out && n_tiles > 0) {
                 stage_final_half<E>(f, 0, o, inv, smem_addr(sm.q));
@@ -700,6 +802,8 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
     const int rows[2] = {f.row0, f.row1()};
     const RowTile rt = RowTile::of(p);
     const bool bulk_out = (p.flags & kFlagOutBulk) != 0;
+    const bool split_dequant = (p.flags & kFlagSplitDequant) != 0;
+    const uint32_t peer = split_dequant ? cluster_ctarank() ^ 1u : 0u;
 
     int tile = 0;
     int chunks = 0;
@@ -728,13 +832,23 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
                 wgmma_wait<0>();
                 wgmma_fence_regs(o);
                 release_by_warp(&sm.kv_empty[pos.stage][kGroupRight], lane);
+                if (split_dequant && lane == 0) {
+                    mbarrier_arrive_remote_relaxed(mapa_shared(smem_addr(&sm.kv_empty[pos.stage][kGroupRight]), peer));
+                }
             }
             named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
             const float inv[2] = {sm.row_inv[chunks % 2][rows[0]], sm.row_inv[chunks % 2][rows[1]]};
             if (c.split) {
                 // The chunk's last stage takes this half: both PVs are done, and the producer writes no stage
                 // before the next chunk's Q, which the score warpgroup releases after PartialStaged.
-                store_partial_half(p, rt, c, f, 1, o, inv, smem_addr(sm.kv[Ring::of(tile - 1).stage]));
+                if (split_dequant) {
+                    // The peer's producer may write the last key stage once both CTAs released it: stage this half
+                    // in the Q tile after the score warpgroup's half left it.
+                    named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
+                    store_partial_half(p, rt, c, f, 1, o, inv, smem_addr(sm.q));
+                } else {
+                    store_partial_half(p, rt, c, f, 1, o, inv, smem_addr(sm.kv[Ring::of(tile - 1).stage]));
+                }
                 named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
             } else if (bulk_out && c.tile1 > c.tile0) {
                 // The Q tile is held by the score warpgroup until the rows left (its last QK is done).
@@ -760,6 +874,9 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
     if (pad + sizeof(Plan) > dynamic_smem_bytes()) __trap();  // launch asked for less than kSmemBytes<kDqk>
     Plan& sm = *reinterpret_cast<Plan*>(smem + pad);
 
+    // Split dequantisation (sparse, 2-CTA cluster): the peer's consumers release the left / right groups too, since
+    // its producer writes them; the barriers must exist cluster-wide before either CTA touches the other's.
+    const bool split_dequant = kSparse && (p.flags & kFlagSplitDequant) != 0;
     if (threadIdx.x == 0) {
         MBarrier::init(&sm.q_full, kWarpgroupThreads);
         MBarrier::init(&sm.q_empty, kWarpsPerWarpgroup);
@@ -768,18 +885,25 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
 #pragma unroll
             for (int g = 0; g < C::kGroups; ++g) {
                 MBarrier::init(&sm.kv_full[st][g], kWarpgroupThreads);
-                MBarrier::init(&sm.kv_empty[st][g], kWarpsPerWarpgroup);
+                MBarrier::init(&sm.kv_empty[st][g],
+                               split_dequant && g != kGroupRope ? 2 * kWarpsPerWarpgroup : kWarpsPerWarpgroup);
             }
         }
+        if (split_dequant) fence_mbarrier_init_cluster();
     }
     __syncthreads();
+    if (split_dequant) cluster_sync();
 
     const Schedule sched = Schedule::load(p);
     const Role role = static_cast<Role>(threadIdx.x / kWarpgroupThreads);
     if (role == Role::Producer) {
         setmaxnreg_dec<kProducerRegs>();
         if constexpr (kSparse) {
-            producer_sparse<kDqk>(p, sm, sched);
+            if (split_dequant) {
+                producer_sparse_split<kDqk>(p, sm, sched);
+            } else {
+                producer_sparse<kDqk>(p, sm, sched);
+            }
         } else {
             producer<kDqk>(p, sm, sched);
         }

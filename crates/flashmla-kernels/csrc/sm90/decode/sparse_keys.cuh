@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "common/cp_async.cuh"
+#include "common/cluster.cuh"
 #include "common/cp_async_group.cuh"
 #include "common/fp8.cuh"
 #include "common/mbarrier.cuh"
@@ -198,6 +199,63 @@ __device__ __forceinline__ void dequant_slabs(uint32_t stage_addr, const RawLane
             const uint2 lo = dequant4(codes[2 * j], scale), hi = dequant4(codes[2 * j + 1], scale);
             st_shared_v4(slab + lane.chunk(j), make_uint4(lo.x, lo.y, hi.x, hi.y));
         }
+        raw = next;
+    }
+}
+
+// kFlagSplitDequant (the two CTAs of an h_q 128 cluster attend to the same keys): CTA `rank` owns rows
+// 32 rank .. 32 rank + 31 of every tile; thread t owns row 32 rank + t / 4 and quarter q = t % 4 of every 64-column
+// slab (bf16 columns 16 q .. 16 q + 15: logical chunks 2 q, 2 q + 1). It copies its 16 raw bytes of a NoPE slab into
+// its chunk 2 q, dequantises them and writes the 16 bf16 to its own stage and, with st.async completing on the
+// peer's full barrier, to the peer's: each CTA converts half the values a tile needs.
+struct SplitLane {
+    int row;         // tile row
+    int quarter;     // t % 4
+    uint32_t base;   // row * 128
+    uint32_t phase;  // (2 quarter) ^ (row % 8)
+    static __device__ __forceinline__ SplitLane of(int t, uint32_t rank) {
+        const int row = 32 * static_cast<int>(rank) + t / 4, quarter = t % 4;
+        return {row, quarter, static_cast<uint32_t>(row * kSw128RowBytes),
+                static_cast<uint32_t>((2 * quarter) ^ (row % kSw128AtomRows))};
+    }
+    // == sw128_chunk_offset(row, 2 quarter + j) for j in 0..1.
+    __device__ __forceinline__ uint32_t chunk(int j) const {
+        return base + ((phase ^ static_cast<uint32_t>(j)) * kSw128ChunkBytes);
+    }
+};
+
+// Copies the split thread's 16 raw bytes of NoPE slab s (zeros for a missing key) into its chunk 0 of the slab.
+template <int kDqk>
+__device__ __forceinline__ void copy_nope_raw_split(uint32_t stage_addr, const SplitLane& lane, const Fp8Row& r,
+                                                    int s, const void* never_read, bool copy8) {
+    using C = Config<kDqk>;
+    const bool ok = r.block != nullptr;
+    const uint8_t* src = ok ? r.block + Fp8Format<kDqk>::nope_offset(r.t) + 64 * s + 16 * lane.quarter
+                            : static_cast<const uint8_t*>(never_read);
+    copy_piece(stage_addr + s * C::kSlabBytes + lane.chunk(0), src, ok, copy8);
+}
+
+// Dequantises the split thread's part of NoPE slabs [kFirst, kEnd): 16 codes from its chunk 0 -> 16 bf16 in its
+// chunks 0, 1 here and in the peer CTA (`peer_stage`: the same stage's shared::cluster address there, whose bytes
+// complete on `peer_full`).
+template <int kDqk, int kFirst, int kEnd>
+__device__ __forceinline__ void dequant_slabs_split(uint32_t stage_addr, uint32_t peer_stage, uint32_t peer_full,
+                                                    const SplitLane& lane, const uint4& scales) {
+    using C = Config<kDqk>;
+    uint4 raw = ld_shared_v4(stage_addr + kFirst * C::kSlabBytes + lane.chunk(0));
+#pragma unroll
+    for (int s = kFirst; s < kEnd; ++s) {
+        uint4 next = raw;
+        if (s + 1 < kEnd) next = ld_shared_v4(stage_addr + (s + 1) * C::kSlabBytes + lane.chunk(0));
+        const float scale = slab_scale<kDqk>(scales, s);
+        const uint2 a = dequant4(raw.x, scale), b = dequant4(raw.y, scale);
+        const uint2 c = dequant4(raw.z, scale), d = dequant4(raw.w, scale);
+        const uint4 lo = make_uint4(a.x, a.y, b.x, b.y), hi = make_uint4(c.x, c.y, d.x, d.y);
+        const uint32_t off = s * C::kSlabBytes;
+        st_shared_v4(stage_addr + off + lane.chunk(0), lo);
+        st_shared_v4(stage_addr + off + lane.chunk(1), hi);
+        st_async_v4_b32(peer_stage + off + lane.chunk(0), lo, peer_full);
+        st_async_v4_b32(peer_stage + off + lane.chunk(1), hi, peer_full);
         raw = next;
     }
 }

@@ -68,6 +68,9 @@ pub const FLAG_COPY8: u32 = 8;
 pub const FLAG_OUT_BULK: u32 = 16;
 /// `flags` bit: `k_tmap` describes the dense cache; whole key tiles are loaded by TMA (`kFlagKTma`).
 pub const FLAG_K_TMA: u32 = 32;
+/// `flags` bit: sparse, 2-CTA cluster: each CTA dequantises half of a tile's rows into both CTAs' stages
+/// (`kFlagSplitDequant`).
+pub const FLAG_SPLIT_DEQUANT: u32 = 64;
 /// Words of the schedule after the `batch + 1` line starts (`kScheduleTail`).
 pub const SCHEDULE_TAIL: usize = 2;
 /// The gather moves 16-byte chunks.
@@ -811,7 +814,15 @@ pub fn lower_sparse(
         chunk_overhead: CHUNK_OVERHEAD_TILES as i32,
         fixed_budget: to_i32("options.chunk_tiles", geometry.fixed_budget)?,
         max_request_parts: MAX_REQUEST_PARTS as i32,
-        flags: FLAG_SPARSE | if copy16 { 0 } else { FLAG_COPY8 } | out_flags(&out.out),
+        flags: FLAG_SPARSE
+            | if copy16 { 0 } else { FLAG_COPY8 }
+            | out_flags(&out.out)
+            // Two row tiles run as a 2-CTA cluster (DecodePlan::new): each dequantises half of a tile's rows.
+            | if geometry.head_tiles == 2 {
+                FLAG_SPLIT_DEQUANT
+            } else {
+                0
+            },
         sm_scale_log2,
         ..DecodeParams::default()
     };
