@@ -42,12 +42,13 @@ import ctypes
 import dataclasses
 import datetime
 import json
+import os
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -689,8 +690,26 @@ def host_apis(shape: core.HostCostShape, libs: Libs, gen) -> Dict[str, Callable[
     return apis
 
 
+def pin_host_cpu(cpu: int) -> Optional[int]:
+    """Pins this process to one CPU (``-1``: the lowest it may run on; ``None`` where the OS has no affinity call), so
+    that both libraries' loops run on the same core without migrations; returns the CPU."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    target = allowed[0] if cpu < 0 else cpu
+    os.sched_setaffinity(0, {target})
+    return target
+
+
+def paired_ratios(ours: Sequence[core.HostCost], peer: Sequence[core.HostCost]) -> List[float]:
+    """Per round, the peer's CPU time over ours: the two loops of a round ran back to back, so a host's drift
+    between rounds cancels in each ratio."""
+    return [round(p.cpu_us / o.cpu_us, 4) for o, p in zip(ours, peer) if o.cpu_us > 0]
+
+
 def host_cost(libs: Libs, args, env: dict, gen) -> List[dict]:
     records = []
+    pinned = pin_host_cpu(args.host_cpu) if args.host_cpu is not None else None
     for shape in core.HOST_COST_SHAPES:
         apis = host_apis(shape, libs, gen)
         for name in list(apis):
@@ -714,8 +733,14 @@ def host_cost(libs: Libs, args, env: dict, gen) -> List[dict]:
                     "(a loop is GPU-bound when a call's GPU time exceeds its host time)",
                     f"burst_issue_us: wall time of issuing the same calls in bursts of {HOST_BURST_CALLS} on an idle "
                     "stream, synchronised untimed (the host's own time per call)",
+                    "vs_peer_rounds: the peer's CPU time over ours in each round (the two loops back to back); "
+                    + (f"process pinned to CPU {pinned}" if pinned is not None else "process not pinned"),
                 ],
             )
+            if PEER in samples and api in samples:
+                ratios = paired_ratios(samples[api], samples[PEER])
+                rec["vs_peer_rounds"] = ratios
+                rec["vs_peer_rounds_median"] = sorted(ratios)[len(ratios) // 2] if ratios else None
             records.append(rec)
             print(
                 f"host cost {shape.op:13} {api:40} ours {core.fmt(rec['time_us'])} us CPU/call "
@@ -757,7 +782,12 @@ def parse_args(argv=None):
     p.add_argument("--no-check", action="store_true", help="skip the comparison of the two outputs")
     p.add_argument("--host-cost", action="store_true", help="measure host time per tiny call instead")
     p.add_argument("--host-calls", type=int, default=2000)
-    p.add_argument("--host-rounds", type=int, default=3)
+    p.add_argument("--host-rounds", type=int, default=7)
+    p.add_argument(
+        "--host-cpu", type=int, default=-1,
+        help="pin the process to this CPU for --host-cost (-1: the lowest allowed one; see --no-host-pin)",
+    )
+    p.add_argument("--no-host-pin", dest="host_cpu", action="store_const", const=None, help="do not pin the process")
     args = p.parse_args(argv)
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     args.regimes = ["short", "sustained"] if args.regime == "both" else [args.regime]
