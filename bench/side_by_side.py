@@ -784,10 +784,9 @@ def parse_args(argv=None):
     p.add_argument("--host-calls", type=int, default=2000)
     p.add_argument("--host-rounds", type=int, default=7)
     p.add_argument(
-        "--host-cpu", type=int, default=-1,
-        help="pin the process to this CPU for --host-cost (-1: the lowest allowed one; see --no-host-pin)",
+        "--host-cpu", type=int, default=None,
+        help="pin the process to this CPU for --host-cost (-1: the lowest allowed one; default: not pinned)",
     )
-    p.add_argument("--no-host-pin", dest="host_cpu", action="store_const", const=None, help="do not pin the process")
     args = p.parse_args(argv)
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     args.regimes = ["short", "sustained"] if args.regime == "both" else [args.regime]
