@@ -23,9 +23,11 @@ pub(crate) fn rows_aligned(t: &DeviceView, align: u64) -> bool {
         && (0..rank.saturating_sub(1)).all(|d| (stride_of(t, d) as u64 * elem) % align == 0)
 }
 
-/// `i64` stride parameter for dimension `dim` of `t`.
+/// `i64` stride parameter for dimension `dim` of `t` (the argument's name is formatted only for an error: this
+/// runs for every stride of every launch).
 pub(crate) fn stride_param(arg: &str, t: &DeviceView, dim: usize) -> Result<i64> {
-    to_i64(&format!("{arg}.strides[{dim}]"), stride_of(t, dim))
+    let stride = stride_of(t, dim);
+    i64::try_from(stride).or_else(|_| to_i64(&format!("{arg}.strides[{dim}]"), stride))
 }
 
 /// Bytes of one `cp.async` chunk: the unit in which the kernels gather rows.
