@@ -25,6 +25,25 @@ def test_version_and_build_info():
         assert flashmla._native.NVCC_VERSION
 
 
+def test_outputs_come_from_torchs_c_shim():
+    """With the torch the project pins, outputs are made through torch's C shim (one Python call per op, not one per
+    output): a silent fallback would cost several microseconds per output. The shim's tensors are ordinary ones."""
+    if os.environ.get("FLASHMLA_TORCH_SHIM") == "0":
+        pytest.skip("turned off by FLASHMLA_TORCH_SHIM=0")
+    if torch.__version__.split("+")[0] != "2.11.0":
+        pytest.skip(f"the shim is checked with the pinned torch 2.11.0, not {torch.__version__}")
+    assert flashmla._native.torch_shim()
+    case = make_sparse_case(5, s_q=3, s_kv=32, h_q=4, d_qk=576, topk=16)
+    with torch.inference_mode():
+        out, max_logits, lse = flashmla.sparse_fwd(*case.args())
+        assert out.is_inference()
+    for t, shape, dtype in [(out, (3, 4, 512), torch.bfloat16), (max_logits, (3, 4), torch.float32), (lse, (3, 4), torch.float32)]:
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and t.device == case.q.device
+        assert not t.requires_grad and t.grad_fn is None
+    out2, _, _ = flashmla.sparse_fwd(*case.args())
+    assert torch.equal(out, out2) and not out2.is_inference()
+
+
 def test_release_workspaces_without_cuda_decodes_is_zero():
     """CPU decodes keep no workspace: there is nothing to release."""
     q = torch.zeros(1, 1, 4, 576, dtype=torch.bfloat16)

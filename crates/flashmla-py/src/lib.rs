@@ -12,6 +12,7 @@ mod errors;
 mod gpu;
 mod interrupt;
 mod ops;
+mod shim;
 mod tensor;
 
 use pyo3::prelude::*;
@@ -41,5 +42,6 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops::kv_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(ops::kernels_built, m)?)?;
     m.add_function(wrap_pyfunction!(ops::release_workspaces, m)?)?;
+    m.add_function(wrap_pyfunction!(ops::torch_shim, m)?)?;
     Ok(())
 }

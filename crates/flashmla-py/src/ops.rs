@@ -19,7 +19,9 @@
 use crate::errors::guard;
 use crate::gpu::gpu_for;
 use crate::interrupt::run_cpu;
-use crate::tensor::{current_stream, desc, desc_opt, new_output, stream_workspace, Desc, Read};
+use crate::tensor::{
+    current_stream, desc, descs, new_output, new_outputs, stream_workspace, Desc, Read,
+};
 use flashmla::cuda::Gpu;
 use flashmla::ops::decode::{self, DecodeOutput, DenseDecodeArgs, ExtraKvArgs, SparseDecodeArgs};
 use flashmla::ops::dense_prefill;
@@ -79,6 +81,13 @@ fn run<T: Send>(
     }
 }
 
+/// A required input's description ([`descs`] returns one for every tensor it was given).
+fn required(d: Option<Desc>) -> PyResult<Desc> {
+    d.ok_or_else(|| {
+        pyo3::exceptions::PyValueError::new_err("internal: a required tensor was not described")
+    })
+}
+
 /// `f` of an optional input.
 fn opt<T, U>(t: &Option<T>, f: &impl Fn(&T) -> Result<U>) -> Result<Option<U>> {
     t.as_ref().map(f).transpose()
@@ -105,12 +114,22 @@ impl FwdIn<Desc> {
         topk_length: Option<&Tensor<'_>>,
         read: Read,
     ) -> PyResult<Self> {
+        let [q, kv, indices, attn_sink, topk_length] = descs(
+            [
+                (Some(q), "q"),
+                (Some(kv), "kv"),
+                (Some(indices), "indices"),
+                (attn_sink, "attn_sink"),
+                (topk_length, "topk_length"),
+            ],
+            read,
+        )?;
         Ok(FwdIn {
-            q: desc(q, "q", read)?,
-            kv: desc(kv, "kv", read)?,
-            indices: desc(indices, "indices", read)?,
-            attn_sink: desc_opt(attn_sink, "attn_sink", read)?,
-            topk_length: desc_opt(topk_length, "topk_length", read)?,
+            q: required(q)?,
+            kv: required(kv)?,
+            indices: required(indices)?,
+            attn_sink,
+            topk_length,
         })
     }
 }
@@ -176,9 +195,15 @@ pub fn sparse_fwd<'py>(
     let loc = place.location();
     let dims = guard("sparse_fwd", || fwd_op::validate(&d.args(sm_scale)))?;
     let (s_q, h_q) = (dims.s_q, dims.h_q);
-    let (out, out_d) = new_output(q, "out", &[s_q, h_q, dims.d_v], DType::Bf16, loc)?;
-    let (max_logits, max_d) = new_output(q, "max_logits", &[s_q, h_q], DType::F32, loc)?;
-    let (lse, lse_d) = new_output(q, "lse", &[s_q, h_q], DType::F32, loc)?;
+    let [(out, out_d), (max_logits, max_d), (lse, lse_d)] = new_outputs(
+        q,
+        [
+            ("out", &[s_q, h_q, dims.d_v], DType::Bf16),
+            ("max_logits", &[s_q, h_q], DType::F32),
+            ("lse", &[s_q, h_q], DType::F32),
+        ],
+        loc,
+    )?;
     let outs = SparseFwdOutput {
         out: out_d,
         max_logits: max_d,
@@ -345,11 +370,17 @@ pub fn sparse_bwd<'py>(
         bwd_op::validate(&d.args(sm_scale, dkv_dtype))
     })?;
     let f = dims.fwd;
-    let (d_q, d_q_d) = new_output(q, "d_q", &[f.s_q, f.h_q, f.d_qk], DType::Bf16, loc)?;
-    let (d_kv, d_kv_d) = new_output(q, "d_kv", &[f.s_kv, 1, f.d_qk], dkv_dtype, loc)?;
-    let (delta, delta_d) = new_output(q, "delta", &[f.s_q, f.h_q], DType::F32, loc)?;
     let sink_rows = if attn_sink.is_some() { f.h_q } else { 0 };
-    let (d_sink, d_sink_d) = new_output(q, "d_attn_sink", &[sink_rows], DType::F32, loc)?;
+    let [(d_q, d_q_d), (d_kv, d_kv_d), (delta, delta_d), (d_sink, d_sink_d)] = new_outputs(
+        q,
+        [
+            ("d_q", &[f.s_q, f.h_q, f.d_qk], DType::Bf16),
+            ("d_kv", &[f.s_kv, 1, f.d_qk], dkv_dtype),
+            ("delta", &[f.s_q, f.h_q], DType::F32),
+            ("d_attn_sink", &[sink_rows], DType::F32),
+        ],
+        loc,
+    )?;
     let outs = SparseBwdOutput {
         d_q: d_q_d,
         d_kv: d_kv_d,
@@ -456,8 +487,14 @@ fn decode_outputs<'py>(
     Option<(Tensor<'py>, Desc)>,
 )> {
     let loc = place.location();
-    let (out, out_d) = new_output(q, "out", &[b, s_q, h_q, d_v], dtype, loc)?;
-    let (lse, lse_d) = new_output(q, "lse", &[b, h_q, s_q], DType::F32, loc)?;
+    let [(out, out_d), (lse, lse_d)] = new_outputs(
+        q,
+        [
+            ("out", &[b, s_q, h_q, d_v], dtype),
+            ("lse", &[b, h_q, s_q], DType::F32),
+        ],
+        loc,
+    )?;
     let workspace = match place {
         Place::Cuda(gpu) => {
             // is_capturing binds the device's context (a fresh thread has none current): put the caller's back.
@@ -502,12 +539,22 @@ impl DenseIn<Desc> {
         attn_sink: Option<&Tensor<'_>>,
         read: Read,
     ) -> PyResult<Self> {
+        let [q, k_cache, block_table, cache_seqlens, attn_sink] = descs(
+            [
+                (Some(q), "q"),
+                (Some(k_cache), "k_cache"),
+                (Some(block_table), "block_table"),
+                (Some(cache_seqlens), "cache_seqlens"),
+                (attn_sink, "attn_sink"),
+            ],
+            read,
+        )?;
         Ok(DenseIn {
-            q: desc(q, "q", read)?,
-            k_cache: desc(k_cache, "k_cache", read)?,
-            block_table: desc(block_table, "block_table", read)?,
-            cache_seqlens: desc(cache_seqlens, "cache_seqlens", read)?,
-            attn_sink: desc_opt(attn_sink, "attn_sink", read)?,
+            q: required(q)?,
+            k_cache: required(k_cache)?,
+            block_table: required(block_table)?,
+            cache_seqlens: required(cache_seqlens)?,
+            attn_sink,
         })
     }
 }
@@ -655,12 +702,22 @@ impl SparseIn<Desc> {
         extra_topk_length: Option<&Tensor<'_>>,
         read: Read,
     ) -> PyResult<Self> {
-        let extra = match (extra_k_cache, extra_indices) {
-            (Some(c), Some(i)) => Some((
-                desc(c, "extra_k_cache", read)?,
-                desc(i, "extra_indices", read)?,
-                desc_opt(extra_topk_length, "extra_topk_length", read)?,
-            )),
+        let [q, k_cache, indices, topk_length, attn_sink, extra_k_cache_d, extra_indices_d, extra_topk_length_d] =
+            descs(
+                [
+                    (Some(q), "q"),
+                    (Some(k_cache), "k_cache"),
+                    (Some(indices), "indices"),
+                    (topk_length, "topk_length"),
+                    (attn_sink, "attn_sink"),
+                    (extra_k_cache, "extra_k_cache"),
+                    (extra_indices, "extra_indices"),
+                    (extra_topk_length, "extra_topk_length"),
+                ],
+                read,
+            )?;
+        let extra = match (extra_k_cache_d, extra_indices_d) {
+            (Some(c), Some(i)) => Some((c, i, extra_topk_length_d)),
             (None, None) if extra_topk_length.is_none() => None,
             _ => {
                 return Err(pyo3::exceptions::PyValueError::new_err(
@@ -670,11 +727,11 @@ impl SparseIn<Desc> {
             }
         };
         Ok(SparseIn {
-            q: desc(q, "q", read)?,
-            k_cache: desc(k_cache, "k_cache", read)?,
-            indices: desc(indices, "indices", read)?,
-            topk_length: desc_opt(topk_length, "topk_length", read)?,
-            attn_sink: desc_opt(attn_sink, "attn_sink", read)?,
+            q: required(q)?,
+            k_cache: required(k_cache)?,
+            indices: required(indices)?,
+            topk_length,
+            attn_sink,
             extra,
         })
     }
@@ -966,14 +1023,14 @@ pub fn dense_prefill_fwd<'py>(
     let dims = guard("dense_prefill_fwd", || {
         dense_prefill::validate(&d.args(softmax_scale, causal))
     })?;
-    let (out, out_d) = new_output(
+    let [(out, out_d), (lse, lse_d)] = new_outputs(
         q,
-        "out",
-        &[dims.total_q, dims.h_q, dims.d_v],
-        dims.dtype,
+        [
+            ("out", &[dims.total_q, dims.h_q, dims.d_v], dims.dtype),
+            ("lse", &[dims.h_q, dims.total_q], DType::F32),
+        ],
         loc,
     )?;
-    let (lse, lse_d) = new_output(q, "lse", &[dims.h_q, dims.total_q], DType::F32, loc)?;
     run(
         py,
         "dense_prefill_fwd",
@@ -1062,13 +1119,13 @@ pub fn dense_prefill_bwd<'py>(
     let dims = guard("dense_prefill_bwd", || {
         dense_prefill::validate_bwd(&d.args(softmax_scale, causal))
     })?;
-    let (dq, dq_d) = new_output(q, "d_q", &[dims.total_q, dims.h_q, dims.d], dims.dtype, loc)?;
-    let (dk, dk_d) = new_output(q, "d_k", &[dims.total_k, dims.h_k, dims.d], dims.dtype, loc)?;
-    let (dv, dv_d) = new_output(
+    let [(dq, dq_d), (dk, dk_d), (dv, dv_d)] = new_outputs(
         q,
-        "d_v",
-        &[dims.total_k, dims.h_k, dims.d_v],
-        dims.dtype,
+        [
+            ("d_q", &[dims.total_q, dims.h_q, dims.d], dims.dtype),
+            ("d_k", &[dims.total_k, dims.h_k, dims.d], dims.dtype),
+            ("d_v", &[dims.total_k, dims.h_k, dims.d_v], dims.dtype),
+        ],
         loc,
     )?;
     // The GPU backward's workspace: delta [h_q, total_q] f32 (4 bytes per query row and head), freed with the call.
@@ -1234,6 +1291,12 @@ pub fn kv_dequantize<'py>(cache: &Tensor<'py>) -> PyResult<Tensor<'py>> {
 #[pyfunction]
 pub fn release_workspaces() -> usize {
     crate::tensor::release_workspaces()
+}
+
+/// Whether outputs are allocated through torch's C shim (`crate::shim`), rather than one Python call each.
+#[pyfunction]
+pub fn torch_shim(py: Python<'_>) -> bool {
+    crate::shim::Shim::get(py).is_some()
 }
 
 /// Every kernel family with whether its cubin is embedded in this build: `[(family, built), ...]`.

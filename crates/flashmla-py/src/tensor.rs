@@ -26,6 +26,8 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
+use crate::shim::Shim;
+
 /// What this module takes from torch, looked up once per process.
 struct Torch {
     /// `torch.Tensor`.
@@ -206,17 +208,99 @@ pub fn desc(obj: &Bound<'_, PyAny>, arg: &'static str, read: Read) -> PyResult<D
     })
 }
 
-/// [`desc`] of an optional argument (`None` stays `None`).
-pub fn desc_opt(
-    obj: Option<&Bound<'_, PyAny>>,
-    arg: &'static str,
+/// [`desc`] of several arguments at once (`None` stays `None`). The tensors of a call that reads data (not a metadata-only check)
+/// are read through torch's C shim with one Python call where this torch has it ([`crate::shim`]); else, and for
+/// anything the shim does not describe (a value that is not a tensor, a dtype flashmla does not know, a device
+/// other than the host or CUDA), each is read by [`desc`], which names what is wrong.
+pub fn descs<const N: usize>(
+    items: [(Option<&Bound<'_, PyAny>>, &'static str); N],
     read: Read,
-) -> PyResult<Option<Desc>> {
-    obj.map(|o| desc(o, arg, read)).transpose()
+) -> PyResult<[Option<Desc>; N]> {
+    let present: Vec<&Bound<'_, PyAny>> = items.iter().filter_map(|&(t, _)| t).collect();
+    let raws = match (read, present.first()) {
+        (Read::Data, Some(first)) => match Shim::get(first.py()) {
+            Some(shim) => shim.describe(first.py(), &present)?,
+            None => None,
+        },
+        _ => None,
+    };
+    let mut raws = raws.map(Vec::into_iter);
+    let mut out: [Option<Desc>; N] = std::array::from_fn(|_| None);
+    for (slot, (obj, arg)) in out.iter_mut().zip(items) {
+        let Some(obj) = obj else { continue };
+        let raw = raws.as_mut().and_then(Iterator::next);
+        *slot = Some(match raw {
+            Some(r) if r.dtype.is_some() => {
+                let layout = Layout::strided(&r.shape, &r.strides).map_err(|_| {
+                    PyValueError::new_err(format!(
+                        "invalid argument `{arg}.stride`: expected {} strides, got {}",
+                        r.shape.len(),
+                        r.strides.len()
+                    ))
+                })?;
+                Desc {
+                    arg,
+                    ptr: r.ptr,
+                    dtype: r.dtype.unwrap_or(DType::U8),
+                    foreign: None,
+                    layout,
+                    location: r.cuda.map_or(Location::Host, Location::Cuda),
+                }
+            }
+            _ => desc(obj, arg, read)?,
+        });
+    }
+    Ok(out)
 }
 
-/// A new contiguous tensor of `shape` and `dtype` on `like`'s device (`like.new_empty`, uninitialised), and its
-/// description as output `arg`.
+/// New contiguous tensors, one per `(arg, shape, dtype)` of `specs`, uninitialised, on `location` (`like`'s
+/// device), and their descriptions as outputs. Made through torch's C shim in one Python call where this torch
+/// has it ([`crate::shim`]), else by `like.new_empty(shape, dtype=...)` each.
+pub fn new_outputs<'py, const N: usize>(
+    like: &Bound<'py, PyAny>,
+    specs: [(&'static str, &[usize], DType); N],
+    location: Location,
+) -> PyResult<[(Bound<'py, PyAny>, Desc); N]> {
+    let py = like.py();
+    let device = match location {
+        Location::Cuda(d) => Some(d),
+        Location::Host => None,
+    };
+    let made = match Shim::get(py) {
+        Some(shim) if specs.iter().all(|&(_, _, d)| shim.allocates(d)) => {
+            let shapes: Vec<(&[usize], DType)> = specs.iter().map(|&(_, s, d)| (s, d)).collect();
+            shim.empty(py, &shapes, device)?
+        }
+        _ => None,
+    };
+    let tensors = match made {
+        Some(t) => t,
+        None => specs
+            .iter()
+            .map(|&(_, shape, dtype)| python_empty(like, shape, dtype))
+            .collect::<PyResult<Vec<_>>>()?,
+    };
+    let outputs: Vec<(Bound<'py, PyAny>, Desc)> = tensors
+        .into_iter()
+        .zip(specs)
+        .map(|((t, ptr), (arg, shape, dtype))| {
+            let desc = Desc {
+                arg,
+                ptr,
+                dtype,
+                foreign: None,
+                layout: Layout::contiguous(shape),
+                location,
+            };
+            (t, desc)
+        })
+        .collect();
+    outputs
+        .try_into()
+        .map_err(|_| PyValueError::new_err("internal: output count"))
+}
+
+/// [`new_outputs`] of one tensor.
 pub fn new_output<'py>(
     like: &Bound<'py, PyAny>,
     arg: &'static str,
@@ -224,6 +308,16 @@ pub fn new_output<'py>(
     dtype: DType,
     location: Location,
 ) -> PyResult<(Bound<'py, PyAny>, Desc)> {
+    let [out] = new_outputs(like, [(arg, shape, dtype)], location)?;
+    Ok(out)
+}
+
+/// `like.new_empty(shape, dtype=dtype)` and its data address (0 when empty).
+fn python_empty<'py>(
+    like: &Bound<'py, PyAny>,
+    shape: &[usize],
+    dtype: DType,
+) -> PyResult<(Bound<'py, PyAny>, u64)> {
     let py = like.py();
     let kwargs = torch(py)?
         .dtypes
@@ -242,15 +336,7 @@ pub fn new_output<'py>(
     } else {
         0
     };
-    let desc = Desc {
-        arg,
-        ptr,
-        dtype,
-        foreign: None,
-        layout: Layout::contiguous(shape),
-        location,
-    };
-    Ok((t, desc))
+    Ok((t, ptr))
 }
 
 impl Desc {
