@@ -123,7 +123,8 @@ class FlashMLASchedMeta:
     # FlashMLA keeps its tile-scheduler tensors here; this implementation schedules inside the call.
     tile_scheduler_metadata: Optional[Tensor] = None
     num_splits: Optional[Tensor] = None
-    # `config` as a plain tuple, the cheap comparison every later call makes.
+    # The shapes and flags of the last call that used it (a superset of `config`), the cheap comparison every
+    # later call makes.
     _key: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
 
 
@@ -145,6 +146,22 @@ def _record_or_check(meta: FlashMLASchedMeta, config: FlashMLASchedMeta.Config) 
                 f"invalid argument `tile_scheduler_metadata`: it was initialised with {field.name}={had!r} but this "
                 f"call has {field.name}={got!r}; use one FlashMLASchedMeta per decode configuration"
             )
+
+
+def _config(q, k_cache, causal, is_fp8_kvcache, indices, extra_k_cache, extra_indices) -> FlashMLASchedMeta.Config:
+    """The configuration a decode call fixes in its FlashMLASchedMeta (FlashMLA's fields, in order)."""
+    return FlashMLASchedMeta.Config(
+        q.shape[0],
+        q.shape[1],
+        q.shape[2],
+        k_cache.shape[1],
+        k_cache.shape[2],
+        causal,
+        is_fp8_kvcache,
+        indices.shape[-1] if indices is not None else None,
+        extra_k_cache.shape[1] if extra_k_cache is not None else None,
+        extra_indices.shape[-1] if extra_indices is not None else None,
+    )
 
 
 def flash_mla_with_kvcache(
@@ -178,33 +195,32 @@ def flash_mla_with_kvcache(
         ``(out [b, s_q, h_q, 512], softmax_lse [b, h_q, s_q] float32)``, natural-log lse (``+inf`` and ``out = 0``
         for a query without keys).
     """
-    _check_d_v(head_dim_v)
+    # Every check below is a comparison or two: this function runs once per layer and generated token.
+    if head_dim_v != _ops.D_V:
+        _check_d_v(head_dim_v)
     if num_splits is not None:
         raise ValueError("invalid argument `num_splits`: expected None (the second value get_mla_metadata returns)")
-    if tile_scheduler_metadata is not None and not isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
-        raise TypeError(
-            "invalid argument `tile_scheduler_metadata`: expected the FlashMLASchedMeta get_mla_metadata returns, "
-            f"got {type(tile_scheduler_metadata).__name__}"
-        )
     sparse = indices is not None
     meta = tile_scheduler_metadata
     if meta is not None:
-        q_shape, cache_shape = q.shape, k_cache.shape
-        # The fields of FlashMLASchedMeta.Config, in order.
+        if not isinstance(meta, FlashMLASchedMeta):
+            raise TypeError(
+                "invalid argument `tile_scheduler_metadata`: expected the FlashMLASchedMeta get_mla_metadata "
+                f"returns, got {type(meta).__name__}"
+            )
+        # The shapes as they come (a superset of the configuration): only a change runs the field-by-field check.
         key = (
-            q_shape[0],
-            q_shape[1],
-            q_shape[2],
-            cache_shape[1],
-            cache_shape[2],
+            q.shape,
+            k_cache.shape,
             causal,
             is_fp8_kvcache,
-            indices.shape[-1] if sparse else None,
-            extra_k_cache.shape[1] if extra_k_cache is not None else None,
-            extra_indices_in_kvcache.shape[-1] if extra_indices_in_kvcache is not None else None,
+            indices.shape if sparse else None,
+            extra_k_cache.shape if extra_k_cache is not None else None,
+            extra_indices_in_kvcache.shape if extra_indices_in_kvcache is not None else None,
         )
         if key != meta._key:
-            _record_or_check(meta, FlashMLASchedMeta.Config(*key))
+            _record_or_check(meta, _config(q, k_cache, causal, is_fp8_kvcache, indices, extra_k_cache,
+                                           extra_indices_in_kvcache))
             meta._key = key
     if sparse:
         if causal:
@@ -224,16 +240,20 @@ def flash_mla_with_kvcache(
             extra_indices_in_kvcache,
             extra_topk_length,
         )
-    extras = {
-        "attn_sink": attn_sink,
-        "extra_k_cache": extra_k_cache,
-        "extra_indices_in_kvcache": extra_indices_in_kvcache,
-        "topk_length": topk_length,
-        "extra_topk_length": extra_topk_length,
-    }
-    given = [k for k, v in extras.items() if v is not None and k != "attn_sink"]
-    if given:
-        raise ValueError(f"invalid argument `{given[0]}`: expected None for dense attention (no `indices`)")
+    if (
+        extra_k_cache is not None
+        or extra_indices_in_kvcache is not None
+        or topk_length is not None
+        or extra_topk_length is not None
+    ):
+        extras = dict(
+            extra_k_cache=extra_k_cache,
+            extra_indices_in_kvcache=extra_indices_in_kvcache,
+            topk_length=topk_length,
+            extra_topk_length=extra_topk_length,
+        )
+        given = next(k for k, v in extras.items() if v is not None)
+        raise ValueError(f"invalid argument `{given}`: expected None for dense attention (no `indices`)")
     if is_fp8_kvcache:
         raise NotImplementedError("flash_mla_with_kvcache: dense decode over an FP8 cache is not implemented")
     if block_table is None or cache_seqlens is None:

@@ -182,6 +182,23 @@ def test_with_kvcache_misuse():
         flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, torch.zeros(3))
 
 
+def test_with_kvcache_metadata_fixes_the_configuration():
+    """One FlashMLASchedMeta serves calls of one configuration: a grown cache pool (more blocks) or new lengths keep
+    it; another head count, page size or causality is refused by name, as FlashMLA refuses it."""
+    q, k_cache, block_table, seqlens = _dense_problem(92)
+    meta, _ = flash_mla.get_mla_metadata()
+    flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta)
+    assert meta.have_initialized and meta.config.b == 2 and meta.config.h_q == 4 and meta.config.page_block_size == 16
+    bigger_pool = torch.cat([k_cache, k_cache[:3]])
+    flash_mla.flash_mla_with_kvcache(q, bigger_pool, block_table, seqlens.flip(0), 512, meta)
+    with pytest.raises(ValueError, match="h_q=4 but this call has h_q=2"):
+        flash_mla.flash_mla_with_kvcache(q[:, :, :2], k_cache, block_table, seqlens, 512, meta)
+    with pytest.raises(ValueError, match="causal=False but this call has causal=True"):
+        flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, causal=True)
+    # The refused calls leave the metadata as it was.
+    flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta)
+
+
 def test_dense_prefill_compat_packed_forms_and_options():
     g = torch.Generator().manual_seed(3)
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
