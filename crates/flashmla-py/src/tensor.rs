@@ -6,14 +6,16 @@
 //! compute on: validation then names it and lists what the argument accepts), `shape` and `stride()` in elements,
 //! and the device (`get_device()` of a CUDA tensor, or the host). The Python caller keeps every tensor alive for
 //! the duration of the call (they are its arguments, or outputs this module allocated and returns), which is
-//! what makes reading and writing through `data_ptr` sound. Reading these from Rust costs about half of what
-//! building the same description in Python did, and the one native call per op does it once.
+//! what makes reading and writing through `data_ptr` sound. A call that reads data reads all its tensors at once
+//! through torch's C shim ([`descs`], [`crate::shim`]); metadata-only checks and anything the shim does not
+//! describe go through the Python attributes ([`desc`]).
 //!
 //! * CPU inputs are copied into a [`HostTensor`] (the storage span only, any strides kept); CPU outputs are
 //!   allocated by torch and filled by [`Desc::write_host`].
 //! * CUDA tensors become [`DeviceView`]s: no copy, the kernels read and write torch's memory.
-//! * Outputs and workspaces are allocated by torch ([`new_output`]: `like.new_empty(shape, dtype=...)`), so its
-//!   caching allocator serves them in stream order and a CUDA graph capture takes them from the graph's pool.
+//! * Outputs and workspaces are allocated by torch ([`new_outputs`]: `at::empty_strided` through the C shim, all of
+//!   a call's outputs wrapped in one Python call; else `like.new_empty(shape, dtype=...)` each), so its caching
+//!   allocator serves them in stream order and a CUDA graph capture takes them from the graph's pool.
 
 use flashmla::alloc::try_filled;
 use flashmla::{
