@@ -36,6 +36,13 @@ __device__ __forceinline__ void named_barrier_sync_unaligned(Id id, uint32_t num
     asm volatile("barrier.sync %0, %1;" ::"r"(static_cast<uint32_t>(id)), "r"(num_threads) : "memory");
 }
 
+// Arrives at named barrier `id` (count `num_threads`) without waiting: the producer side of a hand-off whose
+// consumer side is named_barrier_sync_unaligned.
+template <class Id>
+__device__ __forceinline__ void named_barrier_arrive(Id id, uint32_t num_threads) {
+    asm volatile("barrier.arrive %0, %1;" ::"r"(static_cast<uint32_t>(id)), "r"(num_threads) : "memory");
+}
+
 // Register reallocation between warpgroups (sm_90a). Takes effect only when the kernel has a register cap at
 // entry (__launch_bounds__(threads, 1)); every warp of the warpgroup must execute it.
 template <uint32_t kRegs>

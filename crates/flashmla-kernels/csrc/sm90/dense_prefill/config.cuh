@@ -35,8 +35,9 @@ static_assert(kProducerRegs + kConsumers * kConsumerRegs <= 3 * kRegsAtLaunch, "
 inline constexpr int kRowsPerPass = kWarpgroupThreads / kSw128ChunksPerRow;  // 16
 static_assert(kTileM == kTileN, "Q and K/V tiles share the copy geometry");
 
-// Named barriers (id 0 is __syncthreads): each consumer's epilogue staging, among its own 128 threads.
-enum class Bar : uint32_t { Staging0 = 1, Staging1 = 2 };
+// Named barriers (id 0 is __syncthreads): each consumer's epilogue staging, among its own 128 threads; and the
+// consumers' turns to issue MMAs (Turn<c>: consumer c waits there until the other consumer has issued).
+enum class Bar : uint32_t { Staging0 = 1, Staging1 = 2, Turn0 = 3, Turn1 = 4 };
 
 template <int kD>
 struct Config {
