@@ -138,6 +138,6 @@ fn main() -> Res<()> {
     let full = per_call_us(&gpu, || {
         decode_dense_cuda(&gpu, &args, &outs, &options, Some(&wsv))
     })?;
-    println!("decode_dense validate {check:6.2}   whole call {full:6.2}   (3 launches)");
+    println!("decode_dense validate {check:6.2}   whole call {full:6.2}");
     Ok(())
 }

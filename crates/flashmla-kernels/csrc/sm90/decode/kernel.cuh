@@ -1,8 +1,10 @@
 // Dense MLA decode over a paged cache for sm_90a (docs/spec.md section 4). docs/decode.md has the design:
 // schedule, shared-memory plan, warp roles, barrier protocol, partials and combine.
 //
-// Three kernels per decode step, all on the caller's stream and with no host synchronisation:
-//   decode_schedule  one CTA: the split-KV schedule from cache_seqlens (schedule.cuh);
+// Three kernels per decode step (two for at most 32 requests), all on the caller's stream and with no host
+// synchronisation:
+//   decode_schedule  one CTA: the split-KV schedule from cache_seqlens (schedule.cuh); for a batch of at most 32
+//                    requests (kFlagInlineSchedule) not launched: warp 0 of every split CTA derives it instead;
 //   decode_split     grid (head_tiles, grid_parts): CTA (x, y) serves query-row tile x for the chunks of the parts
 //                    y, y + grid_parts, ...; writes unsplit requests in final form, split ones as f32 partials;
 //   decode_combine   grid (batch, head_tiles): merges the partials of split requests (f32), applies the sink.
@@ -877,6 +879,11 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
     // Split dequantisation (sparse, 2-CTA cluster): the peer's consumers release the left / right groups too, since
     // its producer writes them; the barriers must exist cluster-wide before either CTA touches the other's.
     const bool split_dequant = kSparse && (p.flags & kFlagSplitDequant) != 0;
+    // A small batch's schedule is derived here (no schedule kernel); the __syncthreads below publishes it.
+    const int32_t* const sched_line = (p.flags & kFlagInlineSchedule) ? inline_schedule_copy(p) : p.schedule;
+    if ((p.flags & kFlagInlineSchedule) && threadIdx.x < 32) {
+        write_schedule_warp(p, inline_schedule_copy(p), blockIdx.x == 0 && blockIdx.y == 0);
+    }
     if (threadIdx.x == 0) {
         MBarrier::init(&sm.q_full, kWarpgroupThreads);
         MBarrier::init(&sm.q_empty, kWarpsPerWarpgroup);
@@ -894,7 +901,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
     __syncthreads();
     if (split_dequant) cluster_sync();
 
-    const Schedule sched = Schedule::load(p);
+    const Schedule sched = Schedule::load(p, sched_line);
     const Role role = static_cast<Role>(threadIdx.x / kWarpgroupThreads);
     if (role == Role::Producer) {
         setmaxnreg_dec<kProducerRegs>();

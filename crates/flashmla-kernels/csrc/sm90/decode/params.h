@@ -30,10 +30,20 @@ inline constexpr uint32_t kFlagSplitDequant = 1u << 6;  // sparse, 2-CTA cluster
                                                         // tile's rows into both CTAs' stages
 inline constexpr uint32_t kFlagCopy8 = 1u << 3;      // sparse: a cache is only 8-byte aligned (base or block stride):
                                                      // copy its rows in 8-byte pieces
+inline constexpr uint32_t kFlagInlineSchedule = 1u << 7;  // no schedule kernel: every split CTA derives the schedule
+                                                          // (batch <= kInlineScheduleMaxBatch; schedule.cuh)
 
 // Words of the schedule workspace after the `batch + 1` line starts: the budget (line units per part) and the
 // number of parts the line is cut into.
 inline constexpr int kScheduleTail = 2;
+
+// kFlagInlineSchedule: at most one warp's worth of requests, and the words of each split CTA's own copy of the
+// schedule (after the shared one, which the combine reads): kInlineScheduleMaxBatch + 1 + kScheduleTail, padded to 16
+// bytes.
+inline constexpr int kInlineScheduleMaxBatch = 32;
+inline constexpr int kInlineScheduleWords = 36;
+static_assert(kInlineScheduleWords >= kInlineScheduleMaxBatch + 1 + kScheduleTail && kInlineScheduleWords % 4 == 0,
+              "a CTA's schedule copy holds the line starts, the end and the tail, 16-byte aligned");
 
 struct DecodeParams {
     TensorMapBytes k_tmap;          // dense, kFlagKTma: rank-4 tiled map of k_cache, dims (d_qk, h_kv, page_size,
@@ -57,7 +67,10 @@ struct DecodeParams {
     float* lse;                     // [b, h_q, s_q] f32, natural log; strides (lse_stride_b, lse_stride_h,
                                     // lse_stride_s)
     int32_t* schedule;              // workspace [batch + 1 + kScheduleTail]: line start of every request, the
-                                    // line's end, then budget and number of parts (written by decode_schedule)
+                                    // line's end, then budget and number of parts (written by decode_schedule, or
+                                    // with kFlagInlineSchedule by split CTA (0, 0)); with kFlagInlineSchedule
+                                    // followed, at word round_up(batch + 3, 4), by one kInlineScheduleWords copy
+                                    // per split CTA (blockIdx.y * gridDim.x + blockIdx.x)
     float* part_o;                  // workspace [2 * max_parts][head_tiles][64][512] f32: normalised partial outputs
     float* part_lse;                // workspace [2 * max_parts][head_tiles][64] f32: their natural-log lse
 

@@ -76,6 +76,32 @@ __device__ __forceinline__ int64_t segment_of(const DecodeParams& p, int len) {
     return seg;
 }
 
+// The budget (line units per part) and the number of parts, from the line's length, its longest segment, whether every
+// segment equals the first one (seg0), and the shape-only parameters (`aligned_budget` and the geometry in
+// ops/decode/launch.rs and reference/decode/schedule.rs are the same rule).
+__device__ __forceinline__ void schedule_rule(const DecodeParams& p, int64_t line, int64_t longest, bool uniform,
+                                              int64_t seg0, int32_t& budget_out, int32_t& parts_out) {
+    int64_t budget, parts;
+    if (p.fixed_budget > 0) {
+        budget = p.fixed_budget;
+        parts = line / budget;
+    } else {
+        budget = max(static_cast<int64_t>(1), (line + p.grid_parts - 1) / p.grid_parts);
+        if (p.max_request_parts > 0) {
+            budget = max(budget, (longest + p.max_request_parts - 1) / p.max_request_parts);
+        }
+        // A uniform batch whose parts can hold whole requests at a cost of at most 1/16 more per part takes
+        // whole requests: no request is split, so no partials and no combine work.
+        if (uniform) {
+            const int64_t aligned = (budget + seg0 - 1) / seg0 * seg0;
+            if ((aligned - budget) * 16 <= budget) budget = aligned;
+        }
+        parts = p.grid_parts;
+    }
+    budget_out = static_cast<int32_t>(budget);
+    parts_out = static_cast<int32_t>(min(parts, static_cast<int64_t>(p.max_parts)));
+}
+
 // The schedule kernel's body: one CTA of kScheduleThreads threads writes S_0..S_batch, the budget and the number of
 // parts (a block-wide prefix sum in rounds of kScheduleThreads requests).
 inline constexpr int kScheduleThreads = 1024;
@@ -125,28 +151,57 @@ __device__ __forceinline__ void write_schedule(const DecodeParams& p) {
     }
     if (t == 0) {
         const int64_t line = carry_s;
-        int64_t budget, parts;
-        if (p.fixed_budget > 0) {
-            budget = p.fixed_budget;
-            parts = line / budget;
-        } else {
-            budget = max(static_cast<int64_t>(1), (line + p.grid_parts - 1) / p.grid_parts);
-            if (p.max_request_parts > 0) {
-                budget = max(budget, static_cast<int64_t>((longest_s + p.max_request_parts - 1) / p.max_request_parts));
-            }
-            // A uniform batch whose parts can hold whole requests at a cost of at most 1/16 more per part takes
-            // whole requests: no request is split, so no partials and no combine work (see `aligned_budget` in
-            // reference/decode/schedule.rs, the same rule).
-            if (uniform_s) {
-                const int64_t aligned = (budget + seg0 - 1) / seg0 * seg0;
-                if ((aligned - budget) * 16 <= budget) budget = aligned;
-            }
-            parts = p.grid_parts;
-        }
+        int32_t budget, parts;
+        schedule_rule(p, line, longest_s, uniform_s != 0, seg0, budget, parts);
         p.schedule[p.batch] = static_cast<int32_t>(line);
-        p.schedule[p.batch + 1] = static_cast<int32_t>(budget);
-        p.schedule[p.batch + 2] = static_cast<int32_t>(min(parts, static_cast<int64_t>(p.max_parts)));
+        p.schedule[p.batch + 1] = budget;
+        p.schedule[p.batch + 2] = parts;
     }
+}
+
+// The schedule of a batch of at most 32 requests, derived by warp 0 of a split CTA (kFlagInlineSchedule: no schedule
+// kernel, one launch fewer per step): lane r reads request r's length, a warp scan gives the line starts, and the
+// lanes write them with the budget and parts into `dst` (the CTA's own copy, read back after the CTA's first
+// __syncthreads). CTA (0, 0) writes the same to p.schedule, which the combine kernel reads after this kernel.
+__device__ __forceinline__ void write_schedule_warp(const DecodeParams& p, int32_t* dst, bool shared_copy) {
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const bool valid = lane < p.batch;
+    const int64_t seg = valid ? segment_of(p, request_len(p, lane)) : 0;
+    const int64_t seg0 = __shfl_sync(0xffffffffu, seg, 0);
+    int64_t incl = seg;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+        const int64_t v = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += v;
+    }
+    const int64_t line = __shfl_sync(0xffffffffu, incl, 31);
+    int longest = static_cast<int>(seg);
+#pragma unroll
+    for (int d = 16; d >= 1; d /= 2) longest = max(longest, __shfl_xor_sync(0xffffffffu, longest, d));
+    const bool uniform = __all_sync(0xffffffffu, !valid || seg == seg0) && p.batch > 0;
+    int32_t budget, parts;
+    schedule_rule(p, line, longest, uniform, seg0, budget, parts);
+    const int32_t start = static_cast<int32_t>(incl - seg);
+    if (valid) {
+        dst[lane] = start;
+        if (shared_copy) p.schedule[lane] = start;
+    }
+    if (lane == 0) {
+        dst[p.batch] = static_cast<int32_t>(line);
+        dst[p.batch + 1] = budget;
+        dst[p.batch + 2] = parts;
+        if (shared_copy) {
+            p.schedule[p.batch] = static_cast<int32_t>(line);
+            p.schedule[p.batch + 1] = budget;
+            p.schedule[p.batch + 2] = parts;
+        }
+    }
+}
+
+// Where split CTA (blockIdx.x, blockIdx.y) keeps its copy of an inline schedule (see DecodeParams::schedule).
+__device__ __forceinline__ int32_t* inline_schedule_copy(const DecodeParams& p) {
+    const int64_t cta = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+    return p.schedule + ((p.batch + 1 + kScheduleTail + 3) / 4) * 4 + cta * kInlineScheduleWords;
 }
 
 // One chunk of work: key tiles [tile0, tile1) of request b.
@@ -165,9 +220,11 @@ struct Schedule {
     const int32_t* line;  // S_0..S_batch
     int budget;
     int parts;
-    static __device__ __forceinline__ Schedule load(const DecodeParams& p) {
-        return {p.schedule, p.schedule[p.batch + 1], p.schedule[p.batch + 2]};
+    // The schedule at `line` (S_0..S_batch, then budget and parts): p.schedule, or a split CTA's inline copy.
+    static __device__ __forceinline__ Schedule load(const DecodeParams& p, const int32_t* line) {
+        return {line, line[p.batch + 1], line[p.batch + 2]};
     }
+    static __device__ __forceinline__ Schedule load(const DecodeParams& p) { return load(p, p.schedule); }
     // Largest b with S_b <= pos (pos < S_batch).
     __device__ __forceinline__ int request_at(int pos, int batch) const {
         int lo = 0, hi = batch - 1;

@@ -2,7 +2,9 @@
 //! kernels (`csrc/sm90/decode/`, design in `docs/decode.md`), lowers validated arguments to their [`DecodeParams`]
 //! and queues three kernels on the stream, with no host synchronisation (a decode step can be captured in a CUDA
 //! graph and replayed after `cache_seqlens` and `block_table`, or the indices and lengths, changed in place):
-//! 1. `decode_schedule` (one CTA) computes the split-KV schedule from `cache_seqlens` into the workspace;
+//! 1. `decode_schedule` (one CTA) computes the split-KV schedule from `cache_seqlens` into the workspace; for at
+//!    most [`INLINE_SCHEDULE_MAX_BATCH`] requests it is not launched and every split CTA derives the schedule
+//!    ([`FLAG_INLINE_SCHEDULE`]), so a small step costs the host two launches;
 //! 2. `decode_split_*` (grid `head_tiles x grid_parts`, 384 threads) attends each query-row tile to the key
 //!    chunks of its parts, writing unsplit requests in final form and split ones as f32 partials;
 //! 3. `decode_combine_*` (grid `batch x head_tiles x 8`) merges the partials of split requests.
@@ -18,7 +20,8 @@
 //! page_size` of its cache is a missing key, lengths are clamped to `0..=topk`; every query token is a request of
 //! the schedule.
 //!
-//! Memory: the workspace ([`dense_workspace_words`] / [`sparse_workspace_words`] f32 words) holds the schedule (`batch + 3` i32) and the
+//! Memory: the workspace ([`dense_workspace_words`] / [`sparse_workspace_words`] f32 words) holds the schedule (`batch + 3` i32,
+//! and for an inline schedule [`INLINE_SCHEDULE_WORDS`] more per split CTA) and the
 //! partials of split requests (`2 * max_parts * head_tiles * 64` rows of 512 f32 plus their lse; `max_parts` is
 //! `sm_count / head_tiles` for the balanced schedule, about 34 MB on an H100, and grows with `batch * max_blocks *
 //! page_size` in batch-invariant mode). Nothing else is allocated.
@@ -71,8 +74,14 @@ pub const FLAG_K_TMA: u32 = 32;
 /// `flags` bit: sparse, 2-CTA cluster: each CTA dequantises half of a tile's rows into both CTAs' stages
 /// (`kFlagSplitDequant`).
 pub const FLAG_SPLIT_DEQUANT: u32 = 64;
+/// `flags` bit: no schedule kernel; every split CTA derives the schedule of the batch (`kFlagInlineSchedule`).
+pub const FLAG_INLINE_SCHEDULE: u32 = 128;
 /// Words of the schedule after the `batch + 1` line starts (`kScheduleTail`).
 pub const SCHEDULE_TAIL: usize = 2;
+/// Most requests whose schedule the split kernel derives itself (`kInlineScheduleMaxBatch`: one warp's lanes).
+pub const INLINE_SCHEDULE_MAX_BATCH: usize = 32;
+/// Words of a split CTA's own copy of an inline schedule (`kInlineScheduleWords`).
+pub const INLINE_SCHEDULE_WORDS: usize = 36;
 /// The gather moves 16-byte chunks.
 const CHUNK_ALIGN_BYTES: u64 = 16;
 /// Largest grid y / z dimension.
@@ -116,7 +125,8 @@ device_params! {
         pub out: u64,
         /// `[b, h_q, s_q]` f32.
         pub lse: u64,
-        /// Workspace: `batch + 1 + SCHEDULE_TAIL` i32.
+        /// Workspace: `batch + 1 + SCHEDULE_TAIL` i32 (padded to 4), then with [`FLAG_INLINE_SCHEDULE`]
+        /// [`INLINE_SCHEDULE_WORDS`] per split CTA.
         pub schedule: u64,
         /// Workspace: `[2 * max_parts][head_tiles][64][512]` f32.
         pub part_o: u64,
@@ -397,16 +407,27 @@ impl ScheduleGeometry {
         })
     }
 
-    /// f32 words of the workspace: the schedule (`batch + 3` i32, padded to 16 bytes), the partial lse and the
-    /// partial outputs.
+    /// f32 words of the workspace: the schedule (`batch + 3` i32, padded to 16 bytes; for an inline schedule
+    /// followed by one copy per split CTA), the partial lse and the partial outputs.
     pub fn workspace_words(&self, batch: usize) -> usize {
         let (sched, lse, o) = self.workspace_split(batch);
         sched + lse + o
     }
 
+    /// Whether the split kernel derives the schedule of `batch` requests itself, so that a step is two launches
+    /// (at most [`INLINE_SCHEDULE_MAX_BATCH`] requests: one warp of every split CTA scans their lengths, which
+    /// costs less than the schedule kernel and its launch; a larger batch keeps the kernel, whose CTA scans a
+    /// thousand requests per round).
+    pub fn inline_schedule(batch: usize) -> bool {
+        (1..=INLINE_SCHEDULE_MAX_BATCH).contains(&batch)
+    }
+
     /// Words of the three workspace regions, each a multiple of 4 (16-byte aligned starts).
     fn workspace_split(&self, batch: usize) -> (usize, usize, usize) {
-        let sched = (batch + 1 + SCHEDULE_TAIL).next_multiple_of(4);
+        let mut sched = (batch + 1 + SCHEDULE_TAIL).next_multiple_of(4);
+        if Self::inline_schedule(batch) {
+            sched += self.head_tiles * self.grid_parts * INLINE_SCHEDULE_WORDS;
+        }
         let slots = 2 * self.max_parts * self.head_tiles;
         (sched, slots * ROWS_PER_CTA, slots * ROWS_PER_CTA * D_V)
     }
@@ -433,15 +454,16 @@ pub fn sparse_workspace_words(
     Ok(ScheduleGeometry::for_shape(&shape, options, sm_count)?.workspace_words(shape.requests))
 }
 
-/// The three launches of one decode, in order.
+/// The launches of one decode, in order.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DecodePlan {
-    /// Parameters shared by the three kernels (workspace pointers filled by [`DecodePlan::set_workspace`]).
+    /// Parameters shared by the kernels (workspace pointers filled by [`DecodePlan::set_workspace`]).
     pub params: DecodeParams,
     /// Schedule geometry.
     pub geometry: ScheduleGeometry,
-    /// `(kernel, config)` of the schedule, split and combine launches.
-    pub launches: [(&'static str, LaunchConfig); 3],
+    /// `(kernel, config)` of the schedule (absent for an inline schedule,
+    /// [`ScheduleGeometry::inline_schedule`]), split and combine launches.
+    pub launches: Vec<(&'static str, LaunchConfig)>,
 }
 
 impl DecodePlan {
@@ -488,7 +510,7 @@ fn out_flags(out: &DeviceView) -> u32 {
     })
 }
 
-/// Lowers a validated dense decode to its three launches (workspace pointers left 0).
+/// Lowers a validated dense decode to its launches (workspace pointers left 0).
 pub fn lower(
     dims: &DenseDecodeDims,
     args: &DenseDecodeArgs<'_, DeviceView>,
@@ -608,9 +630,10 @@ pub fn lower(
 }
 
 impl DecodePlan {
-    /// The schedule, split and combine launches of `params` (requests `params.batch`).
+    /// The schedule, split and combine launches of `params` (requests `params.batch`); the split kernel derives the
+    /// schedule of a small batch itself ([`ScheduleGeometry::inline_schedule`]).
     fn new(
-        params: DecodeParams,
+        mut params: DecodeParams,
         geometry: ScheduleGeometry,
         split_kernel: &'static str,
         smem: u32,
@@ -637,14 +660,18 @@ impl DecodePlan {
             cluster: None,
             programmatic: false,
         };
+        let mut launches = Vec::with_capacity(3);
+        if ScheduleGeometry::inline_schedule(params.batch as usize) {
+            params.flags |= FLAG_INLINE_SCHEDULE;
+        } else {
+            launches.push((kernels::SCHEDULE, schedule));
+        }
+        launches.push((split_kernel, split));
+        launches.push((combine_kernel, combine));
         DecodePlan {
             params,
             geometry,
-            launches: [
-                (kernels::SCHEDULE, schedule),
-                (split_kernel, split),
-                (combine_kernel, combine),
-            ],
+            launches,
         }
     }
 }
@@ -672,7 +699,7 @@ fn opt_ptr(t: Option<&DeviceView>) -> u64 {
     t.map_or(0, DeviceView::ptr)
 }
 
-/// Lowers a validated sparse FP8 decode to its three launches (workspace pointers left 0). Every query token is a
+/// Lowers a validated sparse FP8 decode to its launches (workspace pointers left 0). Every query token is a
 /// request of the schedule; `out` and `lse` are bf16 / f32 as in [`super::validate_sparse_output`].
 pub fn lower_sparse(
     dims: &SparseDecodeDims,
@@ -920,7 +947,7 @@ pub(crate) fn launch_sparse(
     run(gpu, plan, workspace)
 }
 
-/// Points `plan` at the caller's workspace (or one allocated for the call) and queues its three launches.
+/// Points `plan` at the caller's workspace (or one allocated for the call) and queues its launches.
 fn run(gpu: &Gpu, mut plan: DecodePlan, workspace: Option<&DeviceView>) -> Result<()> {
     let device = Location::Cuda(gpu.ordinal());
     let mut _owned = None;
@@ -1114,10 +1141,37 @@ mod tests {
     }
 
     #[test]
-    fn lowers_three_launches_with_flags() {
+    fn lowers_its_launches_with_flags() {
         let d = dims(3, 2, 64, 1, 5);
         let c = case(&d, None, None);
         let plan = lower_case(&d, &c).unwrap();
+        // Three requests: the split kernel derives the schedule (two launches).
+        let names: Vec<&str> = plan.launches.iter().map(|l| l.0).collect();
+        assert_eq!(names, [kernels::SPLIT_BF16_D576, kernels::COMBINE_BF16]);
+        // 128 rows: two tiles, launched as 2-CTA clusters; 66 parts.
+        assert_eq!(plan.launches[0].1.grid, (2, 66, 1));
+        assert_eq!(plan.launches[0].1.cluster, Some((2, 1, 1)));
+        assert_eq!(plan.launches[1].1.grid, (3, 2, COMBINE_ROW_GROUPS));
+        assert_eq!(
+            plan.params.flags,
+            FLAG_CAUSAL | FLAG_OUT_VEC4 | FLAG_OUT_BULK | FLAG_INLINE_SCHEDULE
+        );
+        assert_eq!((plan.params.rows, plan.params.row_tiles), (128, 2));
+        // The workspace holds a schedule copy per split CTA after the shared schedule (3 + 3 words, padded).
+        let plain = ScheduleGeometry {
+            head_tiles: 2,
+            grid_parts: 66,
+            max_parts: 66,
+            fixed_budget: 0,
+        };
+        assert_eq!(plan.geometry, plain);
+        assert_eq!(
+            plain.workspace_words(3),
+            8 + 2 * 66 * INLINE_SCHEDULE_WORDS + 2 * 66 * 2 * 64 * (1 + D_V)
+        );
+        // 33 requests: one more than a warp scans, so the schedule kernel runs first.
+        let d33 = dims(33, 2, 64, 1, 5);
+        let plan = lower_case(&d33, &case(&d33, None, None)).unwrap();
         let names: Vec<&str> = plan.launches.iter().map(|l| l.0).collect();
         assert_eq!(
             names,
@@ -1127,22 +1181,21 @@ mod tests {
                 kernels::COMBINE_BF16
             ]
         );
-        // 128 rows: two tiles, launched as 2-CTA clusters; 66 parts.
-        assert_eq!(plan.launches[1].1.grid, (2, 66, 1));
-        assert_eq!(plan.launches[1].1.cluster, Some((2, 1, 1)));
-        assert_eq!(plan.launches[2].1.grid, (3, 2, COMBINE_ROW_GROUPS));
-        assert_eq!(
-            plan.params.flags,
-            FLAG_CAUSAL | FLAG_OUT_VEC4 | FLAG_OUT_BULK
-        );
-        assert_eq!((plan.params.rows, plan.params.row_tiles), (128, 2));
+        assert_eq!(plan.params.flags & FLAG_INLINE_SCHEDULE, 0);
+        assert_eq!(plain.workspace_words(33), 36 + 2 * 66 * 2 * 64 * (1 + D_V));
         // One query token: the causal flag is dropped. Odd out strides: 2-byte stores.
         let d1 = DenseDecodeDims { s_q: 1, ..d };
         let odd = case(&d1, None, Some(&[64 * 513 + 1, 64 * 513 + 1, 513, 1]));
-        assert_eq!(lower_case(&d1, &odd).unwrap().params.flags, 0);
+        assert_eq!(
+            lower_case(&d1, &odd).unwrap().params.flags,
+            FLAG_INLINE_SCHEDULE
+        );
         // Rows 4-byte but not 16-byte aligned: pair stores from registers, no bulk stores.
         let even = case(&d1, None, Some(&[64 * 514, 64 * 514, 514, 1]));
-        assert_eq!(lower_case(&d1, &even).unwrap().params.flags, FLAG_OUT_VEC4);
+        assert_eq!(
+            lower_case(&d1, &even).unwrap().params.flags,
+            FLAG_OUT_VEC4 | FLAG_INLINE_SCHEDULE
+        );
     }
 
     #[test]
@@ -1203,22 +1256,19 @@ mod tests {
         // b 3, s_q 2, h_q 128: six requests of one token, two row tiles each (a 2-CTA cluster), 66 parts.
         let plan = lower_sparse_case((3, 2, 128), 576, (10, 64, 64 * 656), 300).unwrap();
         let names: Vec<&str> = plan.launches.iter().map(|l| l.0).collect();
-        assert_eq!(
-            names,
-            [
-                kernels::SCHEDULE,
-                kernels::SPLIT_FP8_V32,
-                kernels::COMBINE_BF16
-            ]
-        );
+        assert_eq!(names, [kernels::SPLIT_FP8_V32, kernels::COMBINE_BF16]);
         let p = &plan.params;
         assert_eq!((p.batch, p.s_q, p.req_tokens, p.rows), (6, 1, 2, 128));
         assert_eq!((p.topk, p.extra_topk, p.k_stride_block), (300, 0, 64 * 656));
-        assert_eq!(p.flags & FLAG_SPARSE, FLAG_SPARSE);
-        assert_eq!(plan.launches[1].1.grid, (2, 66, 1));
-        assert_eq!(plan.launches[2].1.grid, (6, 2, COMBINE_ROW_GROUPS));
-        // h_q 16, MODEL1: one row tile per token.
-        let plan = lower_sparse_case((4, 1, 16), 512, (8, 64, 64 * 584), 64).unwrap();
+        assert_eq!(
+            p.flags & (FLAG_SPARSE | FLAG_INLINE_SCHEDULE),
+            FLAG_SPARSE | FLAG_INLINE_SCHEDULE
+        );
+        assert_eq!(plan.launches[0].1.grid, (2, 66, 1));
+        assert_eq!(plan.launches[1].1.grid, (6, 2, COMBINE_ROW_GROUPS));
+        // h_q 16, MODEL1: one row tile per token; 20 x 2 tokens are more requests than a warp scans.
+        let plan = lower_sparse_case((20, 2, 16), 512, (8, 64, 64 * 584), 64).unwrap();
+        assert_eq!(plan.launches[0].0, kernels::SCHEDULE);
         assert_eq!(plan.launches[1].0, kernels::SPLIT_FP8_MODEL1);
         assert_eq!(plan.launches[1].1.grid, (1, 132, 1));
     }
