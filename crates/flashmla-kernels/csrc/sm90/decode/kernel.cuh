@@ -1,9 +1,9 @@
 // Dense MLA decode over a paged cache for sm_90a (docs/spec.md section 4). docs/decode.md has the design:
 // schedule, shared-memory plan, warp roles, barrier protocol, partials and combine.
 //
-// Three kernels per decode step (two for at most 32 requests), all on the caller's stream and with no host
+// Three kernels per decode step (two for at most 128 requests), all on the caller's stream and with no host
 // synchronisation:
-//   decode_schedule  one CTA: the split-KV schedule from cache_seqlens (schedule.cuh); for a batch of at most 32
+//   decode_schedule  one CTA: the split-KV schedule from cache_seqlens (schedule.cuh); for a batch of at most 128
 //                    requests (kFlagInlineSchedule) not launched: warp 0 of every split CTA derives it instead;
 //   decode_split     grid (head_tiles, grid_parts): CTA (x, y) serves query-row tile x for the chunks of the parts
 //                    y, y + grid_parts, ...; writes unsplit requests in final form, split ones as f32 partials;

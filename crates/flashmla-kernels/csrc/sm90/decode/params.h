@@ -37,11 +37,12 @@ inline constexpr uint32_t kFlagInlineSchedule = 1u << 7;  // no schedule kernel:
 // number of parts the line is cut into.
 inline constexpr int kScheduleTail = 2;
 
-// kFlagInlineSchedule: at most one warp's worth of requests, and the words of each split CTA's own copy of the
+// kFlagInlineSchedule: at most four requests per lane of one warp, and the words of each split CTA's own copy of the
 // schedule (after the shared one, which the combine reads): kInlineScheduleMaxBatch + 1 + kScheduleTail, padded to 16
 // bytes.
-inline constexpr int kInlineScheduleMaxBatch = 32;
-inline constexpr int kInlineScheduleWords = 36;
+inline constexpr int kInlineScheduleMaxBatch = 128;
+inline constexpr int kInlineScheduleWords = 132;
+static_assert(kInlineScheduleMaxBatch % 32 == 0, "whole rounds of one request per lane");
 static_assert(kInlineScheduleWords >= kInlineScheduleMaxBatch + 1 + kScheduleTail && kInlineScheduleWords % 4 == 0,
               "a CTA's schedule copy holds the line starts, the end and the tail, 16-byte aligned");
 

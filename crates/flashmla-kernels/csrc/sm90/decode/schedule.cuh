@@ -78,28 +78,35 @@ __device__ __forceinline__ int64_t segment_of(const DecodeParams& p, int len) {
 
 // The budget (line units per part) and the number of parts, from the line's length, its longest segment, whether every
 // segment equals the first one (seg0), and the shape-only parameters (`aligned_budget` and the geometry in
-// ops/decode/launch.rs and reference/decode/schedule.rs are the same rule).
-__device__ __forceinline__ void schedule_rule(const DecodeParams& p, int64_t line, int64_t longest, bool uniform,
-                                              int64_t seg0, int32_t& budget_out, int32_t& parts_out) {
-    int64_t budget, parts;
+// ops/decode/launch.rs and reference/decode/schedule.rs are the same rule). 32-bit divisions: the host bounds the
+// line and the parts below 2^29 (a 64-bit division is a subroutine call, which costs the split kernel's prologue
+// registers).
+__device__ __forceinline__ void schedule_rule(const DecodeParams& p, int line, int longest, bool uniform, int seg0,
+                                              int32_t& budget_out, int32_t& parts_out) {
+    int budget, parts;
     if (p.fixed_budget > 0) {
         budget = p.fixed_budget;
         parts = line / budget;
     } else {
-        budget = max(static_cast<int64_t>(1), (line + p.grid_parts - 1) / p.grid_parts);
-        if (p.max_request_parts > 0) {
-            budget = max(budget, (longest + p.max_request_parts - 1) / p.max_request_parts);
-        }
+        budget = max(1, (line + p.grid_parts - 1) / p.grid_parts);
+        if (p.max_request_parts > 0) budget = max(budget, (longest + p.max_request_parts - 1) / p.max_request_parts);
         // A uniform batch whose parts can hold whole requests at a cost of at most 1/16 more per part takes
         // whole requests: no request is split, so no partials and no combine work.
         if (uniform) {
-            const int64_t aligned = (budget + seg0 - 1) / seg0 * seg0;
-            if ((aligned - budget) * 16 <= budget) budget = aligned;
+            const int aligned = (budget + seg0 - 1) / seg0 * seg0;
+            if (static_cast<int64_t>(aligned - budget) * 16 <= budget) budget = aligned;
         }
         parts = p.grid_parts;
     }
-    budget_out = static_cast<int32_t>(budget);
-    parts_out = static_cast<int32_t>(min(parts, static_cast<int64_t>(p.max_parts)));
+    budget_out = budget;
+    parts_out = min(parts, p.max_parts);
+}
+
+// segment_of in 32-bit arithmetic (the host bounds every segment and the line below 2^29).
+__device__ __forceinline__ int segment_of32(const DecodeParams& p, int len) {
+    const int seg = p.chunk_overhead + tiles_of(len);
+    if (p.fixed_budget > 0) return (seg + p.fixed_budget - 1) / p.fixed_budget * p.fixed_budget;
+    return seg;
 }
 
 // The schedule kernel's body: one CTA of kScheduleThreads threads writes S_0..S_batch, the budget and the number of
@@ -152,46 +159,61 @@ __device__ __forceinline__ void write_schedule(const DecodeParams& p) {
     if (t == 0) {
         const int64_t line = carry_s;
         int32_t budget, parts;
-        schedule_rule(p, line, longest_s, uniform_s != 0, seg0, budget, parts);
+        schedule_rule(p, static_cast<int>(line), longest_s, uniform_s != 0, static_cast<int>(seg0), budget, parts);
         p.schedule[p.batch] = static_cast<int32_t>(line);
         p.schedule[p.batch + 1] = budget;
         p.schedule[p.batch + 2] = parts;
     }
 }
 
-// The schedule of a batch of at most 32 requests, derived by warp 0 of a split CTA (kFlagInlineSchedule: no schedule
-// kernel, one launch fewer per step): lane r reads request r's length, a warp scan gives the line starts, and the
-// lanes write them with the budget and parts into `dst` (the CTA's own copy, read back after the CTA's first
-// __syncthreads). CTA (0, 0) writes the same to p.schedule, which the combine kernel reads after this kernel.
+// The schedule of a batch of at most kInlineScheduleMaxBatch requests, derived by warp 0 of a split CTA
+// (kFlagInlineSchedule: no schedule kernel, one launch fewer per step). Lane l reads the lengths of requests l,
+// l + 32, ... (all loads issued before any is used), a warp scan per 32 requests with a running carry gives the line
+// starts, and the lanes write them with the budget and parts into `dst` (the CTA's own copy, read back after the
+// CTA's first __syncthreads). CTA (0, 0) writes the same to p.schedule, which the combine kernel reads after this
+// kernel.
 __device__ __forceinline__ void write_schedule_warp(const DecodeParams& p, int32_t* dst, bool shared_copy) {
+    constexpr int kRounds = kInlineScheduleMaxBatch / 32;
     const int lane = static_cast<int>(threadIdx.x) % 32;
-    const bool valid = lane < p.batch;
-    const int64_t seg = valid ? segment_of(p, request_len(p, lane)) : 0;
-    const int64_t seg0 = __shfl_sync(0xffffffffu, seg, 0);
-    int64_t incl = seg;
+    int seg[kRounds];
 #pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-        const int64_t v = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += v;
+    for (int k = 0; k < kRounds; ++k) {
+        const int r = 32 * k + lane;
+        seg[k] = r < p.batch ? segment_of32(p, request_len(p, r)) : 0;
     }
-    const int64_t line = __shfl_sync(0xffffffffu, incl, 31);
-    int longest = static_cast<int>(seg);
+    const int seg0 = __shfl_sync(0xffffffffu, seg[0], 0);
+    int carry = 0;
+    int longest = 0;
+    bool uniform = p.batch > 0;
+#pragma unroll
+    for (int k = 0; k < kRounds; ++k) {
+        const int r = 32 * k + lane;
+        const bool valid = r < p.batch;
+        int incl = seg[k];
+#pragma unroll
+        for (int d = 1; d < 32; d *= 2) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, d);
+            if (lane >= d) incl += v;
+        }
+        if (valid) {
+            const int32_t start = carry + incl - seg[k];
+            dst[r] = start;
+            if (shared_copy) p.schedule[r] = start;
+        }
+        carry += __shfl_sync(0xffffffffu, incl, 31);
+        longest = max(longest, seg[k]);
+        uniform = uniform && __all_sync(0xffffffffu, !valid || seg[k] == seg0);
+    }
 #pragma unroll
     for (int d = 16; d >= 1; d /= 2) longest = max(longest, __shfl_xor_sync(0xffffffffu, longest, d));
-    const bool uniform = __all_sync(0xffffffffu, !valid || seg == seg0) && p.batch > 0;
     int32_t budget, parts;
-    schedule_rule(p, line, longest, uniform, seg0, budget, parts);
-    const int32_t start = static_cast<int32_t>(incl - seg);
-    if (valid) {
-        dst[lane] = start;
-        if (shared_copy) p.schedule[lane] = start;
-    }
+    schedule_rule(p, carry, longest, uniform, seg0, budget, parts);
     if (lane == 0) {
-        dst[p.batch] = static_cast<int32_t>(line);
+        dst[p.batch] = carry;
         dst[p.batch + 1] = budget;
         dst[p.batch + 2] = parts;
         if (shared_copy) {
-            p.schedule[p.batch] = static_cast<int32_t>(line);
+            p.schedule[p.batch] = carry;
             p.schedule[p.batch + 1] = budget;
             p.schedule[p.batch + 2] = parts;
         }

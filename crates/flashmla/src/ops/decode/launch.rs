@@ -78,10 +78,11 @@ pub const FLAG_SPLIT_DEQUANT: u32 = 64;
 pub const FLAG_INLINE_SCHEDULE: u32 = 128;
 /// Words of the schedule after the `batch + 1` line starts (`kScheduleTail`).
 pub const SCHEDULE_TAIL: usize = 2;
-/// Most requests whose schedule the split kernel derives itself (`kInlineScheduleMaxBatch`: one warp's lanes).
-pub const INLINE_SCHEDULE_MAX_BATCH: usize = 32;
+/// Most requests whose schedule the split kernel derives itself (`kInlineScheduleMaxBatch`: four per lane of one
+/// warp).
+pub const INLINE_SCHEDULE_MAX_BATCH: usize = 128;
 /// Words of a split CTA's own copy of an inline schedule (`kInlineScheduleWords`).
-pub const INLINE_SCHEDULE_WORDS: usize = 36;
+pub const INLINE_SCHEDULE_WORDS: usize = 132;
 /// The gather moves 16-byte chunks.
 const CHUNK_ALIGN_BYTES: u64 = 16;
 /// Largest grid y / z dimension.
@@ -1024,10 +1025,15 @@ mod tests {
         let g =
             ScheduleGeometry::of(&dims(4, 1, 16, 2, 64), &DecodeOptions::default(), 132).unwrap();
         assert_eq!((g.head_tiles, g.grid_parts), (2, 66));
-        // Workspace: the schedule (b + 3 words, padded to 4) and 2 * 66 * 2 slots of 64 rows x (512 + 1) f32.
+        // Workspace: the schedule (b + 3 words, padded to 4), for b <= 128 a copy of it per split CTA, and
+        // 2 * 66 * 2 slots of 64 rows x (512 + 1) f32.
         let g = ScheduleGeometry::of(&dims(128, 1, 128, 1, 64), &DecodeOptions::default(), 132)
             .unwrap();
-        assert_eq!(g.workspace_words(128), 132 + 2 * 66 * 2 * 64 * 513);
+        assert_eq!(
+            g.workspace_words(128),
+            132 + 2 * 66 * INLINE_SCHEDULE_WORDS + 2 * 66 * 2 * 64 * 513
+        );
+        assert_eq!(g.workspace_words(129), 132 + 2 * 66 * 2 * 64 * 513);
     }
 
     #[test]
@@ -1169,9 +1175,9 @@ mod tests {
             plain.workspace_words(3),
             8 + 2 * 66 * INLINE_SCHEDULE_WORDS + 2 * 66 * 2 * 64 * (1 + D_V)
         );
-        // 33 requests: one more than a warp scans, so the schedule kernel runs first.
-        let d33 = dims(33, 2, 64, 1, 5);
-        let plan = lower_case(&d33, &case(&d33, None, None)).unwrap();
+        // 129 requests: one more than the split kernel scans, so the schedule kernel runs first.
+        let d129 = dims(129, 2, 64, 1, 5);
+        let plan = lower_case(&d129, &case(&d129, None, None)).unwrap();
         let names: Vec<&str> = plan.launches.iter().map(|l| l.0).collect();
         assert_eq!(
             names,
@@ -1182,7 +1188,10 @@ mod tests {
             ]
         );
         assert_eq!(plan.params.flags & FLAG_INLINE_SCHEDULE, 0);
-        assert_eq!(plain.workspace_words(33), 36 + 2 * 66 * 2 * 64 * (1 + D_V));
+        assert_eq!(
+            plain.workspace_words(129),
+            132 + 2 * 66 * 2 * 64 * (1 + D_V)
+        );
         // One query token: the causal flag is dropped. Odd out strides: 2-byte stores.
         let d1 = DenseDecodeDims { s_q: 1, ..d };
         let odd = case(&d1, None, Some(&[64 * 513 + 1, 64 * 513 + 1, 513, 1]));
@@ -1266,8 +1275,8 @@ mod tests {
         );
         assert_eq!(plan.launches[0].1.grid, (2, 66, 1));
         assert_eq!(plan.launches[1].1.grid, (6, 2, COMBINE_ROW_GROUPS));
-        // h_q 16, MODEL1: one row tile per token; 20 x 2 tokens are more requests than a warp scans.
-        let plan = lower_sparse_case((20, 2, 16), 512, (8, 64, 64 * 584), 64).unwrap();
+        // h_q 16, MODEL1: one row tile per token; 80 x 2 tokens are more requests than the split kernel scans.
+        let plan = lower_sparse_case((80, 2, 16), 512, (8, 64, 64 * 584), 64).unwrap();
         assert_eq!(plan.launches[0].0, kernels::SCHEDULE);
         assert_eq!(plan.launches[1].0, kernels::SPLIT_FP8_MODEL1);
         assert_eq!(plan.launches[1].1.grid, (1, 132, 1));
