@@ -391,6 +391,20 @@ pub fn cases() -> Vec<Case> {
         false,
         base(spec(32, 1, 128, 1, 64, skew)),
     ));
+    // Batches around the split kernel's own schedule (at most 128 requests; 33 and 128: one and four requests per
+    // lane) and past it (129: the schedule kernel runs first); a uniform batch of 128 (whole requests per part).
+    for b in [33usize, 128, 129] {
+        v.push((
+            format!("decode_dense/bf16/batch{b}"),
+            b == 128 || b == 129,
+            base(spec(b, 1, 16, 1, 64, lengths(b, b))),
+        ));
+    }
+    v.push((
+        "decode_dense/bf16/uniform128".into(),
+        true,
+        base(spec(128, 1, 16, 1, 64, vec![1024; 128])),
+    ));
     // Every request empty.
     v.push((
         "decode_dense/bf16/all_empty".into(),

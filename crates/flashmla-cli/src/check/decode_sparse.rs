@@ -358,6 +358,13 @@ pub fn cases() -> Vec<Case> {
             false,
             base((2, 16, 64), cache(format, 16, 64, 192)),
         ));
+        // Schedule requests (b * s_q) at the split kernel's own limit (128: it derives the schedule) and past it (the
+        // schedule kernel runs first), with lengths that differ (split and whole requests).
+        for (b, name) in [(64usize, "requests128"), (70, "requests140")] {
+            let mut c = base((b, 2, 16), cache(format, 24, 64, 96));
+            c.main.topk_length = Some(lengths(b, 96, 3));
+            v.push((format!("decode_sparse/{fname}/{name}"), true, c));
+        }
         // topk_length (0, negative, beyond topk) with and without forced splits.
         for (oname, options) in [("default", DecodeOptions::default()), ("split7", forced)] {
             let mut c = base((12, 2, 64), cache(format, 24, 64, 300));
