@@ -127,10 +127,15 @@ inline constexpr uint32_t kPartialRowBytes = kDvPerConsumer * sizeof(float);
 static_assert(kRowsPerCta * kPartialRowBytes <= Config<512>::kQSmemBytes, "a staged partial half fits the Q tile");
 static_assert(kRowsPerCta * kPartialRowBytes <= Config<512>::kStageBytes, "a staged partial half fits a key stage");
 
-// Combine kernel: one warp per output row, 16 columns per lane, 8 rows per CTA (grid z = 64 / 8 row groups).
+// Combine kernel: 256 threads, kWarpsPerRow warps per output row, each merging every kWarpsPerRow-th part of it (16
+// columns per lane); with several, they add their sums through shared memory. A warp's walk over its parts is a chain
+// of L2 round trips, which is what a split request's combine waits on; spreading it over four warps pays where few
+// requests leave most SMs idle (decode_combine4_*), and costs where many CTAs have nothing to merge.
 inline constexpr int kCombineThreads = 256;
-inline constexpr int kCombineRowsPerCta = kCombineThreads / 32;
-inline constexpr int kCombineRowGroups = kRowsPerCta / kCombineRowsPerCta;  // 8
+template <int kWarpsPerRow>
+inline constexpr int kCombineRowsPerCta = kCombineThreads / 32 / kWarpsPerRow;  // 8 or 2
+template <int kWarpsPerRow>
+inline constexpr int kCombineRowGroups = kRowsPerCta / kCombineRowsPerCta<kWarpsPerRow>;  // 8 or 32
 inline constexpr int kCombineColsPerLane = kDv / 32;  // 16
 
 }  // namespace flashmla::decode

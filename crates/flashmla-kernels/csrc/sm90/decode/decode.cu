@@ -3,7 +3,7 @@
 //   decode_schedule                          grid (1), block (kScheduleThreads): the split-KV schedule
 //   decode_split_{bf16,f16}_d{576,512}       grid (head_tiles, grid_parts), block (kThreads = 384), dynamic shared
 //   decode_split_fp8_{v32,model1}            memory kSmemBytes<d_qk> (config.cuh; mirrored in launch.rs)
-//   decode_combine_{bf16,f16}                grid (batch, head_tiles, kCombineRowGroups), block (kCombineThreads)
+//   decode_combine[4]_{bf16,f16}             grid (batch, head_tiles, kCombineRowGroups<1 | 4>), block (kCombineThreads)
 #include "sm90/decode/kernel.cuh"
 
 using flashmla::Bf16;
@@ -32,11 +32,13 @@ FLASHMLA_DECODE_SPLIT(decode_split_f16_d512, F16, 512, false)
 FLASHMLA_DECODE_SPLIT(decode_split_fp8_v32, Bf16, 576, true)
 FLASHMLA_DECODE_SPLIT(decode_split_fp8_model1, Bf16, 512, true)
 
-extern "C" __global__ void __launch_bounds__(kCombineThreads)
-    decode_combine_bf16(const __grid_constant__ DecodeParams p) {
-    flashmla::decode::decode_combine<Bf16>(p);
-}
-extern "C" __global__ void __launch_bounds__(kCombineThreads)
-    decode_combine_f16(const __grid_constant__ DecodeParams p) {
-    flashmla::decode::decode_combine<F16>(p);
-}
+#define FLASHMLA_DECODE_COMBINE(NAME, E, WARPS_PER_ROW)                                      \
+    extern "C" __global__ void __launch_bounds__(kCombineThreads)                            \
+        NAME(const __grid_constant__ DecodeParams p) {                                       \
+        flashmla::decode::decode_combine<E, WARPS_PER_ROW>(p);                               \
+    }
+// One warp per row (grid z 8), and four warps per row for small batches (grid z 32; launch.rs picks).
+FLASHMLA_DECODE_COMBINE(decode_combine_bf16, Bf16, 1)
+FLASHMLA_DECODE_COMBINE(decode_combine_f16, F16, 1)
+FLASHMLA_DECODE_COMBINE(decode_combine4_bf16, Bf16, 4)
+FLASHMLA_DECODE_COMBINE(decode_combine4_f16, F16, 4)

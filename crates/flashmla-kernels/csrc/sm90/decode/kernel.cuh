@@ -925,12 +925,17 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
     }
 }
 
-// Combine: CTA (b, x, g) merges the partials of rows 8 g .. 8 g + 7 of request b's row tile x when the request is
-// split (else it returns at once). One warp per row, 16 columns per lane: lse = M + log(sum w),
-// out = sum(w * O_p) / (sum w + exp(sink - M)), w = exp(lse_p - M), M = max lse_p; a row without any key (every
-// lse_p = -inf) gets out 0, lse +inf.
-template <class E>
+// Combine: CTA (b, x, g) merges the partials of rows kRows g .. kRows g + kRows - 1 of request b's row tile x when the
+// request is split (else it returns at once); kRows = kCombineRowsPerCta<kWarpsPerRow>. Warp w serves row w % kRows
+// and the parts fp + w / kRows + kWarpsPerRow k; lse = M + log(sum w), out = sum(w * O_p) / (sum w + exp(sink - M)),
+// w = exp(lse_p - M), M = max lse_p; a row without any key (every lse_p = -inf) gets out 0, lse +inf. The warps of
+// a row add their sums through shared memory in a fixed order.
+template <class E, int kWarpsPerRow>
 __device__ __forceinline__ void decode_combine(const DecodeParams& p) {
+    constexpr int kRows = kCombineRowsPerCta<kWarpsPerRow>;
+    constexpr int kOthers = kWarpsPerRow > 1 ? kWarpsPerRow - 1 : 1;
+    __shared__ float4 part_sum[kWarpsPerRow > 1 ? kRows : 1][kOthers][kWarpsPerRow > 1 ? kDv / 4 : 1];
+    __shared__ float part_wsum[kRows][kOthers];
     const int b = static_cast<int>(blockIdx.x);
     const int x = static_cast<int>(blockIdx.y);
     const Schedule sched = Schedule::load(p);
@@ -946,17 +951,20 @@ __device__ __forceinline__ void decode_combine(const DecodeParams& p) {
     const int row0 = (x % p.row_tiles) * kRowsPerCta;
     const int warp = static_cast<int>(threadIdx.x) / 32;
     const int lane = static_cast<int>(threadIdx.x) % 32;
-    const int r = static_cast<int>(blockIdx.z) * kCombineRowsPerCta + warp;
-    if (r >= min(kRowsPerCta, p.rows - row0)) return;
-    const int token = (row0 + r) / p.heads_per_kv;
-    const int head = kv_head * p.heads_per_kv + (row0 + r) % p.heads_per_kv;
+    const int slot_r = warp % kRows;  // the row among the CTA's
+    const int share = warp / kRows;   // which of the row's warps
+    const int r = static_cast<int>(blockIdx.z) * kRows + slot_r;
+    const bool row_valid = r < min(kRowsPerCta, p.rows - row0);
+    if (kWarpsPerRow == 1 && !row_valid) return;
     auto slot_of = [&](int part) { return 2 * part + (part == fp ? 1 : 0); };
     auto lse_at = [&](int part) {
         return p.part_lse[(static_cast<int64_t>(slot_of(part)) * p.head_tiles + x) * kRowsPerCta + r];
     };
-    // The largest partial lse: each lane reads every 32nd part, then a warp reduction.
+    // The largest partial lse: each lane reads every 32nd part, then a warp reduction (every warp of the row).
     float m = -kInf;
-    for (int part = fp + lane; part <= lp; part += 32) m = fmaxf(m, lse_at(part));
+    if (row_valid) {
+        for (int part = fp + lane; part <= lp; part += 32) m = fmaxf(m, lse_at(part));
+    }
 #pragma unroll
     for (int d = 16; d >= 1; d /= 2) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, d));
 
@@ -964,24 +972,57 @@ __device__ __forceinline__ void decode_combine(const DecodeParams& p) {
 #pragma unroll
     for (int e = 0; e < kCombineColsPerLane; ++e) acc[e] = 0.f;
     float wsum = 0.f;
-    if (m != -kInf) {
-#pragma unroll 8
-        for (int part = fp; part <= lp; ++part) {
-            const float w = __expf(lse_at(part) - m);
-            wsum += w;
-            const float4* src = reinterpret_cast<const float4*>(
-                p.part_o + ((static_cast<int64_t>(slot_of(part)) * p.head_tiles + x) * kRowsPerCta + r) * kDv);
+    auto add_part = [&](int part) {
+        const float w = __expf(lse_at(part) - m);
+        wsum += w;
+        const float4* src = reinterpret_cast<const float4*>(
+            p.part_o + ((static_cast<int64_t>(slot_of(part)) * p.head_tiles + x) * kRowsPerCta + r) * kDv);
 #pragma unroll
-            for (int v = 0; v < kCombineColsPerLane / 4; ++v) {
-                // float4 v of the lane: columns 4 (32 v + lane) .. + 4 (coalesced over the warp).
-                const float4 o = src[32 * v + lane];
-                acc[4 * v + 0] += w * o.x;
-                acc[4 * v + 1] += w * o.y;
-                acc[4 * v + 2] += w * o.z;
-                acc[4 * v + 3] += w * o.w;
-            }
+        for (int v = 0; v < kCombineColsPerLane / 4; ++v) {
+            // float4 v of the lane: columns 4 (32 v + lane) .. + 4 (coalesced over the warp).
+            const float4 o = src[32 * v + lane];
+            acc[4 * v + 0] += w * o.x;
+            acc[4 * v + 1] += w * o.y;
+            acc[4 * v + 2] += w * o.z;
+            acc[4 * v + 3] += w * o.w;
+        }
+    };
+    if (row_valid && m != -kInf) {
+        if constexpr (kWarpsPerRow == 1) {
+#pragma unroll 8
+            for (int part = fp; part <= lp; ++part) add_part(part);
+        } else {
+#pragma unroll 4
+            for (int part = fp + share; part <= lp; part += kWarpsPerRow) add_part(part);
         }
     }
+    if constexpr (kWarpsPerRow > 1) {
+        // The row's other warps hand their sums to its first warp, which adds them in order.
+        if (share > 0) {
+#pragma unroll
+            for (int v = 0; v < kCombineColsPerLane / 4; ++v) {
+                part_sum[slot_r][share - 1][32 * v + lane] =
+                    make_float4(acc[4 * v + 0], acc[4 * v + 1], acc[4 * v + 2], acc[4 * v + 3]);
+            }
+            if (lane == 0) part_wsum[slot_r][share - 1] = wsum;
+        }
+        __syncthreads();
+        if (share > 0 || !row_valid) return;
+#pragma unroll
+        for (int q = 0; q < kWarpsPerRow - 1; ++q) {
+#pragma unroll
+            for (int v = 0; v < kCombineColsPerLane / 4; ++v) {
+                const float4 o = part_sum[slot_r][q][32 * v + lane];
+                acc[4 * v + 0] += o.x;
+                acc[4 * v + 1] += o.y;
+                acc[4 * v + 2] += o.z;
+                acc[4 * v + 3] += o.w;
+            }
+            wsum += part_wsum[slot_r][q];
+        }
+    }
+    const int token = (row0 + r) / p.heads_per_kv;
+    const int head = kv_head * p.heads_per_kv + (row0 + r) % p.heads_per_kv;
     float denom = wsum;
     if (p.attn_sink != nullptr && m != -kInf) {
         denom += __expf(__ldg(p.attn_sink + static_cast<int64_t>(head) * p.attn_sink_stride) - m);

@@ -49,10 +49,15 @@ pub const KEYS_PER_TILE: usize = 64;
 pub const THREADS_PER_CTA: u32 = 384;
 /// Threads of the schedule kernel's single CTA (`kScheduleThreads`).
 pub const SCHEDULE_THREADS: u32 = 1024;
-/// Threads of a combine CTA (`kCombineThreads`): one warp per row.
+/// Threads of a combine CTA (`kCombineThreads`).
 pub const COMBINE_THREADS: u32 = 256;
-/// Row groups of a query-row tile in the combine's grid z (`kCombineRowGroups`: 64 rows / 8 warps).
+/// Row groups of a query-row tile in the combine's grid z (`kCombineRowGroups<1>`: 64 rows, one warp each, 8 per CTA).
 pub const COMBINE_ROW_GROUPS: u32 = 8;
+/// Row groups of the four-warps-per-row combine (`kCombineRowGroups<4>`: 2 rows per CTA).
+pub const COMBINE4_ROW_GROUPS: u32 = 32;
+/// The one-warp combine's CTAs up to which the four-warps-per-row combine runs instead (its grid, four times as
+/// many CTAs, then still fits the SMs of an H100 about twice).
+pub const COMBINE4_MAX_CTAS: usize = 128;
 /// Dynamic shared memory of the d_qk = 576 split kernels (`kSmemBytes<576>`, static_asserted in config.cuh).
 pub const SMEM_BYTES_D576: u32 = 232_448;
 /// Dynamic shared memory of the d_qk = 512 split kernels (`kSmemBytes<512>`).
@@ -250,6 +255,10 @@ pub mod kernels {
     pub const COMBINE_BF16: &str = "decode_combine_bf16";
     /// Combine, f16 output.
     pub const COMBINE_F16: &str = "decode_combine_f16";
+    /// Combine with four warps per row (small batches), bf16 output.
+    pub const COMBINE4_BF16: &str = "decode_combine4_bf16";
+    /// Combine with four warps per row (small batches), f16 output.
+    pub const COMBINE4_F16: &str = "decode_combine4_f16";
     /// Every kernel of the family.
     pub const ALL: &[&str] = &[
         SCHEDULE,
@@ -261,6 +270,8 @@ pub mod kernels {
         SPLIT_FP8_MODEL1,
         COMBINE_BF16,
         COMBINE_F16,
+        COMBINE4_BF16,
+        COMBINE4_F16,
     ];
 }
 
@@ -284,6 +295,15 @@ pub fn combine_kernel_for(dtype: DType) -> &'static str {
         kernels::COMBINE_F16
     } else {
         kernels::COMBINE_BF16
+    }
+}
+
+/// The four-warps-per-row variant of a combine kernel of [`combine_kernel_for`] and its grid z.
+fn combine4_of(kernel: &'static str) -> &'static str {
+    if kernel == kernels::COMBINE_F16 {
+        kernels::COMBINE4_F16
+    } else {
+        kernels::COMBINE4_BF16
     }
 }
 
@@ -650,12 +670,17 @@ impl DecodePlan {
             cluster: (geometry.head_tiles == 2).then_some((2, 1, 1)),
             programmatic: false,
         };
+        // A small batch's split requests are merged by four warps per row (each walks a fourth of the parts), a
+        // larger one's by one: there most combine CTAs find their request unsplit and return at once.
+        let wide = params.batch as usize * geometry.head_tiles * COMBINE_ROW_GROUPS as usize
+            <= COMBINE4_MAX_CTAS;
+        let (combine_kernel, row_groups) = if wide {
+            (combine4_of(combine_kernel), COMBINE4_ROW_GROUPS)
+        } else {
+            (combine_kernel, COMBINE_ROW_GROUPS)
+        };
         let combine = LaunchConfig {
-            grid: (
-                params.batch as u32,
-                geometry.head_tiles as u32,
-                COMBINE_ROW_GROUPS,
-            ),
+            grid: (params.batch as u32, geometry.head_tiles as u32, row_groups),
             block: (COMBINE_THREADS, 1, 1),
             shared_mem_bytes: 0,
             cluster: None,
@@ -1153,11 +1178,12 @@ mod tests {
         let plan = lower_case(&d, &c).unwrap();
         // Three requests: the split kernel derives the schedule (two launches).
         let names: Vec<&str> = plan.launches.iter().map(|l| l.0).collect();
-        assert_eq!(names, [kernels::SPLIT_BF16_D576, kernels::COMBINE_BF16]);
-        // 128 rows: two tiles, launched as 2-CTA clusters; 66 parts.
+        assert_eq!(names, [kernels::SPLIT_BF16_D576, kernels::COMBINE4_BF16]);
+        // 128 rows: two tiles, launched as 2-CTA clusters; 66 parts. 3 x 2 x 8 = 48 one-warp combine CTAs: the
+        // four-warp combine runs.
         assert_eq!(plan.launches[0].1.grid, (2, 66, 1));
         assert_eq!(plan.launches[0].1.cluster, Some((2, 1, 1)));
-        assert_eq!(plan.launches[1].1.grid, (3, 2, COMBINE_ROW_GROUPS));
+        assert_eq!(plan.launches[1].1.grid, (3, 2, COMBINE4_ROW_GROUPS));
         assert_eq!(
             plan.params.flags,
             FLAG_CAUSAL | FLAG_OUT_VEC4 | FLAG_OUT_BULK | FLAG_INLINE_SCHEDULE
@@ -1265,7 +1291,7 @@ mod tests {
         // b 3, s_q 2, h_q 128: six requests of one token, two row tiles each (a 2-CTA cluster), 66 parts.
         let plan = lower_sparse_case((3, 2, 128), 576, (10, 64, 64 * 656), 300).unwrap();
         let names: Vec<&str> = plan.launches.iter().map(|l| l.0).collect();
-        assert_eq!(names, [kernels::SPLIT_FP8_V32, kernels::COMBINE_BF16]);
+        assert_eq!(names, [kernels::SPLIT_FP8_V32, kernels::COMBINE4_BF16]);
         let p = &plan.params;
         assert_eq!((p.batch, p.s_q, p.req_tokens, p.rows), (6, 1, 2, 128));
         assert_eq!((p.topk, p.extra_topk, p.k_stride_block), (300, 0, 64 * 656));
@@ -1274,7 +1300,7 @@ mod tests {
             FLAG_SPARSE | FLAG_INLINE_SCHEDULE
         );
         assert_eq!(plan.launches[0].1.grid, (2, 66, 1));
-        assert_eq!(plan.launches[1].1.grid, (6, 2, COMBINE_ROW_GROUPS));
+        assert_eq!(plan.launches[1].1.grid, (6, 2, COMBINE4_ROW_GROUPS));
         // h_q 16, MODEL1: one row tile per token; 80 x 2 tokens are more requests than the split kernel scans.
         let plan = lower_sparse_case((80, 2, 16), 512, (8, 64, 64 * 584), 64).unwrap();
         assert_eq!(plan.launches[0].0, kernels::SCHEDULE);
