@@ -136,6 +136,8 @@ template <int kWarpsPerRow>
 inline constexpr int kCombineRowsPerCta = kCombineThreads / 32 / kWarpsPerRow;  // 8 or 2
 template <int kWarpsPerRow>
 inline constexpr int kCombineRowGroups = kRowsPerCta / kCombineRowsPerCta<kWarpsPerRow>;  // 8 or 32
+// launch.rs launches the combine grids with these (COMBINE_ROW_GROUPS / COMBINE4_ROW_GROUPS); keep both in step.
+static_assert(kCombineRowGroups<1> == 8 && kCombineRowGroups<4> == 32, "update launch.rs COMBINE*_ROW_GROUPS");
 inline constexpr int kCombineColsPerLane = kDv / 32;  // 16
 
 }  // namespace flashmla::decode

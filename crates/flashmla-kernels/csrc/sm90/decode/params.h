@@ -43,6 +43,8 @@ inline constexpr int kScheduleTail = 2;
 inline constexpr int kInlineScheduleMaxBatch = 128;
 inline constexpr int kInlineScheduleWords = 132;
 static_assert(kInlineScheduleMaxBatch % 32 == 0, "whole rounds of one request per lane");
+// launch.rs sizes the workspace with these (INLINE_SCHEDULE_MAX_BATCH / INLINE_SCHEDULE_WORDS); keep both in step.
+static_assert(kInlineScheduleMaxBatch == 128 && kInlineScheduleWords == 132, "update launch.rs INLINE_SCHEDULE_*");
 static_assert(kInlineScheduleWords >= kInlineScheduleMaxBatch + 1 + kScheduleTail && kInlineScheduleWords % 4 == 0,
               "a CTA's schedule copy holds the line starts, the end and the tail, 16-byte aligned");
 
