@@ -175,8 +175,8 @@ def test_ctrl_c_interrupts_a_long_cpu_call():
     assert threading.current_thread() is threading.main_thread()
     # One token per core is one wave of the CPU path's parallel loop; the long call is 100 waves. The wave time is
     # measured warm over 4 waves: a single cold wave also times the thread pool's start, and a delay derived from it
-    # could outlast the whole long call on a machine with few cores. The fastest of three measurements: a machine
-    # busy with other work while calibrating, and idle for the long call, would otherwise finish the call first.
+    # could outlast the whole long call on a machine with few cores. The fastest of three measurements, so that load
+    # which ends before the long call cannot make the call outlast the delay.
     wave = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     calibration = _long_sparse_fwd(4 * wave)
     calibration()
@@ -188,6 +188,9 @@ def test_ctrl_c_interrupts_a_long_cpu_call():
     call = _long_sparse_fwd(100 * wave)
     delay = max(0.05, 2 * t_wave)
     timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+    # A process started as a background job of a non-interactive shell inherits SIGINT ignored, and Python then
+    # installs no KeyboardInterrupt handler: install it for the test (what is tested is the call's response to it).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     t0 = time.perf_counter()
     timer.start()
     try:
@@ -195,6 +198,7 @@ def test_ctrl_c_interrupts_a_long_cpu_call():
             call()
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     elapsed = time.perf_counter() - t0
     # Uninterrupted, the call takes about 100 waves; interrupted, it stops within a wave of the signal.
     assert elapsed < delay + 20 * t_wave, f"stopped after {elapsed:.2f} s; a wave takes {t_wave:.3f} s"
