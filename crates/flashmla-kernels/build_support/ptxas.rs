@@ -13,7 +13,9 @@
 pub const KNOWN_SPILLS: &[(&str, u64, u64)] = &[
     ("sparse_bwd_main_pair_xb_d512", 12, 20),
     ("sparse_bwd_main_pair_xb_d576", 12, 24),
-    ("sparse_bwd_main_pair_det_d576", 36, 44),
+    // The deterministic pair kernel's row-contiguous int64 reductions (kernel.cuh, `reduce_slot_rows`) hold four
+    // rows of values at a time; ptxas then keeps a few more values of the d_qk 576 tile loop on the stack.
+    ("sparse_bwd_main_pair_det_d576", 56, 56),
     ("sparse_bwd_main_pair_d576", 12, 28),
     // The sparse FP8 decode's producer (40 registers) keeps a few values of its per-chunk Q-tile addressing on the
     // stack; its per-tile copy and dequantisation loop does not spill (decode/kernel.cuh, `producer_sparse`). One

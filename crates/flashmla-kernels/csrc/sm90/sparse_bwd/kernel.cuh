@@ -589,29 +589,46 @@ __device__ __forceinline__ uint32_t pair_row_addr(uint32_t row_base, int k) {
 }
 static_assert(kXSlotRowBytes == 128 && kXChunksPerRow == 8 && kXRowPasses == 4, "slot addressing above");
 
-// Reads a slot (16 rows x 32 f32 columns, complete) back row by row (lane l: row 4k + l / 8, 16-byte chunk l % 8)
-// and adds it into the accumulator rows ridx_warp[0..16), columns [col, col + 32): four rows x 128 contiguous
-// bytes per warp instruction (the microbenchmarked pattern: ~1.3-1.6x the adds/s of 16 rows x 32 bytes). Rows
-// with an invalid index (< 0) form no address.
+// Reads a slot (16 rows x 32 f32 columns, complete) back row by row and adds it into the accumulator rows
+// ridx_warp[0..16), columns [col, col + 32). Rows with an invalid index (< 0) form no address.
+//   f32 (default): lane l takes row 4k + l / 8, 16-byte chunk l % 8: four rows x 128 contiguous bytes per warp
+//     instruction (the microbenchmarked pattern: ~1.3-1.6x the adds/s of 16 rows x 32 bytes).
+//   int64 fixed point (kDet): lane l takes column l of every row: one row x 256 contiguous bytes per warp
+//     instruction. (Four scalar adds per lane of the f32 pattern would put 8 bytes in every 32-byte sector of four
+//     rows per instruction: bench/micro/reduce_det_bw.cu.) A slot row is 128 bytes with its 16-byte chunks
+//     swizzled by the row's low three bits (pair_row_base / pair_row_addr), so the 32 lanes' reads of one row hit
+//     32 distinct banks.
 template <bool kDet>
 __device__ __forceinline__ void reduce_slot_rows(const SparseBwdParams& p, uint32_t slot, uint32_t lane,
                                                  const int32_t* ridx_warp, int col) {
-    const uint32_t rb = pair_row_base(slot, lane);
-    const int64_t col0 = col + 4 * (lane % kXChunksPerRow);
-    float4 v[kXRowPasses];
+    if constexpr (kDet) {
+        int64_t* acc = reinterpret_cast<int64_t*>(p.dkv_acc) + col + lane;
 #pragma unroll
-    for (int k = 0; k < kXRowPasses; ++k) v[k] = ld_shared_v4_f32(pair_row_addr(rb, k));
+        for (int k = 0; k < kXRowPasses; ++k) {  // four rows at a time: the consumers' registers are nearly full
+            float v[4];
 #pragma unroll
-    for (int k = 0; k < kXRowPasses; ++k) {
-        const int r = ridx_warp[4 * k + lane / kXChunksPerRow];
-        if (r < 0) continue;
-        if constexpr (kDet) {
-            int64_t* d = reinterpret_cast<int64_t*>(p.dkv_acc) + static_cast<int64_t>(r) * p.dkv_acc_stride + col0;
-            red_add_s64(d, to_fixed_point(v[k].x));
-            red_add_s64(d + 1, to_fixed_point(v[k].y));
-            red_add_s64(d + 2, to_fixed_point(v[k].z));
-            red_add_s64(d + 3, to_fixed_point(v[k].w));
-        } else {
+            for (int i = 0; i < 4; ++i) {
+                const int r = 4 * k + i;
+                v[i] = ld_shared_f32(slot + r * kXSlotRowBytes +
+                                     ((((lane / 4) ^ static_cast<uint32_t>(r & 7)) << 4) | ((lane % 4) << 2)));
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = ridx_warp[4 * k + i];
+                if (row < 0) continue;
+                red_add_s64(acc + static_cast<int64_t>(row) * p.dkv_acc_stride, to_fixed_point(v[i]));
+            }
+        }
+    } else {
+        const uint32_t rb = pair_row_base(slot, lane);
+        const int64_t col0 = col + 4 * (lane % kXChunksPerRow);
+        float4 v[kXRowPasses];
+#pragma unroll
+        for (int k = 0; k < kXRowPasses; ++k) v[k] = ld_shared_v4_f32(pair_row_addr(rb, k));
+#pragma unroll
+        for (int k = 0; k < kXRowPasses; ++k) {
+            const int r = ridx_warp[4 * k + lane / kXChunksPerRow];
+            if (r < 0) continue;
             red_add_v4_f32(p.dkv_acc + static_cast<int64_t>(r) * p.dkv_acc_stride + col0, v[k]);
         }
     }
