@@ -145,7 +145,14 @@ pub const KV_BUCKET_BYTES: usize = 12 << 20;
 /// 64K (216 MiB), in one process: 7 buckets 319, 14 buckets 314, 27 buckets 306 TFLOPS (an earlier
 /// machine: 7 buckets 309, 27 buckets 304); at 32K (108 MiB) 14 buckets beat 7 (344 against 330).
 pub const KV_BUCKETS_COARSE_BYTES: usize = 128 << 20;
-/// Bytes per bucket above [`KV_BUCKETS_COARSE_BYTES`].
+/// Bytes per bucket above [`KV_BUCKETS_COARSE_BYTES`]. Deterministic mode, whose int64 adds move
+/// twice the bytes, keeps [`KV_BUCKET_BYTES`] at every size, up to [`KV_BUCKETS_MAX_BYTES_PAIR`]
+/// with one head group and without an upper bound with two: measured in one process (H100, full
+/// clock, random), buckets auto (the f32 rule's count) / 8 / 16 / 32: V3.2 32K 26.3 / 26.1 / 25.8 /
+/// 26.1 ms, 64K 33.0 / 33.8 / 31.9 / 32.0, 128K (1 bucket) 38.0 / 36.8 / 36.1 / 36.1, h_q 64 32K
+/// 19.3 / 17.9 / 16.0 / 16.0, MODEL1 h_q 64 64K (1 bucket) 8.29 / 7.30 / 7.28 / 7.28 (the kernel
+/// takes at most one per tile: 8); MODEL1 h_q 128 (topk 1024) 32K 14 buckets against 6: 12.51
+/// against 12.41 ms, 64K 16 against 10: 14.61 both.
 pub const KV_BUCKET_BYTES_COARSE: usize = 32 << 20;
 /// 4-byte words per accumulator value in deterministic mode (int64 fixed point).
 const FIXED_POINT_WORDS: usize = 2;
@@ -387,7 +394,8 @@ pub fn workspace_shape(dims: &SparseBwdDims, options: &SparseBwdOptions) -> [usi
 /// 65536: 226 MB -> 7 buckets. Rows
 /// shorter than [`MIN_BUCKETED_TOPK_PAIR`] / [`MIN_BUCKETED_TOPK_SOLO`] or longer than
 /// [`MAX_BUCKETED_TOPK`] keep the index order, except that two head groups bucket rows of at least
-/// [`MIN_BUCKETED_TOPK_PAIR_COARSE`] entries in the coarse range.
+/// [`MIN_BUCKETED_TOPK_PAIR_COARSE`] entries in the coarse range. Deterministic mode: see
+/// [`KV_BUCKET_BYTES_COARSE`].
 pub fn kv_buckets(dims: &SparseBwdDims, options: &SparseBwdOptions) -> i32 {
     let f = &dims.fwd;
     let acc_bytes = if options.deterministic { 8 } else { 4 };
@@ -402,16 +410,16 @@ pub fn kv_buckets(dims: &SparseBwdDims, options: &SparseBwdOptions) -> i32 {
     if !(min_topk..=MAX_BUCKETED_TOPK).contains(&f.topk) {
         return 1;
     }
-    let max_bytes = if f.h_q > HEADS_PER_CTA {
-        KV_BUCKETS_MAX_BYTES_PAIR
-    } else {
-        KV_BUCKETS_MAX_BYTES
+    let max_bytes = match (f.h_q > HEADS_PER_CTA, options.deterministic) {
+        (false, false) => KV_BUCKETS_MAX_BYTES,
+        (false, true) | (true, false) => KV_BUCKETS_MAX_BYTES_PAIR,
+        (true, true) => usize::MAX,
     };
     if bytes <= KV_BUCKETS_OFF_BYTES || bytes > max_bytes {
         return 1;
     }
     let cap = f.topk.div_ceil(TILE_ROWS).min(MAX_KV_BUCKETS);
-    let per_bucket = if bytes > KV_BUCKETS_COARSE_BYTES {
+    let per_bucket = if bytes > KV_BUCKETS_COARSE_BYTES && !options.deterministic {
         KV_BUCKET_BYTES_COARSE
     } else {
         KV_BUCKET_BYTES
@@ -1251,9 +1259,17 @@ mod tests {
         assert_eq!(nb(64, 131072, 576, 2048, false), 1);
         assert_eq!(nb(128, usize::MAX / 2, 576, 2048, false), 1);
         // The fixed-point accumulator (8 bytes per value).
+        // The fixed-point accumulator (8 bytes per value): 12 MiB per bucket at every size (180 MiB
+        // at 32K -> 15), no upper bound with two head groups (128K: one per tile, 32).
         assert_eq!(nb(128, 8192, 576, 2048, true), 4);
-        // MODEL1: h_q 128 / topk 1024 keeps the index order up to 128 MiB and takes coarse buckets
-        // beyond (64K: 201 MB -> 6); h_q 64 / topk 512 (solo) buckets, one per tile.
+        assert_eq!(nb(128, 32768, 576, 2048, true), 15);
+        assert_eq!(nb(128, 131072, 576, 2048, true), 32);
+        assert_eq!(nb(128, 1 << 20, 576, 2048, true), 32);
+        assert_eq!(nb(64, 32768, 576, 2048, true), 15);
+        assert_eq!(nb(64, 131072, 576, 2048, true), 1); // 720 MiB
+        assert_eq!(nb(64, 65536, 512, 512, true), 8); // 320 MiB, one per tile
+                                                      // MODEL1: h_q 128 / topk 1024 keeps the index order up to 128 MiB and takes coarse buckets
+                                                      // beyond (64K: 201 MB -> 6); h_q 64 / topk 512 (solo) buckets, one per tile.
         assert_eq!(nb(128, 32768, 512, 1024, false), 1);
         assert_eq!(nb(128, 65536, 512, 1024, false), 6);
         assert_eq!(
