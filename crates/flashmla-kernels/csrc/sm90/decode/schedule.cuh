@@ -69,9 +69,10 @@ __device__ __forceinline__ int page_mod(int x, int page) {
 
 __device__ __forceinline__ int tiles_of(int len) { return (len + kTileN - 1) / kTileN; }
 
-// Line units request b occupies.
-__device__ __forceinline__ int64_t segment_of(const DecodeParams& p, int len) {
-    const int64_t seg = p.chunk_overhead + tiles_of(len);
+// Line units request b occupies, in 32-bit arithmetic: lengths are clamped to the cache (request_len), and the host
+// bounds every segment, the budget and the line below 2^29 (ops/decode/launch.rs, MAX_LINE).
+__device__ __forceinline__ int segment_of(const DecodeParams& p, int len) {
+    const int seg = p.chunk_overhead + tiles_of(len);
     if (p.fixed_budget > 0) return (seg + p.fixed_budget - 1) / p.fixed_budget * p.fixed_budget;
     return seg;
 }
@@ -100,13 +101,6 @@ __device__ __forceinline__ void schedule_rule(const DecodeParams& p, int line, i
     }
     budget_out = budget;
     parts_out = min(parts, p.max_parts);
-}
-
-// segment_of in 32-bit arithmetic (the host bounds every segment and the line below 2^29).
-__device__ __forceinline__ int segment_of32(const DecodeParams& p, int len) {
-    const int seg = p.chunk_overhead + tiles_of(len);
-    if (p.fixed_budget > 0) return (seg + p.fixed_budget - 1) / p.fixed_budget * p.fixed_budget;
-    return seg;
 }
 
 // The schedule kernel's body: one CTA of kScheduleThreads threads writes S_0..S_batch, the budget and the number of
@@ -179,7 +173,7 @@ __device__ __forceinline__ void write_schedule_warp(const DecodeParams& p, int32
 #pragma unroll
     for (int k = 0; k < kRounds; ++k) {
         const int r = 32 * k + lane;
-        seg[k] = r < p.batch ? segment_of32(p, request_len(p, r)) : 0;
+        seg[k] = r < p.batch ? segment_of(p, request_len(p, r)) : 0;
     }
     const int seg0 = __shfl_sync(0xffffffffu, seg[0], 0);
     int carry = 0;
