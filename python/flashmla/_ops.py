@@ -13,7 +13,7 @@ and calls that record autograd go through the registered op.
 | op | returns |
 | --- | --- |
 | ``flashmla::sparse_fwd(q, kv, indices, sm_scale, attn_sink?, topk_length?)`` | ``(out, max_logits, lse)`` |
-| ``flashmla::sparse_bwd(q, kv, out, d_out, indices, lse, sm_scale, attn_sink?, topk_length?, d_kv_f32)`` | ``(d_q, d_kv, delta, d_attn_sink)`` |
+| ``flashmla::sparse_bwd(q, kv, out, d_out, indices, lse, sm_scale, attn_sink?, topk_length?, d_kv_f32, deterministic)`` | ``(d_q, d_kv, delta, d_attn_sink)`` |
 | ``flashmla::decode_dense(q, k_cache, block_table, cache_seqlens, softmax_scale?, causal, attn_sink?)`` | ``(out, lse)`` |
 | ``flashmla::decode_sparse(q, k_cache, indices, topk_length?, softmax_scale?, attn_sink?, extra...?)`` | ``(out, lse)`` |
 | ``flashmla::dense_prefill_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale?, causal)`` | ``(out, lse)`` |
@@ -100,8 +100,19 @@ def _sparse_fwd_setup(ctx, inputs, output):
 def _sparse_fwd_backward(ctx, d_out, _d_max_logits, _d_lse):
     q, kv, indices, attn_sink, topk_length, out, lse = ctx.saved_tensors
     # The incoming gradient can be any view (an expanded `ones` after `.sum()`); the op wants a dense last dim.
+    # `torch.use_deterministic_algorithms(True)` selects the bitwise-reproducible reduction of `d_kv`.
     d_q, d_kv, _delta, d_sink = _sparse_bwd_op(
-        q, kv, out, d_out.contiguous(), indices, lse, ctx.sm_scale, attn_sink, topk_length
+        q,
+        kv,
+        out,
+        d_out.contiguous(),
+        indices,
+        lse,
+        ctx.sm_scale,
+        attn_sink,
+        topk_length,
+        False,
+        torch.are_deterministic_algorithms_enabled(),
     )
     need = ctx.needs_input_grad
     return (
@@ -133,17 +144,23 @@ def _sparse_bwd_op(
     attn_sink: Optional[Tensor] = None,
     topk_length: Optional[Tensor] = None,
     d_kv_f32: bool = False,
+    deterministic: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Sparse MLA prefill backward (docs/spec.md section 2): ``(d_q, d_kv, delta, d_attn_sink)``.
 
     ``d_q [s_q, h_q, d_qk]`` bf16, ``d_kv [s_kv, 1, d_qk]`` bf16 (float32 with ``d_kv_f32``), ``delta [s_q, h_q]``
     float32 and ``d_attn_sink [h_q]`` float32 (shape ``[0]`` without a sink). ``lse`` must be the forward's.
+    ``deterministic``: bitwise-reproducible ``d_kv`` on the GPU (the other outputs always are).
     """
-    return _native.sparse_bwd(q, kv, out, d_out, indices, lse, sm_scale, attn_sink, topk_length, d_kv_f32)
+    return _native.sparse_bwd(
+        q, kv, out, d_out, indices, lse, sm_scale, attn_sink, topk_length, d_kv_f32, deterministic
+    )
 
 
 @_sparse_bwd_op.register_fake
-def _sparse_bwd_fake(q, kv, out, d_out, indices, lse, sm_scale, attn_sink=None, topk_length=None, d_kv_f32=False):
+def _sparse_bwd_fake(
+    q, kv, out, d_out, indices, lse, sm_scale, attn_sink=None, topk_length=None, d_kv_f32=False, deterministic=False
+):
     named = ((q, "q"), (kv, "kv"), (out, "out"), (d_out, "d_out"), (indices, "indices"), (lse, "lse"))
     _glue.check_same_device(**{n: t for t, n in named}, attn_sink=attn_sink, topk_length=topk_length)
     if _glue.is_concrete(q, kv, out, d_out, indices, lse, attn_sink, topk_length):
@@ -419,14 +436,20 @@ def sparse_bwd(
     attn_sink: Optional[Tensor] = None,
     topk_length: Optional[Tensor] = None,
     d_kv_f32: bool = False,
+    deterministic: Optional[bool] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Sparse MLA prefill backward (docs/spec.md section 2): ``(d_q, d_kv, delta, d_attn_sink)``.
 
     ``d_q [s_q, h_q, d_qk]`` bf16, ``d_kv [s_kv, 1, d_qk]`` bf16 (float32 with ``d_kv_f32``), ``delta [s_q, h_q]``
     float32 and ``d_attn_sink [h_q]`` float32 (shape ``[0]`` without a sink). ``out`` and ``lse`` must be the
-    forward's outputs for the same arguments.
+    forward's outputs for the same arguments. ``deterministic``: reduce ``d_kv`` bitwise-reproducibly on the GPU
+    (int64 fixed point, about twice the time; ``d_q``, ``delta`` and ``d_attn_sink`` always are); ``None`` follows
+    ``torch.are_deterministic_algorithms_enabled()``, as the autograd backward of :func:`sparse_mla` does.
     """
-    args = (q, kv, out, d_out, indices, lse, float(sm_scale), attn_sink, topk_length, bool(d_kv_f32))
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    args = (q, kv, out, d_out, indices, lse, float(sm_scale), attn_sink, topk_length)
+    args += (bool(d_kv_f32), bool(deterministic))
     if _direct(q):
         return _native.sparse_bwd(*args)
     _glue.check_tensor_args(

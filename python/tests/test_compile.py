@@ -35,6 +35,7 @@ def test_opcheck_sparse_bwd():
     d_out = torch.randn(out.shape).to(torch.bfloat16)
     args = (c.q, c.kv, out, d_out, c.indices, lse, c.sm_scale, c.attn_sink, c.topk_length, True)
     torch.library.opcheck(torch.ops.flashmla.sparse_bwd.default, args)
+    torch.library.opcheck(torch.ops.flashmla.sparse_bwd.default, args[:-1] + (False, True))
 
 
 def test_opcheck_kv_ops():

@@ -116,14 +116,12 @@ def test_sparse_fwd_s_q_above_65535():
 # Sparse prefill backward
 
 
-def check_backward(case, d_kv_f32=False):
+def check_backward(case, d_kv_f32=False, deterministic=False):
     out, _, lse = call_or_skip(flashmla.sparse_fwd, *case.args())
     g = torch.Generator(device="cuda").manual_seed(case.seed)
     d_out = (torch.randn(out.shape, generator=g, device="cuda") / 10).to(torch.bfloat16)
-    d_q, d_kv, delta, d_sink = call_or_skip(
-        flashmla.sparse_bwd, case.q, case.kv, out, d_out, case.indices, lse, case.sm_scale, case.attn_sink,
-        case.topk_length, d_kv_f32,
-    )
+    args = (case.q, case.kv, out, d_out, case.indices, lse, case.sm_scale, case.attn_sink, case.topk_length, d_kv_f32)
+    d_q, d_kv, delta, d_sink = call_or_skip(flashmla.sparse_bwd, *args, deterministic=deterministic)
     ref = sparse_mla_backward_reference(
         case.q.to(F32), case.kv.to(F32), out, d_out, case.indices, lse, case.sm_scale,
         None if case.attn_sink is None else case.attn_sink.to(F32), case.topk_length,
@@ -134,14 +132,48 @@ def check_backward(case, d_kv_f32=False):
         case.q.to(F32), case.kv.to(F32), out, d_out, case.indices, lse, case.sm_scale,
         None if case.attn_sink is None else case.attn_sink.to(F32), case.topk_length, magnitudes=True,
     )
-    # With h_q > 64 and a bf16 d_kv the two head groups also exchange their d_kv partials as bf16: twice the bound.
-    kv_bound = mag[1] / (128 if (case.q.shape[1] > 64 and not d_kv_f32) else 256)
+    # With h_q > 64 and a bf16 d_kv (not deterministic) the two head groups also exchange their d_kv partials as
+    # bf16: twice the bound.
+    kv_bound = mag[1] / (128 if (case.q.shape[1] > 64 and not d_kv_f32 and not deterministic) else 256)
     ctx = case.describe()
     assert_spec_close("d_q", d_q, ref[0], TOL_BWD, ctx, allowance=mag[0] / 256)
     assert_spec_close("d_kv", d_kv, ref[1], TOL_BWD, ctx, allowance=kv_bound)
     assert_spec_close("delta", delta, ref[2], (1e-5, 1e-4, None), ctx)
     if case.attn_sink is not None:
         assert_spec_close("d_attn_sink", d_sink, ref[3], (1e-4, 1e-3, None), ctx)
+    if deterministic:
+        again = flashmla.sparse_bwd(*args, deterministic=True)
+        for name, a, b in zip(("d_q", "d_kv", "delta", "d_attn_sink"), (d_q, d_kv, delta, d_sink), again):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{name} differs bitwise on a rerun, {ctx}"
+
+
+@pytest.mark.parametrize("h_q", [64, 128])
+@pytest.mark.parametrize("d_kv_f32", [False, True])
+def test_sparse_bwd_deterministic(h_q, d_kv_f32):
+    """Deterministic mode: within the bounds, and bitwise the same on a rerun (s_kv 16384 at topk 2048 also runs it
+    in KV-row buckets and waves)."""
+    case = gpu_case(
+        55 + h_q + d_kv_f32, s_q=140, s_kv=16384, h_q=h_q, d_qk=576, topk=2048, sink="random", topk_length=True,
+        empty_rows=2,
+    )
+    check_backward(case, d_kv_f32=d_kv_f32, deterministic=True)
+
+
+def test_sparse_mla_backward_under_torch_deterministic_algorithms():
+    """`torch.use_deterministic_algorithms(True)` gives the autograd backward a bitwise-reproducible `kv.grad`."""
+    case = gpu_case(57, s_q=140, s_kv=16384, h_q=128, d_qk=576, topk=2048)
+    call_or_skip(flashmla.sparse_fwd, *case.args())
+    before = torch.are_deterministic_algorithms_enabled()
+    grads = []
+    try:
+        torch.use_deterministic_algorithms(True)
+        for _ in range(2):
+            kv = case.kv.clone().requires_grad_()
+            flashmla.sparse_mla(case.q, kv, case.indices, case.sm_scale).float().square().sum().backward()
+            grads.append(kv.grad)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert torch.equal(grads[0].view(torch.uint8), grads[1].view(torch.uint8))
 
 
 @pytest.mark.parametrize("h_q", [64, 128])

@@ -193,6 +193,48 @@ def test_autograd_sum_loss_expanded_grad():
     assert torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
 
 
+class _SparseBwdSpy:
+    """Stands in for the native module and records the `deterministic` flag of every `sparse_bwd` call."""
+
+    def __init__(self, real):
+        self._real = real
+        self.deterministic = []
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def sparse_bwd(self, *args):
+        self.deterministic.append(args[10])
+        return self._real.sparse_bwd(*args)
+
+
+def test_autograd_backward_follows_torch_deterministic_setting(monkeypatch):
+    """`torch.use_deterministic_algorithms(True)` makes the autograd backward (and `sparse_bwd` without an explicit
+    `deterministic`) ask for the bitwise-reproducible reduction; an explicit argument wins over the setting."""
+    from flashmla import _ops
+
+    spy = _SparseBwdSpy(_ops._native)
+    monkeypatch.setattr(_ops, "_native", spy)
+    case = make_sparse_case(33, s_q=3, s_kv=20, h_q=2, d_qk=576, topk=8)
+    before = torch.are_deterministic_algorithms_enabled()
+    grads = []
+    try:
+        for flag in (False, True):
+            torch.use_deterministic_algorithms(flag)
+            q = case.q.clone().requires_grad_()
+            kv = case.kv.clone().requires_grad_()
+            flashmla.sparse_mla(q, kv, case.indices, case.sm_scale).float().square().sum().backward()
+            grads.append((q.grad, kv.grad))
+            out, _, lse = flashmla.sparse_fwd(*case.args())
+            flashmla.sparse_bwd(case.q, case.kv, out, out, case.indices, lse, case.sm_scale)
+            flashmla.sparse_bwd(case.q, case.kv, out, out, case.indices, lse, case.sm_scale, deterministic=not flag)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert spy.deterministic == [False, False, True, True, True, False]
+    # On the CPU both modes are the reference: the same gradients.
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
 def test_autograd_only_q_requires_grad():
     case = make_sparse_case(32, s_q=3, s_kv=20, h_q=2, d_qk=576, topk=8, sink="random")
     q = case.q.clone().requires_grad_()

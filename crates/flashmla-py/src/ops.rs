@@ -335,9 +335,11 @@ pub fn sparse_bwd_check(
 /// The sparse backward: `(d_q [s_q, h_q, d_qk] bf16, d_kv [s_kv, 1, d_qk] bf16 (f32 with d_kv_f32),
 /// delta [s_q, h_q] f32, d_attn_sink [h_q] f32 (shape [0] without a sink))`.
 ///
-/// A bf16 `d_kv` is reduced in an f32 workspace on the GPU first; it is allocated through torch for the call.
+/// A bf16 `d_kv` is reduced in an f32 workspace on the GPU first, and with `deterministic` every `d_kv` in an
+/// int64 fixed-point workspace twice that size (bitwise-reproducible `d_kv`); it is allocated through torch for the
+/// call. On the CPU every mode is the reference, which is deterministic.
 #[pyfunction]
-#[pyo3(signature = (q, kv, out, d_out, indices, lse, sm_scale, attn_sink=None, topk_length=None, d_kv_f32=false))]
+#[pyo3(signature = (q, kv, out, d_out, indices, lse, sm_scale, attn_sink=None, topk_length=None, d_kv_f32=false, deterministic=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn sparse_bwd<'py>(
     q: &Tensor<'py>,
@@ -350,6 +352,7 @@ pub fn sparse_bwd<'py>(
     attn_sink: Option<&Tensor<'py>>,
     topk_length: Option<&Tensor<'py>>,
     d_kv_f32: bool,
+    deterministic: bool,
 ) -> PyResult<(Tensor<'py>, Tensor<'py>, Tensor<'py>, Tensor<'py>)> {
     let py = q.py();
     let d = BwdIn::read(
@@ -387,16 +390,15 @@ pub fn sparse_bwd<'py>(
         delta: delta_d,
         d_attn_sink: attn_sink.is_some().then_some(d_sink_d),
     };
-    let options = bwd_op::SparseBwdOptions::default();
+    let options = bwd_op::SparseBwdOptions {
+        deterministic,
+        ..Default::default()
+    };
     let [ws_rows, ws_cols] = bwd_op::workspace_shape(&dims, &options);
     let workspace = match loc {
-        Location::Cuda(_) if !d_kv_f32 && ws_rows * ws_cols > 0 => Some(new_output(
-            q,
-            "workspace",
-            &[ws_rows, ws_cols],
-            DType::F32,
-            loc,
-        )?),
+        Location::Cuda(_) if (deterministic || !d_kv_f32) && ws_rows * ws_cols > 0 => Some(
+            new_output(q, "workspace", &[ws_rows, ws_cols], DType::F32, loc)?,
+        ),
         _ => None,
     };
     let ws = workspace.as_ref().map(|(_, d)| d);
