@@ -79,6 +79,9 @@ def sparse_mla(
 
     Returns:
         ``out [s_q, h_q, 512]`` bfloat16, or ``(out, lse)``.
+
+    The backward reduces ``kv``'s gradient bitwise-reproducibly (at about twice its time) while
+    ``torch.use_deterministic_algorithms(True)`` is in effect; every other gradient always is.
     """
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5
