@@ -302,16 +302,44 @@ pub fn cases() -> Vec<Case> {
     let mut dup = SparseCase::plain(62, 1000, 128, 576, 256);
     dup.pattern = IndexPattern::Duplicates;
     push(&mut v, "sparse_bwd/duplicates".into(), true, Spec::new(dup));
-    for d_qk in [576usize, 512] {
-        let mut c = SparseCase::plain(62, 1521, 128, d_qk, 512);
+    // Deterministic mode in both kernel kinds (pair h_q 128, solo h_q 64), with an f32 d_kv, and at a shape it runs
+    // in KV-row buckets and several waves (140 tokens: more than one wave of resident tokens at either h_q).
+    for (h_q, d_qk, name) in [
+        (128usize, 576usize, "d576"),
+        (128, 512, "d512"),
+        (64, 576, "solo/d576"),
+        (64, 512, "solo/d512"),
+    ] {
+        let mut c = SparseCase::plain(62, 1521, h_q, d_qk, 512);
         c.sink = SinkKind::Random;
         c.invalid_frac = 0.05;
         let mut spec = Spec::new(c);
         spec.deterministic = true;
         push(
             &mut v,
-            format!("sparse_bwd/deterministic/d{d_qk}"),
+            format!("sparse_bwd/deterministic/{name}"),
             true,
+            spec,
+        );
+    }
+    let mut f32_det = Spec::new(SparseCase::plain(62, 1521, 128, 576, 512));
+    f32_det.d_kv_dtype = DType::F32;
+    f32_det.deterministic = true;
+    push(
+        &mut v,
+        "sparse_bwd/deterministic/f32_dkv".into(),
+        false,
+        f32_det,
+    );
+    for h_q in [128usize, 64] {
+        let mut c = SparseCase::plain(140, 16384, h_q, 576, 2048);
+        c.sink = SinkKind::Random;
+        let mut spec = Spec::new(c);
+        spec.deterministic = true;
+        push(
+            &mut v,
+            format!("sparse_bwd/deterministic/waves/h{h_q}"),
+            false,
             spec,
         );
     }
