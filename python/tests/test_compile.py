@@ -116,3 +116,38 @@ def test_compile_counts_one_graph():
     explanation = torch._dynamo.explain(f)(c.q, c.kv, c.indices)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
+
+
+def test_compiled_backward_follows_torch_deterministic_setting(monkeypatch):
+    """Under `torch.use_deterministic_algorithms(True)` the compiled training step's backward asks the native op for
+    the deterministic reduction, as the eager one does (the setting is part of what a compiled graph is guarded on)."""
+    from flashmla import _ops
+
+    seen = []
+    real = _ops._native
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def sparse_bwd(self, *args):
+            seen.append(args[10])
+            return real.sparse_bwd(*args)
+
+    monkeypatch.setattr(_ops, "_native", Spy())
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    c = _case()
+    m = TinyAttention(16, 2, 576)
+    x = torch.randn(4, 16).to(torch.bfloat16)
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        for flag in (False, True):
+            torch.use_deterministic_algorithms(flag)
+            kv = c.kv.clone().requires_grad_()
+            compiled(x, kv, c.indices, c.topk_length).backward()
+    finally:
+        torch.use_deterministic_algorithms(before)
+        torch._dynamo.reset()
+    assert seen == [False, True]
