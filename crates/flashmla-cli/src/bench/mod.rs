@@ -563,6 +563,9 @@ pub fn run(args: &BenchArgs) -> Result<u8, String> {
     if !records.is_empty() {
         let rows: Vec<Vec<String>> = records.iter().map(table_row).collect();
         print!("{}", table(&TABLE_HEADER, &rows));
+        for (shape, ratio) in deterministic_ratios(&records) {
+            println!("deterministic / default time, {shape}: {ratio:.2}x");
+        }
     }
     if let Some(path) = &args.json {
         write_json(path, &records)?;
@@ -592,6 +595,26 @@ fn table_row(r: &Record) -> Vec<String> {
         r.run_joules_per_call
             .map_or("-".into(), |j| format!("{j:.3}")),
     ]
+}
+
+/// For every deterministic backward record with a default backward record of the same shape and variant in the
+/// same run: (shape, deterministic time / default time).
+fn deterministic_ratios(records: &[Record]) -> Vec<(String, f64)> {
+    let label = |r: &Record| match &r.variant {
+        Some(v) => format!("{} {v}", shape_label(r)),
+        None => shape_label(r),
+    };
+    records
+        .iter()
+        .filter(|r| r.op == sparse_bwd::DETERMINISTIC_OP)
+        .filter_map(|det| {
+            let shape = label(det);
+            records
+                .iter()
+                .find(|r| r.op == "sparse_bwd" && label(r) == shape && r.time_us > 0.0)
+                .map(|default| (shape, det.time_us / default.time_us))
+        })
+        .collect()
 }
 
 /// The table's clock column: mean (lowest) sampled SM clock, and the limiting reasons if any.
@@ -635,8 +658,8 @@ fn shape_label(r: &Record) -> String {
 #[cfg(test)]
 mod tests {
     use super::{
-        full_clock_counts, op_selected, shape_selected, sustained_warmup, table_row, variants,
-        Record, TABLE_HEADER,
+        deterministic_ratios, full_clock_counts, op_selected, shape_selected, sparse_bwd,
+        sustained_warmup, table_row, variants, Record, TABLE_HEADER,
     };
     use crate::tuning::Tuning;
     use flashmla::ops::sparse_fwd::SparseFwdPipeline;
@@ -715,6 +738,26 @@ mod tests {
         );
         let e = variants(&base, Some("FLASHMLA_X=1,2")).unwrap_err();
         assert!(e.contains("not a launch choice"), "{e}");
+    }
+
+    #[test]
+    fn deterministic_ratios_pair_records_of_one_shape() {
+        let rec = |op: &str, s_kv: usize, time_us: f64| Record {
+            op: op.into(),
+            s_kv: Some(s_kv),
+            time_us,
+            ..Record::default()
+        };
+        let records = [
+            rec("sparse_bwd", 8192, 100.0),
+            rec("sparse_bwd", 32768, 200.0),
+            rec(sparse_bwd::DETERMINISTIC_OP, 32768, 360.0),
+            rec(sparse_bwd::DETERMINISTIC_OP, 65536, 500.0),
+        ];
+        let got = deterministic_ratios(&records);
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(got[0].0.contains("32768"));
+        assert!((got[0].1 - 1.8).abs() < 1e-12);
     }
 
     #[test]
