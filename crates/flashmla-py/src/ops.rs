@@ -396,9 +396,17 @@ pub fn sparse_bwd<'py>(
     };
     let [ws_rows, ws_cols] = bwd_op::workspace_shape(&dims, &options);
     let workspace = match loc {
-        Location::Cuda(_) if (deterministic || !d_kv_f32) && ws_rows * ws_cols > 0 => Some(
-            new_output(q, "workspace", &[ws_rows, ws_cols], DType::F32, loc)?,
-        ),
+        Location::Cuda(_)
+            if bwd_op::reduces_in_workspace(dkv_dtype, &options) && ws_rows * ws_cols > 0 =>
+        {
+            Some(new_output(
+                q,
+                "workspace",
+                &[ws_rows, ws_cols],
+                DType::F32,
+                loc,
+            )?)
+        }
         _ => None,
     };
     let ws = workspace.as_ref().map(|(_, d)| d);

@@ -372,6 +372,13 @@ pub struct SparseBwdPlan {
     pub workspace_shape: [usize; 2],
 }
 
+/// Whether a call reduces `d_kv` in a workspace ([`workspace_shape`]) whatever `d_kv`'s alignment: a
+/// bf16 `d_kv`, or deterministic mode (int64 fixed point). Otherwise an f32 `d_kv` whose rows are
+/// 16-byte aligned is the accumulator itself (a misaligned one takes a workspace too).
+pub fn reduces_in_workspace(d_kv_dtype: DType, options: &SparseBwdOptions) -> bool {
+    d_kv_dtype != DType::F32 || options.deterministic
+}
+
 /// Shape (as f32) of the workspace a call needs when its accumulator is not `d_kv` itself:
 /// `[s_kv, d_qk]` (`s_kv * d_qk * 4` bytes: 75.5 MB at s_kv 32768, d_qk 576), or `[s_kv, 2 * d_qk]`
 /// holding int64 fixed point in deterministic mode.
@@ -643,14 +650,15 @@ pub fn lower(
     };
     let num_head_groups = f.h_q.div_ceil(HEADS_PER_CTA);
 
-    // The accumulator: d_kv itself when it is f32 with 16-byte aligned rows (vector reductions) and
-    // the reduction is in f32.
-    let accumulator =
-        if d_kv_f32 && !options.deterministic && rows_aligned(&out.d_kv, CHUNK_ALIGN_BYTES) {
-            Accumulator::Output
-        } else {
-            Accumulator::Workspace
-        };
+    // The accumulator: d_kv itself when it can be (f32, f32 reduction) and its rows are 16-byte
+    // aligned (vector reductions).
+    let accumulator = if !reduces_in_workspace(dims.d_kv_dtype, options)
+        && rows_aligned(&out.d_kv, CHUNK_ALIGN_BYTES)
+    {
+        Accumulator::Output
+    } else {
+        Accumulator::Workspace
+    };
     let (dkv_acc, dkv_acc_stride) = match accumulator {
         Accumulator::Output => (out.d_kv.ptr(), stride_param("d_kv", &out.d_kv, 0)?),
         Accumulator::Workspace => (0, to_i64("d_qk", f.d_qk)?),
@@ -1259,18 +1267,18 @@ mod tests {
         assert_eq!(nb(128, 262144, 576, 2048, false), 1);
         assert_eq!(nb(64, 131072, 576, 2048, false), 1);
         assert_eq!(nb(128, usize::MAX / 2, 576, 2048, false), 1);
-        // The fixed-point accumulator (8 bytes per value).
         // The fixed-point accumulator (8 bytes per value): 12 MiB per bucket at every size (180 MiB
-        // at 32K -> 15), no upper bound with two head groups (128K: one per tile, 32).
+        // at 32K -> 15), no upper bound with two head groups (128K: one per tile, 32), 512 MiB with
+        // one (720 MiB at 128K: index order; MODEL1 64K, 320 MiB: one per tile, 8).
         assert_eq!(nb(128, 8192, 576, 2048, true), 4);
         assert_eq!(nb(128, 32768, 576, 2048, true), 15);
         assert_eq!(nb(128, 131072, 576, 2048, true), 32);
         assert_eq!(nb(128, 1 << 20, 576, 2048, true), 32);
         assert_eq!(nb(64, 32768, 576, 2048, true), 15);
-        assert_eq!(nb(64, 131072, 576, 2048, true), 1); // 720 MiB
-        assert_eq!(nb(64, 65536, 512, 512, true), 8); // 320 MiB, one per tile
-                                                      // MODEL1: h_q 128 / topk 1024 keeps the index order up to 128 MiB and takes coarse buckets
-                                                      // beyond (64K: 201 MB -> 6); h_q 64 / topk 512 (solo) buckets, one per tile.
+        assert_eq!(nb(64, 131072, 576, 2048, true), 1);
+        assert_eq!(nb(64, 65536, 512, 512, true), 8);
+        // MODEL1: h_q 128 / topk 1024 keeps the index order up to 128 MiB and takes coarse buckets
+        // beyond (64K: 201 MB -> 6); h_q 64 / topk 512 (solo) buckets, one per tile.
         assert_eq!(nb(128, 32768, 512, 1024, false), 1);
         assert_eq!(nb(128, 65536, 512, 1024, false), 6);
         assert_eq!(

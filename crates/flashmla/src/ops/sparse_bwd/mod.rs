@@ -21,7 +21,9 @@
 pub mod launch;
 pub mod validate;
 
-pub use launch::{workspace_shape, KvBucketOrder, SparseBwdOptions, SparseBwdTuning};
+pub use launch::{
+    reduces_in_workspace, workspace_shape, KvBucketOrder, SparseBwdOptions, SparseBwdTuning,
+};
 pub use validate::{validate, validate_output};
 
 use crate::alloc::try_filled;
