@@ -156,3 +156,19 @@ def make_sparse_case(
         if case.topk_length is not None:
             case.topk_length = padded(case.topk_length, 0)
     return case
+
+
+class SparseBwdSpy:
+    """Stands in for `flashmla._ops._native` (monkeypatched in) and records the `deterministic` flag of every
+    `sparse_bwd` call that reaches the native module."""
+
+    def __init__(self, real):
+        self._real = real
+        self.deterministic = []
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def sparse_bwd(self, *args):
+        self.deterministic.append(args[10])
+        return self._real.sparse_bwd(*args)

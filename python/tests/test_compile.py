@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flashmla
-from mla_cases import make_sparse_case
+from mla_cases import SparseBwdSpy, make_sparse_case
 
 
 def _case(**kw):
@@ -123,18 +123,8 @@ def test_compiled_backward_follows_torch_deterministic_setting(monkeypatch):
     the deterministic reduction, as the eager one does (the setting is part of what a compiled graph is guarded on)."""
     from flashmla import _ops
 
-    seen = []
-    real = _ops._native
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def sparse_bwd(self, *args):
-            seen.append(args[10])
-            return real.sparse_bwd(*args)
-
-    monkeypatch.setattr(_ops, "_native", Spy())
+    spy = SparseBwdSpy(_ops._native)
+    monkeypatch.setattr(_ops, "_native", spy)
     torch.manual_seed(0)
     torch._dynamo.reset()
     c = _case()
@@ -150,4 +140,4 @@ def test_compiled_backward_follows_torch_deterministic_setting(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(before)
         torch._dynamo.reset()
-    assert seen == [False, True]
+    assert spy.deterministic == [False, True]

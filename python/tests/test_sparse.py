@@ -8,6 +8,7 @@ import torch
 import flashmla
 from flashmla.reference import sparse_mla_backward_reference, sparse_mla_reference
 from mla_cases import (
+    SparseBwdSpy,
     TOL_BWD,
     TOL_PREFILL_OUT,
     TOL_PREFILL_STATS,
@@ -193,27 +194,12 @@ def test_autograd_sum_loss_expanded_grad():
     assert torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
 
 
-class _SparseBwdSpy:
-    """Stands in for the native module and records the `deterministic` flag of every `sparse_bwd` call."""
-
-    def __init__(self, real):
-        self._real = real
-        self.deterministic = []
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-    def sparse_bwd(self, *args):
-        self.deterministic.append(args[10])
-        return self._real.sparse_bwd(*args)
-
-
 def test_autograd_backward_follows_torch_deterministic_setting(monkeypatch):
     """`torch.use_deterministic_algorithms(True)` makes the autograd backward (and `sparse_bwd` without an explicit
     `deterministic`) ask for the bitwise-reproducible reduction; an explicit argument wins over the setting."""
     from flashmla import _ops
 
-    spy = _SparseBwdSpy(_ops._native)
+    spy = SparseBwdSpy(_ops._native)
     monkeypatch.setattr(_ops, "_native", spy)
     case = make_sparse_case(33, s_q=3, s_kv=20, h_q=2, d_qk=576, topk=8)
     before = torch.are_deterministic_algorithms_enabled()
