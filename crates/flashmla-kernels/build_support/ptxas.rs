@@ -17,11 +17,13 @@ pub const KNOWN_SPILLS: &[(&str, u64, u64)] = &[
     // rows of values at a time; ptxas then keeps a few more values of the d_qk 576 tile loop on the stack.
     ("sparse_bwd_main_pair_det_d576", 56, 56),
     ("sparse_bwd_main_pair_d576", 12, 28),
-    // The sparse FP8 decode's producer (40 registers) keeps a few values of its per-chunk Q-tile addressing on the
-    // stack; its per-tile copy and dequantisation loop does not spill (decode/kernel.cuh, `producer_sparse`). One
-    // value more (4 bytes) since the split kernel derives the schedule of up to 128 requests (schedule.cuh).
-    ("decode_split_fp8_v32", 44, 44),
-    ("decode_split_fp8_model1", 40, 40),
+    // The sparse FP8 decode of one row tile (80 / 232 / 192 registers, decode/config.cuh) keeps a few values of its
+    // epilogue's addressing on the stack; the pair kernels' producer (40 registers) a value of its chunk walk. Their
+    // tile loops do not spill.
+    ("decode_split_fp8_v32", 32, 32),
+    ("decode_split_fp8_model1", 32, 32),
+    ("decode_split_fp8_v32_pair", 8, 8),
+    ("decode_split_fp8_model1_pair", 8, 8),
 ];
 
 /// Markers of ptxas lines that carry known information wherever they appear: the injected `warpgroup.arrive`

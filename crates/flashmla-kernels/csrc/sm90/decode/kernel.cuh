@@ -280,7 +280,7 @@ __device__ __forceinline__ void producer_sparse(const DecodeParams& p, SmemPlan<
     }
 }
 
-// The sparse producer of a 2-CTA cluster (kFlagSplitDequant): the same walk, but each CTA dequantises only its
+// The sparse producer of a 2-CTA cluster (the *_pair kernels): the same walk, but each CTA dequantises only its
 // half of a tile's rows (sparse_keys.cuh, SplitLane) and writes them to both CTAs' stages; the RoPE columns (bf16)
 // of all 64 rows are copied locally as before. A left / right group may only be written once both CTAs' consumers
 // released it (kv_empty counts the peer's credits too); its full barrier counts the 128 local arrivals and the
@@ -644,8 +644,10 @@ __device__ __forceinline__ void score_epilogue(const DecodeParams& p, float* row
 //   wait QK(i) -> release rope group (and Q after the chunk's last QK) -> mask, online softmax, P -> PV(i) on
 //   O[:, 0:256] -> publish P(i), alpha(i) -> wait PV(i) -> release left group -> QK(i + 1) -> Handoff.
 // Then the epilogue.
+// `split_dequant`: a *_pair kernel, whose peer's producer writes this CTA's stages too (it credits both).
 template <class E, int kDqk, bool kSparse>
-__device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched) {
+__device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched,
+                                               bool split_dequant) {
     using C = Config<kDqk>;
     const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Score);
     const int lane = t % 32;
@@ -656,7 +658,6 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
     const bool causal = (p.flags & kFlagCausal) != 0;
     const uint64_t desc_q = make_wgmma_desc_sw128(smem_addr(sm.q), kUnusedLbo, kSw128AtomBytes);
     const bool bulk_out = (p.flags & kFlagOutBulk) != 0;
-    const bool split_dequant = (p.flags & kFlagSplitDequant) != 0;  // credits for the peer's producer too
     const uint32_t peer = split_dequant ? cluster_ctarank() ^ 1u : 0u;
 
     int tile = 0;
@@ -797,14 +798,14 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
 // Value warpgroup (WG 2). Per tile i: wait for the right group -> Handoff -> rescale O[:, 256:512] by alpha(i) ->
 // O += P(i) V -> wait -> release the right group. Per chunk, the epilogue.
 template <class E, int kDqk>
-__device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched) {
+__device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched,
+                                               bool split_dequant) {
     const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Value);
     const int lane = t % 32;
     const AccFrag f = AccFrag::of_thread(t);
     const int rows[2] = {f.row0, f.row1()};
     const RowTile rt = RowTile::of(p);
     const bool bulk_out = (p.flags & kFlagOutBulk) != 0;
-    const bool split_dequant = (p.flags & kFlagSplitDequant) != 0;
     const uint32_t peer = split_dequant ? cluster_ctarank() ^ 1u : 0u;
 
     int tile = 0;
@@ -867,8 +868,10 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
 // ---------------------------------------------------------------------------------------------------------------
 // Kernel bodies (instantiated by decode.cu).
 
-template <class E, int kDqk, bool kSparse>
+// kPair (sparse only): the 2-CTA cluster of two row tiles whose producers each dequantise half of a tile's rows.
+template <class E, int kDqk, bool kSparse, bool kPair>
 __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* smem) {
+    static_assert(kSparse || !kPair, "only the sparse decode splits its dequantisation");
     using Plan = SmemPlan<kDqk>;
     using C = Config<kDqk>;
     const uint32_t raw = smem_addr(smem);
@@ -878,7 +881,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
 
     // Split dequantisation (sparse, 2-CTA cluster): the peer's consumers release the left / right groups too, since
     // its producer writes them; the barriers must exist cluster-wide before either CTA touches the other's.
-    const bool split_dequant = kSparse && (p.flags & kFlagSplitDequant) != 0;
+    constexpr bool split_dequant = kPair;
     // A small batch's schedule is derived here (no schedule kernel); the __syncthreads below publishes it.
     const int32_t* const sched_line = (p.flags & kFlagInlineSchedule) ? inline_schedule_copy(p) : p.schedule;
     if ((p.flags & kFlagInlineSchedule) && threadIdx.x < 32) {
@@ -904,23 +907,23 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
     const Schedule sched = Schedule::load(p, sched_line);
     const Role role = static_cast<Role>(threadIdx.x / kWarpgroupThreads);
     if (role == Role::Producer) {
-        setmaxnreg_dec<kProducerRegs>();
-        if constexpr (kSparse) {
-            if (split_dequant) {
-                producer_sparse_split<kDqk>(p, sm, sched);
-            } else {
-                producer_sparse<kDqk>(p, sm, sched);
-            }
+        if constexpr (kPair) {
+            setmaxnreg_dec<kProducerRegs>();
+            producer_sparse_split<kDqk>(p, sm, sched);
+        } else if constexpr (kSparse) {
+            setmaxnreg_dec<kProducerRegsSparse>();
+            producer_sparse<kDqk>(p, sm, sched);
         } else {
+            setmaxnreg_dec<kProducerRegs>();
             producer<kDqk>(p, sm, sched);
         }
     } else if (role == Role::Score) {
-        setmaxnreg_inc<kScoreRegs>();
-        score_consumer<E, kDqk, kSparse>(p, sm, sched);
+        setmaxnreg_inc<kSparse && !kPair ? kScoreRegsSparse : kScoreRegs>();
+        score_consumer<E, kDqk, kSparse>(p, sm, sched, split_dequant);
         bulk_wait_all();  // the partials' bulk stores are performed before the CTA ends
     } else {
-        setmaxnreg_inc<kValueRegs>();
-        value_consumer<E, kDqk>(p, sm, sched);
+        setmaxnreg_inc<kSparse && !kPair ? kValueRegsSparse : kValueRegs>();
+        value_consumer<E, kDqk>(p, sm, sched, split_dequant);
         bulk_wait_all();
     }
 }

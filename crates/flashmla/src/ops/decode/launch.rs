@@ -76,9 +76,6 @@ pub const FLAG_COPY8: u32 = 8;
 pub const FLAG_OUT_BULK: u32 = 16;
 /// `flags` bit: `k_tmap` describes the dense cache; whole key tiles are loaded by TMA (`kFlagKTma`).
 pub const FLAG_K_TMA: u32 = 32;
-/// `flags` bit: sparse, 2-CTA cluster: each CTA dequantises half of a tile's rows into both CTAs' stages
-/// (`kFlagSplitDequant`).
-pub const FLAG_SPLIT_DEQUANT: u32 = 64;
 /// `flags` bit: no schedule kernel; every split CTA derives the schedule of the batch (`kFlagInlineSchedule`).
 pub const FLAG_INLINE_SCHEDULE: u32 = 128;
 /// Words of the schedule after the `batch + 1` line starts (`kScheduleTail`).
@@ -251,6 +248,11 @@ pub mod kernels {
     pub const SPLIT_FP8_V32: &str = "decode_split_fp8_v32";
     /// Sparse split kernel, MODEL1 FP8 cache (584-byte tokens, d_qk 512), bf16.
     pub const SPLIT_FP8_MODEL1: &str = "decode_split_fp8_model1";
+    /// Sparse split kernel of two row tiles (h_q 65..128), V3.2 cache: a 2-CTA cluster whose producers each
+    /// dequantise half of a tile's rows into both CTAs.
+    pub const SPLIT_FP8_V32_PAIR: &str = "decode_split_fp8_v32_pair";
+    /// The same for the MODEL1 cache.
+    pub const SPLIT_FP8_MODEL1_PAIR: &str = "decode_split_fp8_model1_pair";
     /// Combine, bf16 output.
     pub const COMBINE_BF16: &str = "decode_combine_bf16";
     /// Combine, f16 output.
@@ -268,6 +270,8 @@ pub mod kernels {
         SPLIT_F16_D512,
         SPLIT_FP8_V32,
         SPLIT_FP8_MODEL1,
+        SPLIT_FP8_V32_PAIR,
+        SPLIT_FP8_MODEL1_PAIR,
         COMBINE_BF16,
         COMBINE_F16,
         COMBINE4_BF16,
@@ -734,9 +738,9 @@ pub fn lower_sparse(
     options: &DecodeOptions,
     sm_count: usize,
 ) -> Result<DecodePlan> {
-    let split_kernel = match dims.d_qk {
-        576 => kernels::SPLIT_FP8_V32,
-        512 => kernels::SPLIT_FP8_MODEL1,
+    let split_kernels = match dims.d_qk {
+        576 => (kernels::SPLIT_FP8_V32, kernels::SPLIT_FP8_V32_PAIR),
+        512 => (kernels::SPLIT_FP8_MODEL1, kernels::SPLIT_FP8_MODEL1_PAIR),
         d => {
             return Err(Error::unsupported(
                 format!("sparse decode with d_qk = {d}"),
@@ -796,6 +800,12 @@ pub fn lower_sparse(
     }
     let shape = ScheduleShape::sparse(dims);
     let geometry = ScheduleGeometry::for_shape(&shape, options, sm_count)?;
+    // Two row tiles run as a 2-CTA cluster (DecodePlan::new) whose producers each dequantise half of a tile's rows.
+    let split_kernel = if geometry.head_tiles == 2 {
+        split_kernels.1
+    } else {
+        split_kernels.0
+    };
     let opt_stride =
         |arg: &str, t: Option<&DeviceView>| t.map_or(Ok(0), |t| stride_param(arg, t, 0));
     // Block counts beyond i32 are clamped: an index is an i32, so it can never name a block past i32::MAX.
@@ -867,15 +877,7 @@ pub fn lower_sparse(
         chunk_overhead: CHUNK_OVERHEAD_TILES as i32,
         fixed_budget: to_i32("options.chunk_tiles", geometry.fixed_budget)?,
         max_request_parts: MAX_REQUEST_PARTS as i32,
-        flags: FLAG_SPARSE
-            | if copy16 { 0 } else { FLAG_COPY8 }
-            | out_flags(&out.out)
-            // Two row tiles run as a 2-CTA cluster (DecodePlan::new): each dequantises half of a tile's rows.
-            | if geometry.head_tiles == 2 {
-                FLAG_SPLIT_DEQUANT
-            } else {
-                0
-            },
+        flags: FLAG_SPARSE | if copy16 { 0 } else { FLAG_COPY8 } | out_flags(&out.out),
         sm_scale_log2,
         ..DecodeParams::default()
     };
@@ -1291,7 +1293,7 @@ mod tests {
         // b 3, s_q 2, h_q 128: six requests of one token, two row tiles each (a 2-CTA cluster), 66 parts.
         let plan = lower_sparse_case((3, 2, 128), 576, (10, 64, 64 * 656), 300).unwrap();
         let names: Vec<&str> = plan.launches.iter().map(|l| l.0).collect();
-        assert_eq!(names, [kernels::SPLIT_FP8_V32, kernels::COMBINE4_BF16]);
+        assert_eq!(names, [kernels::SPLIT_FP8_V32_PAIR, kernels::COMBINE4_BF16]);
         let p = &plan.params;
         assert_eq!((p.batch, p.s_q, p.req_tokens, p.rows), (6, 1, 2, 128));
         assert_eq!((p.topk, p.extra_topk, p.k_stride_block), (300, 0, 64 * 656));
