@@ -2,13 +2,14 @@
 //
 // Three kernels, none with atomics (each owns the rows it writes, so the results are deterministic):
 //   delta: delta[h, r] = sum_j d_out[r, h, j] * out[r, h, j] (f32), one warp per (row, head).
-//   dQ:    one CTA per 64 query rows of one (sequence, query head); streams the sequence's K and V in 64-key tiles.
-//          S = Q K^T and dP = dO V^T (wgmma, shared-memory operands), P = exp2(S * scale_log2 - lse2), dS = P (dP -
-//          delta), dQ += dS K (A from registers); dQ * scale is written at the end.
+//   dQ:    one CTA per 128 query rows of one (sequence, query head), two consumer warpgroups of 64 rows each that
+//          share every streamed 64-key tile of K and V. S = Q K^T and dP = dO V^T (wgmma, shared-memory operands),
+//          P = exp2(S * scale_log2 - lse2), dS = P (dP - delta), dQ += dS K (A from registers); dQ * scale is
+//          written at the end. While one consumer forms dS the other's MMAs keep the tensor cores busy.
 //   dK/dV: one CTA per 64 keys of one (sequence, key head); streams 64-row tiles of Q and dO of every query head of
 //          the group. S^T = K Q^T and dP^T = V dO^T, P^T and dS^T as above, dV += P^T dO and dK += dS^T Q.
-// Each CTA is a producer warpgroup (cp.async into a 2-stage ring, the CTA's own rows loaded once) and one consumer
-// warpgroup. Masked and padded entries get P = 0: a padded row of a streamed tile is zero-filled (its P may be
+// Each CTA is a producer warpgroup (cp.async into a 2-stage ring, the CTA's own rows loaded once) and one (dK / dV)
+// or two (dQ) consumer warpgroups. Masked and padded entries get P = 0: a padded row of a streamed tile is zero-filled (its P may be
 // nonzero but multiplies zero dO and zero dP, so it adds nothing).
 #pragma once
 
@@ -29,7 +30,14 @@
 
 namespace flashmla::dense_prefill::bwd {
 
-inline constexpr int kThreads = 2 * kWarpgroupThreads;  // producer + consumer
+inline constexpr int kThreads = 2 * kWarpgroupThreads;  // dK / dV: producer + consumer
+inline constexpr int kDqConsumers = 2;
+inline constexpr int kDqThreads = (1 + kDqConsumers) * kWarpgroupThreads;  // dQ: producer + two consumers
+// dQ register split (3 x 168 at launch): the producer only issues copies.
+inline constexpr uint32_t kDqProducerRegs = 56;
+inline constexpr uint32_t kDqConsumerRegs = 224;
+static_assert(kDqProducerRegs + kDqConsumers * kDqConsumerRegs <= 3 * ((65536u / kDqThreads) & ~7u),
+              "setmaxnreg pool of the dQ CTA");
 inline constexpr int kStages = 2;
 inline constexpr int kRows = 64;        // the CTA's own rows (queries for dQ, keys for dK / dV); the wgmma M
 inline constexpr int kKeyTile = 64;     // dQ: keys per streamed tile
@@ -46,14 +54,14 @@ inline constexpr uint32_t kQuerySlab = kQueryTile<kD> * kSw128RowBytes;  // 4 or
 template <int kD>
 struct DqPlan {
     static constexpr int kDSlabs = kD / kSw128ColsBf16;
-    alignas(kSw128AtomBytes) uint8_t q[kDSlabs * kSlab64];          // the CTA's 64 query rows
-    alignas(kSw128AtomBytes) uint8_t d_out[2 * kSlab64];            // their d_out rows
+    alignas(kSw128AtomBytes) uint8_t q[kDqConsumers][kDSlabs * kSlab64];  // the CTA's 128 query rows, 64 per consumer
+    alignas(kSw128AtomBytes) uint8_t d_out[kDqConsumers][2 * kSlab64];    // their d_out rows
     alignas(kSw128AtomBytes) uint8_t k[kStages][kDSlabs * kSlab64]; // K tiles
     alignas(kSw128AtomBytes) uint8_t v[kStages][2 * kSlab64];       // V tiles
     uint64_t own_full;
     uint64_t full[kStages];
     uint64_t empty[kStages];
-    SeqTile work;         // the CTA's 64 query rows
+    SeqTile work;         // the CTA's 128 query rows
     int32_t other_start;  // the sequence's first key (global)
     int32_t other_len;    // its keys
 };
@@ -82,8 +90,8 @@ inline constexpr uint32_t kDqSmemBytes = static_cast<uint32_t>(sizeof(DqPlan<kD>
 template <int kD>
 inline constexpr uint32_t kDkvSmemBytes = static_cast<uint32_t>(sizeof(DkvPlan<kD>)) + kSmemAlignSlack;
 // launch.rs requests these exact sizes; keep both in step.
-static_assert(kDqSmemBytes<192> == 124928, "update launch.rs BWD_DQ_SMEM_D192");
-static_assert(kDqSmemBytes<128> == 100352, "update launch.rs BWD_DQ_SMEM_D128");
+static_assert(kDqSmemBytes<192> == 165888, "update launch.rs BWD_DQ_SMEM_D192");
+static_assert(kDqSmemBytes<128> == 133120, "update launch.rs BWD_DQ_SMEM_D128");
 static_assert(kDkvSmemBytes<192> == 125952, "update launch.rs BWD_DKV_SMEM_D192");
 static_assert(kDkvSmemBytes<128> == 101376, "update launch.rs BWD_DKV_SMEM_D128");
 
@@ -95,14 +103,14 @@ __device__ __forceinline__ Plan& plan_of(uint8_t* smem) {
     return *reinterpret_cast<Plan*>(smem + pad);
 }
 
-// The prologue of the dQ and dK / dV kernels: warp 0 finds the CTA's tile of the rows that `cu` offsets and the
-// sequence's range in the other tensor (offsets `cu_other`) and publishes them in `sm.work`, `sm.other_start`,
-// `sm.other_len`; thread 32 initialises the barriers.
-template <class Plan>
+// The prologue of the dQ and dK / dV kernels: warp 0 finds the CTA's tile of kTile rows of the tensor that `cu`
+// offsets and the sequence's range in the other tensor (offsets `cu_other`) and publishes them in `sm.work`,
+// `sm.other_start`, `sm.other_len`; thread 32 initialises the barriers (a stage is released by each consumer warp).
+template <int kTile, int kConsumers, class Plan>
 __device__ __forceinline__ void begin_cta(Plan& sm, int batch, const int32_t* cu, int total, int tiles,
                                           const int32_t* cu_other, int total_other) {
     if (threadIdx.x < 32) {
-        const SeqTile t = find_seq_tile<kRows>(cu, batch, total, tiles, static_cast<int>(threadIdx.x));
+        const SeqTile t = find_seq_tile<kTile>(cu, batch, total, tiles, static_cast<int>(threadIdx.x));
         int start = 0;
         int len = 0;
         if (t.found) other_range(cu_other, t.seq, total_other, start, len);
@@ -116,7 +124,7 @@ __device__ __forceinline__ void begin_cta(Plan& sm, int batch, const int32_t* cu
         MBarrier::init(&sm.own_full, kWarpgroupThreads);
         for (int st = 0; st < kStages; ++st) {
             MBarrier::init(&sm.full[st], kWarpgroupThreads);
-            MBarrier::init(&sm.empty[st], kWarpsPerWarpgroup);
+            MBarrier::init(&sm.empty[st], kConsumers * kWarpsPerWarpgroup);
         }
     }
     __syncthreads();
@@ -207,33 +215,41 @@ __device__ __forceinline__ void delta_kernel(const DensePrefillBwdParams& p) {
 // ---------------------------------------------------------------------------------------------------------------
 // dQ
 
+inline constexpr int kDqRows = kDqConsumers * kRows;  // the dQ CTA's query rows
+
 template <int kD, class E>
 __device__ __forceinline__ void dq_kernel(const DensePrefillBwdParams& p, uint8_t* smem) {
     using Plan = DqPlan<kD>;
     constexpr int kDSlabs = Plan::kDSlabs;
     if (static_cast<int64_t>(blockIdx.x) >= static_cast<int64_t>(p.q_tiles) * p.h_q) return;
     Plan& sm = plan_of<Plan>(smem);
-    begin_cta(sm, p.batch, p.cu_seqlens_q, p.total_q, p.q_tiles, p.cu_seqlens_k, p.total_k);
+    begin_cta<kDqRows, kDqConsumers>(sm, p.batch, p.cu_seqlens_q, p.total_q, p.q_tiles, p.cu_seqlens_k, p.total_k);
     const SeqTile w = sm.work;
     if (!w.found) return;
     const int k0 = sm.other_start;
     const int s_k = sm.other_len;
-    const int rows = min(kRows, w.len - w.t0);
+    const int rows = min(kDqRows, w.len - w.t0);  // the CTA's rows
     const int q0 = w.start + w.t0;
     const int shift = s_k - w.len;
     const bool causal = (p.flags & kFlagCausal) != 0;
+    // Both consumers walk the keys of the CTA's last row (the first consumer's rows mask the tail of the last tile).
     const int n_keys = causal ? clamp_to(w.t0 + rows + shift, 0, s_k) : s_k;
     const int n_tiles = (n_keys + kKeyTile - 1) / kKeyTile;
     const int kv_head = w.head / p.h_per_k;
+    const int wg = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
 
-    if (threadIdx.x < kWarpgroupThreads) {  // producer
+    if (wg == 0) {  // producer
+        setmaxnreg_dec<kDqProducerRegs>();
         if (n_tiles == 0) return;
         const Sw128CopyThread ct = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
         const uint16_t* dummy = p.q;
-        copy_tile<kDSlabs, kRows>(smem_addr(sm.q), p.q + q0 * p.q_stride_t + w.head * p.q_stride_h, p.q_stride_t, 0,
-                                  rows, ct, dummy);
-        copy_tile<2, kRows>(smem_addr(sm.d_out), p.d_out + q0 * p.d_out_stride_t + w.head * p.d_out_stride_h,
-                            p.d_out_stride_t, 0, rows, ct, dummy);
+        const uint16_t* q = p.q + q0 * p.q_stride_t + w.head * p.q_stride_h;
+        const uint16_t* d_out = p.d_out + q0 * p.d_out_stride_t + w.head * p.d_out_stride_h;
+#pragma unroll
+        for (int c = 0; c < kDqConsumers; ++c) {
+            copy_tile<kDSlabs, kRows>(smem_addr(sm.q[c]), q, p.q_stride_t, c * kRows, rows, ct, dummy);
+            copy_tile<2, kRows>(smem_addr(sm.d_out[c]), d_out, p.d_out_stride_t, c * kRows, rows, ct, dummy);
+        }
         MBarrier::arrive_on_cp_async_noinc(&sm.own_full);
         const uint16_t* k = p.k + static_cast<int64_t>(k0) * p.k_stride_t + kv_head * p.k_stride_h;
         const uint16_t* v = p.v + static_cast<int64_t>(k0) * p.v_stride_t + kv_head * p.v_stride_h;
@@ -247,8 +263,12 @@ __device__ __forceinline__ void dq_kernel(const DensePrefillBwdParams& p, uint8_
         return;
     }
 
-    // Consumer.
-    const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads;
+    // Consumer c owns the CTA's rows 64 c .. 64 c + 63 (padded past `rows`: lse +inf, P = 0).
+    setmaxnreg_inc<kDqConsumerRegs>();
+    const int c = wg - 1;
+    const int c_rows = clamp_to(rows - c * kRows, 0, kRows);
+    const int c_t0 = w.t0 + c * kRows;  // the consumer's first row inside the sequence
+    const int t = static_cast<int>(threadIdx.x) - wg * kWarpgroupThreads;
     const int lane = t % 32;
     const AccFrag f = AccFrag::of_thread(t);
     const int r[2] = {f.row0, f.row1()};
@@ -257,18 +277,19 @@ __device__ __forceinline__ void dq_kernel(const DensePrefillBwdParams& p, uint8_
     int limit[2];
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
-        const bool ok = r[rr] < rows;
+        const bool ok = r[rr] < c_rows;
+        const int row = q0 + c * kRows + r[rr];
         // A padded row gets lse +inf: P = 0.
-        lse2[rr] = ok ? p.lse[w.head * p.lse_stride_h + q0 + r[rr]] * kLog2e : kInf;
-        delta[rr] = ok ? p.delta[w.head * p.delta_stride_h + q0 + r[rr]] : 0.f;
-        limit[rr] = causal ? min(w.t0 + r[rr] + shift, s_k - 1) : s_k - 1;
+        lse2[rr] = ok ? p.lse[w.head * p.lse_stride_h + row] * kLog2e : kInf;
+        delta[rr] = ok ? p.delta[w.head * p.delta_stride_h + row] : 0.f;
+        limit[rr] = causal ? min(c_t0 + r[rr] + shift, s_k - 1) : s_k - 1;
     }
-    const int mask_from = causal ? min(w.t0 + shift, s_k - 1) : s_k - 1;
+    const int mask_from = causal ? min(c_t0 + shift, s_k - 1) : s_k - 1;
     float dq[kD / 2];
     zero_regs(dq);
     if (n_tiles > 0) MBarrier::wait(&sm.own_full, 0);
-    const uint64_t desc_q = make_wgmma_desc_sw128(smem_addr(sm.q), kUnusedLbo, kSw128AtomBytes);
-    const uint64_t desc_do = make_wgmma_desc_sw128(smem_addr(sm.d_out), kUnusedLbo, kSw128AtomBytes);
+    const uint64_t desc_q = make_wgmma_desc_sw128(smem_addr(sm.q[c]), kUnusedLbo, kSw128AtomBytes);
+    const uint64_t desc_do = make_wgmma_desc_sw128(smem_addr(sm.d_out[c]), kUnusedLbo, kSw128AtomBytes);
     for (int i = 0; i < n_tiles; ++i) {
         const RingPos<kStages> pos = RingPos<kStages>::of(i);
         MBarrier::wait(&sm.full[pos.stage], pos.full_parity);
@@ -314,8 +335,8 @@ __device__ __forceinline__ void dq_kernel(const DensePrefillBwdParams& p, uint8_
         wgmma_fence_regs(dq);
         release_by_warp(&sm.empty[pos.stage], lane);
     }
-    store_rows<E, kD>(p.d_q + q0 * p.d_q_stride_t + w.head * p.d_q_stride_h, p.d_q_stride_t, rows, f, dq,
-                      p.sm_scale);
+    store_rows<E, kD>(p.d_q + (q0 + c * kRows) * p.d_q_stride_t + w.head * p.d_q_stride_h, p.d_q_stride_t, c_rows,
+                      f, dq, p.sm_scale);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -329,7 +350,7 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
     constexpr uint32_t kQSlab = kQuerySlab<kD>;
     if (static_cast<int64_t>(blockIdx.x) >= static_cast<int64_t>(p.k_tiles) * p.h_k) return;
     Plan& sm = plan_of<Plan>(smem);
-    begin_cta(sm, p.batch, p.cu_seqlens_k, p.total_k, p.k_tiles, p.cu_seqlens_q, p.total_q);
+    begin_cta<kRows, 1>(sm, p.batch, p.cu_seqlens_k, p.total_k, p.k_tiles, p.cu_seqlens_q, p.total_q);
     const SeqTile w = sm.work;
     if (!w.found) return;
     const int q0 = sm.other_start;

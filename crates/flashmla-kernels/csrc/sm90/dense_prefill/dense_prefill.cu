@@ -22,10 +22,11 @@ FLASHMLA_DENSE_PREFILL_FWD(dense_prefill_fwd_d192_f16, 192, F16)
 FLASHMLA_DENSE_PREFILL_FWD(dense_prefill_fwd_d128_bf16, 128, Bf16)
 FLASHMLA_DENSE_PREFILL_FWD(dense_prefill_fwd_d128_f16, 128, F16)
 
-// Backward (bwd.cuh): delta (block 256 threads, one warp per (row, head)), then dQ and dK / dV (block
-// bwd::kThreads = 256, dynamic shared memory bwd::kDqSmemBytes<d> / kDkvSmemBytes<d>), in any order after delta.
+// Backward (bwd.cuh): delta (block 256 threads, one warp per (row, head)), then dQ (block bwd::kDqThreads = 384,
+// grid of 128-row tiles) and dK / dV (block bwd::kThreads = 256, 64-key tiles), dynamic shared memory
+// bwd::kDqSmemBytes<d> / kDkvSmemBytes<d>, in any order after delta.
 #define FLASHMLA_DENSE_PREFILL_BWD(SUFFIX, D, E)                                                                  \
-    extern "C" __global__ void __launch_bounds__(flashmla::dense_prefill::bwd::kThreads, 1)                       \
+    extern "C" __global__ void __launch_bounds__(flashmla::dense_prefill::bwd::kDqThreads, 1)                     \
         dense_prefill_bwd_dq_##SUFFIX(const __grid_constant__ DensePrefillBwdParams p) {                         \
         extern __shared__ __align__(1024) uint8_t smem[];                                                         \
         flashmla::dense_prefill::bwd::dq_kernel<D, E>(p, smem);                                                   \

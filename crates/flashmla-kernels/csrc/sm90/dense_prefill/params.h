@@ -86,7 +86,7 @@ struct DensePrefillBwdParams {
     int32_t h_q;
     int32_t h_k;
     int32_t h_per_k;
-    int32_t q_tiles;               // ceil(total_q / 64) + batch: the dQ grid's tiles per query head
+    int32_t q_tiles;               // ceil(total_q / 128) + batch: the dQ grid's 128-row tiles per query head
     int32_t k_tiles;               // ceil(total_k / 64) + batch: the dK / dV grid's tiles per key head
     uint32_t flags;                // kFlagCausal
     float sm_scale_log2;           // softmax_scale * log2(e)

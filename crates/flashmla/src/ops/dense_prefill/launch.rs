@@ -238,16 +238,20 @@ pub mod kernels {
     ];
 }
 
-/// Rows per CTA of the backward's dQ and dK / dV kernels (`bwd::kRows`).
+/// Keys per CTA of the backward's dK / dV kernel (`bwd::kRows`).
 pub const BWD_TILE: usize = 64;
-/// Threads per CTA of the backward's dQ and dK / dV kernels (`bwd::kThreads`).
+/// Query rows per CTA of the backward's dQ kernel (`bwd::kDqRows`: two consumers of 64 rows).
+pub const BWD_DQ_TILE: usize = 128;
+/// Threads per CTA of the backward's dK / dV kernel (`bwd::kThreads`).
 pub const BWD_THREADS: u32 = 256;
+/// Threads per CTA of the backward's dQ kernel (`bwd::kDqThreads`: a producer and two consumer warpgroups).
+pub const BWD_DQ_THREADS: u32 = 384;
 /// Threads per CTA of the delta kernel (one warp per (row, head)).
 pub const BWD_DELTA_THREADS: u32 = 256;
 /// Dynamic shared memory of the dQ kernel, `d` 192 (`bwd::kDqSmemBytes<192>`, static_asserted in bwd.cuh).
-pub const BWD_DQ_SMEM_D192: u32 = 124_928;
+pub const BWD_DQ_SMEM_D192: u32 = 165_888;
 /// The same, `d` 128.
-pub const BWD_DQ_SMEM_D128: u32 = 100_352;
+pub const BWD_DQ_SMEM_D128: u32 = 133_120;
 /// Dynamic shared memory of the dK / dV kernel, `d` 192 (`bwd::kDkvSmemBytes<192>`).
 pub const BWD_DKV_SMEM_D192: u32 = 125_952;
 /// The same, `d` 128.
@@ -493,7 +497,7 @@ pub fn lower_bwd(
         ("delta", Some(delta)),
     ])?;
     let sm_scale_log2 = scale_log2(dims)?;
-    let q_tiles = dims.total_q.div_ceil(BWD_TILE) + dims.batch;
+    let q_tiles = dims.total_q.div_ceil(BWD_DQ_TILE) + dims.batch;
     let k_tiles = dims.total_k.div_ceil(BWD_TILE) + dims.batch;
     let grid = |tiles: usize, heads: usize, what: &str| -> Result<u32> {
         tiles
@@ -558,7 +562,7 @@ pub fn lower_bwd(
         h_q: to_i32("q.shape[1]", dims.h_q)?,
         h_k: to_i32("k.shape[1]", dims.h_k)?,
         h_per_k: to_i32("h_q / h_k", dims.h_q / dims.h_k)?,
-        q_tiles: to_i32("ceil(total_q / 64) + b", q_tiles)?,
+        q_tiles: to_i32("ceil(total_q / 128) + b", q_tiles)?,
         k_tiles: to_i32("ceil(total_k / 64) + b", k_tiles)?,
         flags: if dims.causal { FLAG_CAUSAL } else { 0 },
         sm_scale_log2,
@@ -579,7 +583,7 @@ pub fn lower_bwd(
             cfg(delta_blocks, BWD_DELTA_THREADS, 0),
             params,
         ));
-        launches.push((dq_kernel, cfg(dq_grid, BWD_THREADS, dq_smem), params));
+        launches.push((dq_kernel, cfg(dq_grid, BWD_DQ_THREADS, dq_smem), params));
     }
     if dims.total_k > 0 {
         launches.push((dkv_kernel, cfg(dkv_grid, BWD_THREADS, dkv_smem), params));
@@ -738,8 +742,9 @@ mod tests {
         let (_, delta_cfg, p) = &launches[0];
         // One warp per (row, head), 8 warps per block.
         assert_eq!(delta_cfg.grid.0, (1000 * 16usize).div_ceil(8) as u32);
-        assert_eq!((p.q_tiles, p.k_tiles), (16 + 3, 47 + 3));
-        assert_eq!(launches[1].1.grid.0, 19 * 16);
+        assert_eq!((p.q_tiles, p.k_tiles), (8 + 3, 47 + 3));
+        assert_eq!(launches[1].1.grid.0, 11 * 16);
+        assert_eq!(launches[1].1.block.0, BWD_DQ_THREADS);
         assert_eq!(launches[2].1.grid.0, 50 * 4);
         assert_eq!(
             (
