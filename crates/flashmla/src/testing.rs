@@ -43,14 +43,35 @@ pub fn rng(seed: u64) -> StdRng {
     StdRng::seed_from_u64(seed)
 }
 
+/// Values per independently seeded block of [`randn_map`].
+const RANDN_BLOCK: usize = 1 << 16;
+
+/// `n` standard normal draws `z`, each mapped by `f`, drawn on all cores: block `i` of [`RANDN_BLOCK`] values comes
+/// from its own generator, seeded from one draw of `rng` and `i`, so the values depend on the seed alone (not on the
+/// thread count). The benchmarks' inputs (hundreds of millions of values) took tens of seconds on one core.
+fn randn_map<T: Copy + Default + Send>(
+    rng: &mut StdRng,
+    n: usize,
+    f: impl Fn(f32) -> T + Sync,
+) -> Vec<T> {
+    use rayon::prelude::*;
+    let base: u64 = rng.random();
+    let mut out = vec![T::default(); n];
+    out.par_chunks_mut(RANDN_BLOCK)
+        .enumerate()
+        .for_each(|(i, block)| {
+            let mut r =
+                StdRng::seed_from_u64(base ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            for x in block {
+                *x = f(StandardNormal.sample(&mut r));
+            }
+        });
+    out
+}
+
 /// `n` values `randn * std + offset`, rounded to bf16 (returned as f32 holding bf16 values).
 pub fn randn_bf16(rng: &mut StdRng, n: usize, std: f32, offset: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| {
-            let z: f32 = StandardNormal.sample(rng);
-            bf16::from_f32(z * std + offset).to_f32()
-        })
-        .collect()
+    randn_map(rng, n, |z| bf16::from_f32(z * std + offset).to_f32())
 }
 
 /// The peer's input distribution: `randn / 10` plus a random per-tensor offset in [-0.05, 0.05].
@@ -1048,18 +1069,15 @@ pub fn randn_half(
     use crate::tensor::{DType, HostData};
     let n = shape.iter().product();
     let offset = rng.random_range(-0.05f32..0.05);
-    let vals: Vec<f32> = (0..n)
-        .map(|_| {
-            let z: f32 = StandardNormal.sample(rng);
-            z * std + offset
-        })
-        .collect();
     match dtype {
         DType::F16 => HostTensor::new(
-            HostData::F16(vals.iter().map(|&x| half::f16::from_f32(x)).collect()),
+            HostData::F16(randn_map(rng, n, |z| half::f16::from_f32(z * std + offset))),
             shape,
         ),
-        _ => HostTensor::bf16_from_f32(&vals, shape),
+        _ => HostTensor::new(
+            HostData::Bf16(randn_map(rng, n, |z| bf16::from_f32(z * std + offset))),
+            shape,
+        ),
     }
 }
 
