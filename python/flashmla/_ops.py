@@ -17,7 +17,7 @@ and calls that record autograd go through the registered op.
 | ``flashmla::decode_dense(q, k_cache, block_table, cache_seqlens, softmax_scale?, causal, attn_sink?)`` | ``(out, lse)`` |
 | ``flashmla::decode_sparse(q, k_cache, indices, topk_length?, softmax_scale?, attn_sink?, extra...?)`` | ``(out, lse)`` |
 | ``flashmla::dense_prefill_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale?, causal)`` | ``(out, lse)`` |
-| ``flashmla::dense_prefill_bwd(q, k, v, out, d_out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale?, causal)`` | ``(d_q, d_k, d_v)`` |
+| ``flashmla::dense_prefill_bwd(q, k, v, out, d_out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale?, causal, deterministic)`` | ``(d_q, d_k, d_v)`` |
 | ``flashmla::kv_quantize(kv)`` / ``flashmla::kv_dequantize(cache)`` | ``cache`` / ``kv`` |
 
 Without a sink, ``sparse_bwd`` returns an empty ``d_attn_sink`` (shape ``[0]``): custom ops return tensors only.
@@ -267,13 +267,15 @@ def _dense_prefill_fwd_op(
     cu_seqlens_k: Tensor,
     softmax_scale: Optional[float] = None,
     causal: bool = False,
+    deterministic: bool = False,
 ) -> Tuple[Tensor, Tensor]:
-    """Dense varlen prefill forward: ``(out [total_q, h_q, d_v], lse [h_q, total_q] f32)``."""
+    """Dense varlen prefill forward: ``(out [total_q, h_q, d_v], lse [h_q, total_q] f32)``. ``deterministic`` only
+    selects the autograd backward's schedule."""
     return _native.dense_prefill_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
 
 
 @_dense_prefill_fwd_op.register_fake
-def _dense_prefill_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False):
+def _dense_prefill_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False, deterministic=False):
     _glue.check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     if _glue.is_concrete(q, k, v, cu_seqlens_q, cu_seqlens_k):
         _native.dense_prefill_fwd_check(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
@@ -284,20 +286,25 @@ def _dense_prefill_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=N
 
 
 def _dense_prefill_setup(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
-    ctx.softmax_scale, ctx.causal = softmax_scale, causal
+    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
     ctx.mark_non_differentiable(lse)
 
 
 def _dense_prefill_backward(ctx, d_out, _d_lse):
     q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse = ctx.saved_tensors
+    # The schedule without atomics when asked for, or when `torch.use_deterministic_algorithms(True)` is in effect.
+    deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
     d_q, d_k, d_v = _dense_prefill_bwd_op(
-        q, k, v, out, d_out.contiguous(), lse, cu_seqlens_q, cu_seqlens_k, ctx.softmax_scale, ctx.causal
+        q, k, v, out, d_out.contiguous(), lse, cu_seqlens_q, cu_seqlens_k, ctx.softmax_scale, ctx.causal,
+        deterministic,
     )
     need = ctx.needs_input_grad
-    return (d_q if need[0] else None, d_k if need[1] else None, d_v if need[2] else None, None, None, None, None)
+    return (
+        d_q if need[0] else None, d_k if need[1] else None, d_v if need[2] else None, None, None, None, None, None
+    )
 
 
 _dense_prefill_fwd_op.register_autograd(_dense_prefill_backward, setup_context=_dense_prefill_setup)
@@ -315,13 +322,19 @@ def _dense_prefill_bwd_op(
     cu_seqlens_k: Tensor,
     softmax_scale: Optional[float] = None,
     causal: bool = False,
+    deterministic: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Dense varlen prefill backward from the forward's ``out`` and ``lse``: ``(d_q, d_k, d_v)`` in q's dtype."""
-    return _native.dense_prefill_bwd(q, k, v, out, d_out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+    """Dense varlen prefill backward from the forward's ``out`` and ``lse``: ``(d_q, d_k, d_v)`` in q's dtype;
+    ``deterministic`` picks the schedule without atomics."""
+    return _native.dense_prefill_bwd(
+        q, k, v, out, d_out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, deterministic
+    )
 
 
 @_dense_prefill_bwd_op.register_fake
-def _dense_prefill_bwd_fake(q, k, v, out, d_out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False):
+def _dense_prefill_bwd_fake(
+    q, k, v, out, d_out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False, deterministic=False
+):
     _glue.check_same_device(
         q=q, k=k, v=v, out=out, d_out=d_out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k
     )
@@ -536,6 +549,7 @@ def dense_prefill(
     cu_seqlens_k: Tensor,
     softmax_scale: Optional[float] = None,
     causal: bool = False,
+    deterministic: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """Dense MHA prefill over packed sequences (docs/spec.md section 5): ``(out [total_q, h_q, d_v], lse [h_q, total_q])``.
 
@@ -544,14 +558,17 @@ def dense_prefill(
     (0, non-decreasing, ending at the row counts); ``softmax_scale`` defaults to ``d ** -0.5``; ``causal`` is
     bottom-right aligned. A row that attends to no key gets ``out`` 0 and ``lse`` ``+inf``. Differentiable in ``q``,
     ``k`` and ``v``. On CUDA tensors both directions run the sm_90a kernels (no host synchronisation: the offsets are
-    read on the device, so calls can be captured in a CUDA graph); the backward is deterministic and allocates a
-    ``[h_q, total_q]`` f32 workspace besides the gradients.
+    read on the device, so calls can be captured in a CUDA graph). At ``d`` 128 the GPU backward adds dQ into an f32
+    accumulator with bulk reductions (its low bits vary from run to run) and allocates about ``4 (d + 1)`` bytes per
+    query row and head of workspace; ``deterministic`` (or ``torch.use_deterministic_algorithms(True)``) selects the
+    schedule without atomics, bitwise-reproducible, with a ``[h_q, total_q]`` f32 workspace (about 1.14x the time at
+    ``d`` 128; at ``d`` 192 the default already is that schedule; docs/dense-prefill.md).
     """
     _glue.check_tensor_args(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k))
     scale = None if softmax_scale is None else float(softmax_scale)
     if _direct(q) and not _needs_grad(q, k, v):
         return _native.dense_prefill_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, bool(causal))
-    return _dense_prefill_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, bool(causal))
+    return _dense_prefill_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, bool(causal), bool(deterministic))
 
 
 def kv_quantize(kv: Tensor, out: Optional[Tensor] = None) -> Tensor:

@@ -285,11 +285,11 @@ def flash_attn_varlen_func(
     """Dense MHA prefill over packed sequences (:func:`flashmla.dense_prefill`), differentiable in q, k and v.
 
     Returns ``(out [total_q, h_q, d_v], lse [total_q, h_q])`` (natural log; a transposed view of a ``[h_q, total_q]``
-    tensor, as FlashMLA's). ``max_seqlen_*`` are accepted and not needed; the results are deterministic whatever
-    ``deterministic`` says (the GPU backward uses no atomics).
+    tensor, as FlashMLA's). ``max_seqlen_*`` are accepted and not needed. ``deterministic`` selects the GPU
+    backward's schedule without atomics (bitwise-reproducible gradients).
     """
     _dense_prefill_options(dropout_p, is_varlen)
-    out, lse = _ops.dense_prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, softmax_scale, causal)
+    out, lse = _ops.dense_prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, softmax_scale, causal, deterministic)
     return out, lse.T
 
 

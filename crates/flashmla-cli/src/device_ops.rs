@@ -418,7 +418,7 @@ impl DensePrefillOnGpu {
 }
 
 /// A dense varlen prefill backward resident on the GPU: the forward (whose `out` and `lse` it reads), `d_out`, the
-/// gradients and the `delta` workspace.
+/// gradients and the workspace of its schedule (default or deterministic).
 pub struct DensePrefillBwdOnGpu {
     /// The forward.
     pub fwd: DensePrefillOnGpu,
@@ -429,36 +429,44 @@ pub struct DensePrefillBwdOnGpu {
     pub d_k: DeviceTensor,
     /// `[total_k, h_k, 128]`.
     pub d_v: DeviceTensor,
-    delta: DeviceTensor,
+    workspace: DeviceTensor,
+    options: flashmla::ops::dense_prefill::DensePrefillBwdOptions,
 }
 
 impl DensePrefillBwdOnGpu {
     /// Uploads `case` and `d_out` (`[total_q, h_q, 128]`, q's dtype) and allocates the forward's outputs, the
-    /// gradients and the workspace, the gradients filled with [`POISON`] when `poison` is set.
+    /// gradients and the workspace of the schedule `options` picks, the gradients and the workspace filled with
+    /// [`POISON`] when `poison` is set.
     pub fn new(
         gpu: &Gpu,
         case: &flashmla::testing::PrefillCase,
         d_out: &flashmla::HostTensor,
         poison: bool,
+        options: flashmla::ops::dense_prefill::DensePrefillBwdOptions,
     ) -> Result<Self> {
         let dtype = case.q.dtype();
         let (total_q, h_q, d) = (case.q.shape()[0], case.q.shape()[1], case.q.shape()[2]);
         let (total_k, h_k) = (case.k.shape()[0], case.k.shape()[1]);
         let alloc = |shape: &[usize]| alloc_output(gpu, poison, dtype, shape);
+        let batch = case.cu_q.shape()[0].saturating_sub(1);
+        let workspace_shape = flashmla::ops::dense_prefill::bwd_workspace_shape_for(
+            h_q, total_q, batch, d, &options,
+        )?;
         Ok(DensePrefillBwdOnGpu {
             fwd: DensePrefillOnGpu::new(gpu, case, poison)?,
             d_out: gpu.upload(d_out)?,
             d_q: alloc(&[total_q, h_q, d])?,
             d_k: alloc(&[total_k, h_k, d])?,
             d_v: alloc(&[total_k, h_k, 128])?,
-            delta: gpu.alloc(DType::F32, &[h_q, total_q])?,
+            workspace: alloc_output(gpu, poison, DType::F32, &workspace_shape)?,
+            options,
         })
     }
 
     /// Launches the backward (asynchronously) from the forward's current `out` and `lse`.
     pub fn run(&self, gpu: &Gpu, causal: bool, softmax_scale: Option<f32>) -> Result<()> {
         use flashmla::ops::dense_prefill::{
-            dense_prefill_bwd_cuda, DensePrefillBwdArgs, DensePrefillGrads,
+            dense_prefill_bwd_cuda_with, DensePrefillBwdArgs, DensePrefillGrads,
         };
         let f = &self.fwd;
         let (out, lse, d_out) = (f.out.view(), f.lse.view(), self.d_out.view());
@@ -474,7 +482,7 @@ impl DensePrefillBwdOnGpu {
                 d_out: &d_out,
                 lse: &lse,
             };
-            dense_prefill_bwd_cuda(gpu, &args, &grads, &self.delta.view())
+            dense_prefill_bwd_cuda_with(gpu, &args, &grads, &self.workspace.view(), &self.options)
         })
     }
 

@@ -1103,8 +1103,9 @@ pub fn dense_prefill_bwd_check(
 }
 
 /// The dense varlen prefill backward from the forward's `out` and `lse`: `(d_q, d_k, d_v)` in q's dtype.
+/// `deterministic` picks the schedule without atomics (bitwise-reproducible, slower).
 #[pyfunction]
-#[pyo3(signature = (q, k, v, out, d_out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=false))]
+#[pyo3(signature = (q, k, v, out, d_out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=false, deterministic=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn dense_prefill_bwd<'py>(
     q: &Tensor<'py>,
@@ -1117,8 +1118,13 @@ pub fn dense_prefill_bwd<'py>(
     cu_seqlens_k: &Tensor<'py>,
     softmax_scale: Option<f32>,
     causal: bool,
+    deterministic: bool,
 ) -> PyResult<(Tensor<'py>, Tensor<'py>, Tensor<'py>)> {
     let py = q.py();
+    let options = dense_prefill::DensePrefillBwdOptions {
+        deterministic,
+        fused: None,
+    };
     let d = DenseBwdIn::read(
         [q, k, v, cu_seqlens_q, cu_seqlens_k],
         [out, d_out, lse],
@@ -1138,12 +1144,15 @@ pub fn dense_prefill_bwd<'py>(
         ],
         loc,
     )?;
-    // The GPU backward's workspace: delta [h_q, total_q] f32 (4 bytes per query row and head), freed with the call.
-    let delta = match place {
+    // The GPU backward's workspace, freed with the call: delta [h_q, total_q] f32 and, on the fused schedule (d 128
+    // unless deterministic), the f32 dQ accumulator (about 4 (d + 1) bytes per query row and head).
+    let workspace = match place {
         Place::Cuda(_) => Some(new_output(
             q,
-            "delta",
-            &[dims.h_q, dims.total_q],
+            "workspace",
+            &guard("dense_prefill_bwd", || {
+                dense_prefill::bwd_workspace_shape(&dims, &options)
+            })?,
             DType::F32,
             loc,
         )?),
@@ -1169,15 +1178,16 @@ pub fn dense_prefill_bwd<'py>(
                 d_v: dv_d.to_device()?,
             };
             // Allocated above for every CUDA call.
-            let Some((_, delta)) = &delta else {
-                return Err(flashmla::Error::invalid("delta", "a workspace", "none"));
+            let Some((_, workspace)) = &workspace else {
+                return Err(flashmla::Error::invalid("workspace", "a workspace", "none"));
             };
-            let delta = delta.to_device()?;
-            dense_prefill::dense_prefill_bwd_cuda(
+            let workspace = workspace.to_device()?;
+            dense_prefill::dense_prefill_bwd_cuda_with(
                 gpu,
                 &d.map(&Desc::to_device)?.args(softmax_scale, causal),
                 &grads,
-                &delta,
+                &workspace,
+                &options,
             )
         },
     )?;

@@ -293,7 +293,11 @@ pub struct Bench {
 }
 
 /// Ops timed only when `--op` names them (variants of another op's shapes).
-const OPT_IN_OPS: &[&str] = &[sparse_bwd::DETERMINISTIC_OP];
+const OPT_IN_OPS: &[&str] = &[
+    sparse_bwd::DETERMINISTIC_OP,
+    dense_prefill::DETERMINISTIC_OP,
+    dense_prefill::FUSED_OP,
+];
 
 /// Every benchmark of a suite.
 fn suite_benches(suite: BenchSuite, indices: IndexChoice) -> Vec<Bench> {
@@ -304,8 +308,14 @@ fn suite_benches(suite: BenchSuite, indices: IndexChoice) -> Vec<Bench> {
     v.extend(kv_quant::benches(suite));
     v.extend(decode_dense::benches(suite));
     v.extend(decode_sparse::benches(suite));
-    v.extend(dense_prefill::benches(suite, false));
-    v.extend(dense_prefill::benches(suite, true));
+    for pass in [
+        dense_prefill::Pass::Forward,
+        dense_prefill::Pass::Backward,
+        dense_prefill::Pass::BackwardDeterministic,
+        dense_prefill::Pass::BackwardFused,
+    ] {
+        v.extend(dense_prefill::benches(suite, pass));
+    }
     v
 }
 
@@ -597,8 +607,8 @@ fn table_row(r: &Record) -> Vec<String> {
     ]
 }
 
-/// For every deterministic backward record with a default backward record of the same shape and variant in the
-/// same run: (shape, deterministic time / default time).
+/// For every deterministic backward record (op `<op>_deterministic`) with a default backward record (`<op>`) of the
+/// same shape and variant in the same run: (shape, deterministic time / default time).
 fn deterministic_ratios(records: &[Record]) -> Vec<(String, f64)> {
     let label = |r: &Record| match &r.variant {
         Some(v) => format!("{} {v}", shape_label(r)),
@@ -606,12 +616,12 @@ fn deterministic_ratios(records: &[Record]) -> Vec<(String, f64)> {
     };
     records
         .iter()
-        .filter(|r| r.op == sparse_bwd::DETERMINISTIC_OP)
         .filter_map(|det| {
+            let base = det.op.strip_suffix("_deterministic")?;
             let shape = label(det);
             records
                 .iter()
-                .find(|r| r.op == "sparse_bwd" && label(r) == shape && r.time_us > 0.0)
+                .find(|r| r.op == base && label(r) == shape && r.time_us > 0.0)
                 .map(|default| (shape, det.time_us / default.time_us))
         })
         .collect()

@@ -6,6 +6,7 @@
 use super::{check, check_net, Case, Outcome};
 use crate::device_ops::{DensePrefillBwdOnGpu, DensePrefillOnGpu};
 use flashmla::cuda::Gpu;
+use flashmla::ops::dense_prefill::DensePrefillBwdOptions;
 use flashmla::reference::compare::{BWD_GRAD, PREFILL_LSE, PREFILL_OUT};
 use flashmla::reference::dense_prefill::{
     dense_prefill_bwd, dense_prefill_bwd_rounding, dense_prefill_fwd, dense_prefill_p_rounding,
@@ -58,7 +59,14 @@ fn run_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
 
 /// The backward: the GPU forward, then the GPU backward from its `out` and `lse`; the reference backward reads the
 /// same `out` and `lse` (downloaded), so only the backward is judged, net of the bound of its operand rounding.
-fn run_bwd_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> {
+/// `options` picks the schedule; with `deterministic` a second run must give bitwise the same gradients.
+fn run_bwd_case(
+    gpu: &Gpu,
+    spec: &Spec,
+    seed: u64,
+    options: DensePrefillBwdOptions,
+) -> flashmla::Result<Outcome> {
+    let deterministic = options.deterministic;
     let case = prefill_case(&mut rng(seed), &spec.data)?;
     let (total_q, h_q) = (case.q.shape()[0], spec.data.h_q);
     let d_out = randn_half(
@@ -72,7 +80,7 @@ fn run_bwd_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> 
     } else {
         case.clone()
     };
-    let dev = DensePrefillBwdOnGpu::new(gpu, &input, &d_out, true)?;
+    let dev = DensePrefillBwdOnGpu::new(gpu, &input, &d_out, true, options)?;
     dev.fwd.run(gpu, spec.causal, spec.softmax_scale)?;
     dev.run(gpu, spec.causal, spec.softmax_scale)?;
     let (d_q, d_k, d_v) = dev.download(gpu)?;
@@ -89,11 +97,25 @@ fn run_bwd_case(gpu: &Gpu, spec: &Spec, seed: u64) -> flashmla::Result<Outcome> 
         _ => BF16_UNIT_ROUNDOFF,
     };
     let allow = dense_prefill_bwd_rounding(&problem, &out, &lse, &g_out, unit_roundoff, cancel)?;
-    Ok(Outcome::from_checks(vec![
+    let mut checks = vec![
         check_net("d_q", &d_q, &want.d_q, &BWD_GRAD, Some(&allow.d_q)),
         check_net("d_k", &d_k, &want.d_k, &BWD_GRAD, Some(&allow.d_k)),
         check_net("d_v", &d_v, &want.d_v, &BWD_GRAD, Some(&allow.d_v)),
-    ]))
+    ];
+    if deterministic {
+        dev.run(gpu, spec.causal, spec.softmax_scale)?;
+        let (q2, k2, v2) = dev.download(gpu)?;
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        checks.push((
+            "deterministic gradients".into(),
+            if same(&q2, &d_q) && same(&k2, &d_k) && same(&v2, &d_v) {
+                Ok("bitwise identical on a second run".into())
+            } else {
+                Err("differ between runs".into())
+            },
+        ));
+    }
+    Ok(Outcome::from_checks(checks))
 }
 
 /// Offsets that break the contract (decreasing, past the row counts, negative): the values are unspecified, but the
@@ -198,13 +220,37 @@ pub fn cases() -> Vec<Case> {
                 };
                 let name = format!("d{d}/{tname}/{mask}/{set}/h{h_q}k{h_k}/{what}");
                 if *set != "long" {
-                    // The f64 reference backward of the 1100-row case takes minutes on a CPU.
-                    let bwd = spec.clone();
-                    v.push(Case {
-                        name: format!("dense_prefill_bwd/{name}"),
-                        quick,
-                        run: Box::new(move |gpu, _tuning, seed| run_bwd_case(gpu, &bwd, seed)),
-                    });
+                    // The f64 reference backward of the 1100-row case takes minutes on a CPU. Besides the
+                    // measured schedule, every other case runs the deterministic one and, where the measured
+                    // choice is the separate schedule (d 192), the others the fused one.
+                    let mut runs = vec![("dense_prefill_bwd", DensePrefillBwdOptions::default())];
+                    if k % 2 == 0 {
+                        runs.push((
+                            "dense_prefill_bwd_deterministic",
+                            DensePrefillBwdOptions {
+                                deterministic: true,
+                                fused: None,
+                            },
+                        ));
+                    } else if d == 192 {
+                        runs.push((
+                            "dense_prefill_bwd_fused",
+                            DensePrefillBwdOptions {
+                                deterministic: false,
+                                fused: Some(true),
+                            },
+                        ));
+                    }
+                    for (op, options) in runs {
+                        let bwd = spec.clone();
+                        v.push(Case {
+                            name: format!("{op}/{name}"),
+                            quick,
+                            run: Box::new(move |gpu, _tuning, seed| {
+                                run_bwd_case(gpu, &bwd, seed, options)
+                            }),
+                        });
+                    }
                 }
                 push(&mut v, format!("dense_prefill/{name}"), quick, spec);
             }

@@ -50,6 +50,15 @@ __device__ __forceinline__ void bulk_store_s2g_keep(void* dst, uint32_t src, uin
                  "r"(src), "r"(bytes), "l"(policy)
                  : "memory");
 }
+// Bulk (TMA-engine) reduction: dst[0 .. bytes / 4) += the f32 values at shared address `src` (relaxed adds at the
+// L2, in the thread's current bulk group; both 16-byte aligned, `bytes` a multiple of 16). The adds take no issue
+// slots of the SM's warps: f32 `red.global` issued by warps that also issue wgmma cost them 35-40% of their MMA rate
+// (docs/perf-log.md). The shared bytes must have been made visible to the async proxy first.
+__device__ __forceinline__ void bulk_reduce_add_f32_s2g(float* dst, uint32_t src, uint32_t bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Waits until the thread's bulk groups have read their shared-memory sources (the area may be reused).
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }

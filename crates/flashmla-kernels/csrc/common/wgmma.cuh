@@ -158,6 +158,12 @@ inline constexpr bool kIsF16<F16> = true;
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
     "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+#define FLASHMLA_WGMMA_N128_SS(T) \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " {" \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
+    "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
 #define FLASHMLA_WGMMA_N128_RS_MN(T) \
     "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
     "wgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " {" \
@@ -170,6 +176,12 @@ inline constexpr bool kIsF16<F16> = true;
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95" \
     "}, {%96, %97, %98, %99}, %100, p, 1, 1, 1;\n}\n"
+#define FLASHMLA_WGMMA_N192_SS(T) \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n192k16.f32." T "." T " {" \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95" \
+    "}, %96, %97, p, 1, 1, %99, %100;\n}\n"
 #define FLASHMLA_WGMMA_N256_SS_KMN(T) \
     "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n" \
     "wgmma.mma_async.sync.aligned.m64n256k16.f32." T "." T " {" \
@@ -250,6 +262,15 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss_kk(float (&d)[64], uint64_t 
                        "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
 }
 
+// D[64x128] (+)= A[64x16] B[16x128], both operands in shared memory; kMnA / kMnB as for wgmma_m64n64k16_ss.
+template <int kMnA, int kMnB, class E = Bf16>
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                                    bool accumulate) {
+    static_assert((kMnA == 0 || kMnA == 1) && (kMnB == 0 || kMnB == 1), "transpose immediates are 0 or 1");
+    FLASHMLA_WGMMA_ASM(E, FLASHMLA_WGMMA_N128_SS, FLASHMLA_WGMMA_D64,
+                       "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kMnA), "n"(kMnB));
+}
+
 // D[64x128] (+)= A[64x16] B[16x128]; A in registers (fragment layout: smem_layout.cuh), B MN-major in shared
 // memory.
 template <class E = Bf16>
@@ -265,6 +286,15 @@ __device__ __forceinline__ void wgmma_m64n192k16_rs_mn(float (&d)[96], const uin
                                                        bool accumulate) {
     FLASHMLA_WGMMA_ASM(E, FLASHMLA_WGMMA_N192_RS_MN, FLASHMLA_WGMMA_D96,
                        "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+}
+
+// D[64x192] (+)= A[64x16] B[16x192], both operands in shared memory; kMnA / kMnB as for wgmma_m64n64k16_ss.
+template <int kMnA, int kMnB, class E = Bf16>
+__device__ __forceinline__ void wgmma_m64n192k16_ss(float (&d)[96], uint64_t desc_a, uint64_t desc_b,
+                                                    bool accumulate) {
+    static_assert((kMnA == 0 || kMnA == 1) && (kMnB == 0 || kMnB == 1), "transpose immediates are 0 or 1");
+    FLASHMLA_WGMMA_ASM(E, FLASHMLA_WGMMA_N192_SS, FLASHMLA_WGMMA_D96,
+                       "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kMnA), "n"(kMnB));
 }
 
 // D[64x256] (+)= A[64x16] B[16x256]; A K-major in shared memory, B MN-major (N contiguous) in shared memory.

@@ -1,16 +1,25 @@
 // Dense varlen prefill backward for sm_90a (docs/spec.md section 5; design in docs/dense-prefill.md, "Backward").
 //
-// Three kernels, none with atomics (each owns the rows it writes, so the results are deterministic):
-//   delta: delta[h, r] = sum_j d_out[r, h, j] * out[r, h, j] (f32), one warp per (row, head).
+// Two schedules share the delta kernel:
+//   delta: delta[h, r] = sum_j d_out[r, h, j] * out[r, h, j] (f32), one warp per (row, head); on the fused schedule it
+//          also zeroes the f32 dQ accumulator.
+// Fused (the default at d 128): one pass and a conversion.
+//   fused: one CTA per 128 keys of one (sequence, key head), two consumer warpgroups of 64 keys each that share every
+//          streamed 64-row tile of Q and dO (of every query head of the group). S^T = K Q^T, dP^T = V dO^T (in two
+//          halves of 32 rows), P^T and dS^T go to shared memory; dV += P^T dO, dK += dS^T Q; then the consumers split
+//          dQ(tile) = dS K over the CTA's 128 keys by 64-column slabs and add each slab into the f32 accumulator with
+//          one bulk (TMA) reduction of a 16 KB block. Five MMAs per (query tile, key tile).
+//   dq_convert: dQ = accumulator * scale in the element type.
+// Separate (deterministic; the default at d 192), no atomics, each kernel owns the rows it writes:
 //   dQ:    one CTA per 128 query rows of one (sequence, query head), two consumer warpgroups of 64 rows each that
 //          share every streamed 64-key tile of K and V. S = Q K^T and dP = dO V^T (wgmma, shared-memory operands),
 //          P = exp2(S * scale_log2 - lse2), dS = P (dP - delta), dQ += dS K (A from registers); dQ * scale is
 //          written at the end. While one consumer forms dS the other's MMAs keep the tensor cores busy.
 //   dK/dV: one CTA per 64 keys of one (sequence, key head); streams 64-row tiles of Q and dO of every query head of
 //          the group. S^T = K Q^T and dP^T = V dO^T, P^T and dS^T as above, dV += P^T dO and dK += dS^T Q.
-// Each CTA is a producer warpgroup (cp.async into a 2-stage ring, the CTA's own rows loaded once) and one (dK / dV)
-// or two (dQ) consumer warpgroups. Masked and padded entries get P = 0: a padded row of a streamed tile is zero-filled (its P may be
-// nonzero but multiplies zero dO and zero dP, so it adds nothing).
+// Each CTA has a producer warpgroup (cp.async into a 2-stage ring, the CTA's own rows loaded once). Masked and padded
+// entries get P = 0: a padded row of a streamed tile is zero-filled (its P may be nonzero but multiplies zero dO and
+// zero dP, so it adds nothing); the fused kernel also masks keys past the sequence, whose dS feeds dQ.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -47,6 +56,11 @@ inline constexpr int kKeyTile = 64;     // dQ: keys per streamed tile
 template <int kD>
 inline constexpr int kQueryTile = 64;
 inline constexpr uint32_t kSlab64 = kRows * kSw128RowBytes;       // 8 KB: a 64-row slab
+// The f32 dQ accumulator is private to the backward, so it is laid out for the adds: per (head, 64-row query tile of a
+// sequence, 64-column slab) one contiguous 16 KB block in accumulator-fragment order, float 4 (128 k + t) + e holding
+// element 4 k + e of consumer thread t's fragment (kDqBlockFloats). A consumer stages its chunk in that order (one
+// conflict-free 16-byte store per 4 values) and adds it with one bulk reduction; dq_convert_kernel undoes the order.
+inline constexpr int kDqBlockFloats = kRows * 64;  // 4096
 template <int kD>
 inline constexpr uint32_t kQuerySlab = kQueryTile<kD> * kSw128RowBytes;  // 4 or 8 KB: a slab of a query tile
 
@@ -197,6 +211,14 @@ __device__ __forceinline__ float unpack_hi(uint32_t w) {
 template <class E>
 __device__ __forceinline__ void delta_kernel(const DensePrefillBwdParams& p) {
     const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    if (p.dq_accum != nullptr) {  // the fused schedule: zero the dQ accumulator (every block, padded rows too)
+        const int64_t n4 = static_cast<int64_t>(p.h_q) * p.q_tiles * (p.d_qk / 64) * (kDqBlockFloats / 4);
+        float4* acc = reinterpret_cast<float4*>(p.dq_accum);
+        const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+        for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n4; i += stride) {
+            acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
     const int lane = static_cast<int>(threadIdx.x % 32);
     if (warp >= static_cast<int64_t>(p.total_q) * p.h_q) return;
     const int row = static_cast<int>(warp / p.h_q);
@@ -473,6 +495,401 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
     store_rows<E, kD>(p.d_k + k0 * p.d_k_stride_t + w.head * p.d_k_stride_h, p.d_k_stride_t, keys, f, dk,
                       p.sm_scale);
     store_rows<E, kDv>(p.d_v + k0 * p.d_v_stride_t + w.head * p.d_v_stride_h, p.d_v_stride_t, keys, f, dv, 1.f);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// dK / dV / dQ in one pass (the default schedule)
+//
+// One CTA per 128 keys of one (sequence, key head): a producer and two consumer warpgroups of 64 keys each, sharing
+// every streamed 64-row tile of Q and dO. Each consumer computes S^T, dP^T, P^T and dS^T for its keys as the dK / dV
+// kernel does, stores dS^T (the element type) in shared memory, and adds dV += P^T dO, dK += dS^T Q. Once both halves
+// of dS^T are stored, the consumers split dQ(tile) = dS K over the CTA's 128 keys by columns (at d 192 one takes 128
+// columns and the other 64, swapping each tile) and add it into the f32 `dq_accum` with `red.global.add.v2.f32`.
+// Five MMAs per (query tile, key tile) where the deterministic schedule issues seven; the price is the f32 adds
+// (64 rows x d x 4 bytes per 128 keys) and their order, which varies from run to run.
+
+inline constexpr int kFusedConsumers = 2;
+inline constexpr int kFusedKeys = kFusedConsumers * kRows;  // the CTA's keys
+inline constexpr int kFusedThreads = (1 + kFusedConsumers) * kWarpgroupThreads;
+inline constexpr int kFusedQ = 64;  // query rows per streamed tile
+// Register split (3 x 168 at launch). The consumer holds dK (d / 2), dV (64) and, in turn, the score tiles (64) or
+// the dQ part (at most 64) and the P^T / dS^T fragments (32).
+inline constexpr uint32_t kFusedProducerRegs = 24;
+inline constexpr uint32_t kFusedConsumerRegs = 240;
+static_assert(kFusedProducerRegs + kFusedConsumers * kFusedConsumerRegs <= 3 * ((65536u / kFusedThreads) & ~7u),
+              "setmaxnreg pool of the fused CTA");
+
+template <int kD>
+struct FusedPlan {
+    static constexpr int kDSlabs = kD / kSw128ColsBf16;
+    alignas(kSw128AtomBytes) uint8_t k[kFusedConsumers][kDSlabs * kSlab64];  // the CTA's 128 keys, 64 per consumer
+    alignas(kSw128AtomBytes) uint8_t v[kFusedConsumers][2 * kSlab64];
+    alignas(kSw128AtomBytes) uint8_t q[kStages][kDSlabs * kSlab64];       // Q tiles of 64 rows
+    alignas(kSw128AtomBytes) uint8_t d_out[kStages][2 * kSlab64];         // d_out tiles
+    // dS^T of the tile, one [64 keys][64 rows] slab per consumer; both consumers' dQ MMAs read both.
+    alignas(kSw128AtomBytes) uint8_t ds[kFusedConsumers][kSlab64];
+    // Each consumer's 64 x 64 f32 dQ chunk on its way to the bulk add (block order); before that, in its first 8 KB,
+    // the tile's P^T ([64 keys][64 rows], an SW128 slab), the A operand of dV += P^T dO.
+    alignas(kSw128AtomBytes) float dq_stage[kFusedConsumers][kDqBlockFloats];
+    float lse[kStages][kFusedQ];  // the tile rows' lse (0 past the sequence)
+    float delta[kStages][kFusedQ];
+    uint64_t own_full;
+    uint64_t full[kStages];
+    uint64_t empty[kStages];
+    SeqTile work;         // the CTA's 128 keys
+    int32_t other_start;  // the sequence's first query (global)
+    int32_t other_len;    // its queries
+    uint32_t zero;        // 0, read (volatile) once per tile: see tile_zero
+};
+template <int kD>
+inline constexpr uint32_t kFusedSmemBytes = static_cast<uint32_t>(sizeof(FusedPlan<kD>)) + kSmemAlignSlack;
+static_assert(kFusedSmemBytes<192> == 216064, "update launch.rs BWD_FUSED_SMEM_D192");
+static_assert(kFusedSmemBytes<128> == 183296, "update launch.rs BWD_FUSED_SMEM_D128");
+
+// Named barriers of the fused kernel: the two consumers' rendezvous around the shared dS^T tile, and each consumer's
+// own (128 threads) around its dQ staging buffer.
+enum class FusedBar : uint32_t { DsFree = 1, DsStored = 2, Staged0 = 3, Staged1 = 4 };
+
+// acc[64 x kN] += A B over 64 query rows: A = a [64 keys][64 rows] (K-major SW128 slab), B = rows of an SW128 tile
+// read MN-major (kN columns over kN / 64 slabs of kSlab64 bytes).
+template <class E, int kN, int N>
+__device__ __forceinline__ void mma_ss_kmn(float (&acc)[N], uint32_t a, uint32_t b) {
+    static_assert(N == kN / 2, "accumulator of a 64 x kN tile");
+#pragma unroll
+    for (int kb = 0; kb < kFusedQ / 16; ++kb) {
+        const uint64_t da = make_wgmma_desc_sw128(a + kb * 32, kUnusedLbo, kSw128AtomBytes);
+        const uint64_t db = make_wgmma_desc_sw128(b + kb * 16 * kSw128RowBytes, kSlab64, kSw128AtomBytes);
+        if constexpr (kN == 192) {
+            wgmma_m64n192k16_ss<0, 1, E>(acc, da, db, true);
+        } else {
+            static_assert(kN == 128, "N 128 or 192");
+            wgmma_m64n128k16_ss<0, 1, E>(acc, da, db, true);
+        }
+    }
+}
+
+// 0, read from shared memory with a volatile load. The consumer adds it to the shared addresses its tile derives
+// swizzled store addresses and MMA descriptors from: the compiler cannot prove those loop-invariant, so it computes
+// them next to their uses instead of hoisting dozens of them out of the tile loop into registers (which at d 192
+// spilled and serialized the MMAs).
+__device__ __forceinline__ uint32_t tile_zero(const uint32_t* zero) {
+    uint32_t v;
+    asm volatile("ld.volatile.shared.u32 %0, [%1];" : "=r"(v) : "r"(smem_addr(zero)) : "memory");
+    return v;
+}
+
+// dP^T for query rows 32 h .. 32 h + 31 of the tile: V (64 keys, K-major) times those rows of dO; committed.
+template <class E>
+__device__ __forceinline__ void issue_dp_half(float (&dp)[16], uint64_t desc_v, uint64_t desc_do, int h) {
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kDv / 16; ++ks) {
+        const uint32_t off = (ks / 4) * kSlab64 + (ks % 4) * 32;
+        const uint32_t off_rows = off + h * 32 * kSw128RowBytes;
+        wgmma_m64n32k16_ss_kk<E>(dp, wgmma_desc_advance(desc_v, off), wgmma_desc_advance(desc_do, off_rows), ks > 0);
+    }
+    wgmma_commit();
+}
+
+// One 64-column chunk of dQ(tile) = dS[64 rows x 128 keys] K[keys, columns of slab `slab`], both operands MN-major
+// (dS^T stored [key][row], K stored [key][d]); waited for.
+template <class E>
+__device__ __forceinline__ void dq_chunk(float (&acc)[32], const uint32_t (&ds_addr)[kFusedConsumers],
+                                         const uint32_t (&k_addr)[kFusedConsumers], int slab) {
+    constexpr uint32_t kKStep = 16 * kSw128RowBytes;  // 16 keys
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kFusedKeys / 16; ++kk) {
+        const int kc = kk / (kRows / 16);
+        const int kb = kk % (kRows / 16);
+        const uint64_t a = make_wgmma_desc_sw128(ds_addr[kc] + kb * kKStep, kSlab64, kSw128AtomBytes);
+        const uint64_t b = make_wgmma_desc_sw128(k_addr[kc] + slab * kSlab64 + kb * kKStep, kSlab64, kSw128AtomBytes);
+        wgmma_m64n64k16_ss<1, 1, E>(acc, a, b, kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_regs(acc);
+}
+
+// The first 64-row query tile of sequence `seq` among all sequences' tiles (sum of ceil(len / 64) before it): the
+// tile numbering of find_seq_tile<64> over `cu`. Run by all 32 lanes of one warp.
+__device__ __forceinline__ int seq_tile_base(const int32_t* cu, int seq, int total, int lane) {
+    int base = 0;
+    for (int b0 = 0; b0 < seq; b0 += 32) {
+        const int b = b0 + lane;
+        int n = 0;
+        if (b < seq) {
+            int start = 0;
+            int len = 0;
+            other_range(cu, b, total, start, len);
+            n = (len + kRows - 1) / kRows;
+        }
+#pragma unroll
+        for (int off = 16; off >= 1; off /= 2) n += __shfl_xor_sync(kFullMask, n, off);
+        base += n;
+    }
+    return base;
+}
+
+// Adds a 64 x 64 dQ chunk into its accumulator block `dst`: the consumer stores the fragments into its staging
+// buffer in block order and thread 0 hands the 16 KB to the TMA engine as one bulk reduction (the adds take no issue
+// slots; `red.global` issued by the MMA warps themselves slowed the kernel by about 40% at d 128, and one bulk add
+// per 256-byte row kept the TMA unit busier than the MMAs). Thread 0 waits for the previous bulk read of the buffer
+// before anyone overwrites it.
+__device__ __forceinline__ void reduce_dq_chunk(float* dst, float* stage, FusedBar bar, int t, const float (&acc)[32]) {
+    if (t == 0) bulk_wait_read();
+    named_barrier_sync_unaligned(bar, kWarpgroupThreads);
+    const uint32_t src = smem_addr(stage);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        st_shared_v4(src + (k * kWarpgroupThreads + t) * 16,
+                     make_uint4(__float_as_uint(acc[4 * k]), __float_as_uint(acc[4 * k + 1]),
+                                __float_as_uint(acc[4 * k + 2]), __float_as_uint(acc[4 * k + 3])));
+    }
+    fence_proxy_async_shared();  // staged block: generic stores -> the bulk reduction's reads (async proxy)
+    named_barrier_sync_unaligned(bar, kWarpgroupThreads);
+    if (t == 0) {
+        bulk_reduce_add_f32_s2g(dst, src, kDqBlockFloats * 4);
+        bulk_commit();
+    }
+}
+
+template <int kD, class E>
+__device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uint8_t* smem) {
+    using Plan = FusedPlan<kD>;
+    constexpr int kDSlabs = Plan::kDSlabs;
+    constexpr int kQ = kFusedQ;
+    if (static_cast<int64_t>(blockIdx.x) >= static_cast<int64_t>(p.k_tiles) * p.h_k) return;
+    Plan& sm = plan_of<Plan>(smem);
+    if (threadIdx.x == 0) sm.zero = 0;  // published by begin_cta's barrier
+    begin_cta<kFusedKeys, kFusedConsumers>(sm, p.batch, p.cu_seqlens_k, p.total_k, p.k_tiles, p.cu_seqlens_q,
+                                           p.total_q);
+    const SeqTile w = sm.work;
+    if (!w.found) return;
+    const int q0 = sm.other_start;
+    const int s_q = sm.other_len;
+    const int keys = min(kFusedKeys, w.len - w.t0);
+    const int k0 = w.start + w.t0;
+    const int shift = w.len - s_q;
+    const bool causal = (p.flags & kFlagCausal) != 0;
+    // Query tiles that see any of the CTA's keys: under the mask, row r sees key c iff c <= r + shift.
+    const int first_row = causal ? clamp_to(w.t0 - shift, 0, s_q) : 0;
+    const int m_first = first_row / kQ;
+    const int m_count = (s_q + kQ - 1) / kQ - m_first;
+    const int n_iter = m_count > 0 ? m_count * p.h_per_k : 0;
+    const int wg = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
+
+    if (wg == 0) {  // producer
+        setmaxnreg_dec<kFusedProducerRegs>();
+        if (n_iter == 0) return;
+        const Sw128CopyThread ct = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
+        const uint16_t* dummy = p.q;
+        const uint16_t* k = p.k + k0 * p.k_stride_t + w.head * p.k_stride_h;
+        const uint16_t* v = p.v + k0 * p.v_stride_t + w.head * p.v_stride_h;
+#pragma unroll
+        for (int c = 0; c < kFusedConsumers; ++c) {
+            copy_tile<kDSlabs, kRows>(smem_addr(sm.k[c]), k, p.k_stride_t, c * kRows, keys, ct, dummy);
+            copy_tile<2, kRows>(smem_addr(sm.v[c]), v, p.v_stride_t, c * kRows, keys, ct, dummy);
+        }
+        MBarrier::arrive_on_cp_async_noinc(&sm.own_full);
+        for (int it = 0; it < n_iter; ++it) {
+            const int head = w.head * p.h_per_k + it / m_count;
+            const int m0 = (m_first + it % m_count) * kQ;
+            const RingPos<kStages> pos = RingPos<kStages>::of(it);
+            MBarrier::wait(&sm.empty[pos.stage], pos.empty_parity);
+            const int64_t row0 = static_cast<int64_t>(q0) + m0;
+            copy_tile<kDSlabs, kQ>(smem_addr(sm.q[pos.stage]), p.q + row0 * p.q_stride_t + head * p.q_stride_h,
+                                   p.q_stride_t, 0, s_q - m0, ct, dummy);
+            copy_tile<2, kQ>(smem_addr(sm.d_out[pos.stage]),
+                             p.d_out + row0 * p.d_out_stride_t + head * p.d_out_stride_h, p.d_out_stride_t, 0,
+                             s_q - m0, ct, dummy);
+            const int tid = static_cast<int>(threadIdx.x);
+            if (tid < 2 * kQ) {  // threads 0..kQ-1: lse, kQ..2kQ-1: delta; rows past the sequence read 0
+                const int rr = tid % kQ;
+                const bool ok = m0 + rr < s_q;
+                if (tid < kQ) {
+                    const float* src = ok ? p.lse + head * p.lse_stride_h + row0 + rr : p.lse;
+                    cp_async_4_zfill(smem_addr(&sm.lse[pos.stage][rr]), src, ok);
+                } else {
+                    const float* src = ok ? p.delta + head * p.delta_stride_h + row0 + rr : p.delta;
+                    cp_async_4_zfill(smem_addr(&sm.delta[pos.stage][rr]), src, ok);
+                }
+            }
+            MBarrier::arrive_on_cp_async_noinc(&sm.full[pos.stage]);
+        }
+        return;
+    }
+
+    // Consumer c: rows of S^T are the CTA's keys 64 c .. 64 c + 63, columns the tile's query rows.
+    setmaxnreg_inc<kFusedConsumerRegs>();
+    const int c = wg - 1;
+    const int t = static_cast<int>(threadIdx.x) - wg * kWarpgroupThreads;
+    const int lane = t % 32;
+    const AccFrag f = AccFrag::of_thread(t);
+    const int c_t0 = w.t0 + c * kRows;                  // the consumer's first key inside the sequence
+    const int q_tile0 = seq_tile_base(p.cu_seqlens_q, w.seq, p.total_q, lane);  // the sequence's first query tile
+    const int key[2] = {c_t0 + f.row0, c_t0 + f.row1()};
+    float dk[kD / 2];
+    float dv[kDv / 2];
+    zero_regs(dk);
+    zero_regs(dv);
+    if (n_iter > 0) MBarrier::wait(&sm.own_full, 0);
+    for (int it = 0; it < n_iter; ++it) {
+        const uint32_t z = tile_zero(&sm.zero);
+        const uint64_t desc_k = make_wgmma_desc_sw128(smem_addr(sm.k[c]) + z, kUnusedLbo, kSw128AtomBytes);
+        const uint64_t desc_v = make_wgmma_desc_sw128(smem_addr(sm.v[c]) + z, kUnusedLbo, kSw128AtomBytes);
+        const int head = w.head * p.h_per_k + it / m_count;
+        const int m0 = (m_first + it % m_count) * kQ;
+        const RingPos<kStages> pos = RingPos<kStages>::of(it);
+        MBarrier::wait(&sm.full[pos.stage], pos.full_parity);
+        fence_proxy_async_shared();
+        const uint32_t q_addr = smem_addr(sm.q[pos.stage]);
+        const uint32_t do_addr = smem_addr(sm.d_out[pos.stage]);
+        const uint64_t desc_q = make_wgmma_desc_sw128(q_addr, kUnusedLbo, kSw128AtomBytes);
+        const uint64_t desc_do = make_wgmma_desc_sw128(do_addr, kUnusedLbo, kSw128AtomBytes);
+        // S^T in full, dP^T in two halves of 32 query rows: dK (d / 2 registers), dV (64), S^T (32) and a dP^T half
+        // (16) leave the registers the rest of the tile needs (with dP^T in full, d 192 spilled and serialized).
+        float s[kQ / 2];
+        float dp[kQ / 4];
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kD / 16; ++ks) {
+            const uint32_t off = (ks / 4) * kSlab64 + (ks % 4) * 32;
+            mma_ss_kk<E>(s, wgmma_desc_advance(desc_k, off), wgmma_desc_advance(desc_q, off), ks > 0);
+        }
+        wgmma_commit();
+        issue_dp_half<E>(dp, desc_v, desc_do, 0);
+        wgmma_wait<0>();
+        wgmma_fence_regs(s);
+        wgmma_fence_regs(dp);
+        // Keys past the sequence (zero rows of K) get P = 0 too: their dS^T feeds dQ, and with a very negative lse
+        // an unmasked exp2(0 - lse) overflows (then dS * 0 = NaN).
+        const bool masked = (causal && c_t0 + kRows - 1 > m0 + shift) || c_t0 + kRows > w.len;
+#pragma unroll
+        for (int j = 0; j < kQ / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int rr = e / 2;
+                const int col = f.col(j) + (e % 2);  // query row m0 + col
+                const float lse2 = sm.lse[pos.stage][col] * kLog2e;
+                const bool out = (causal && key[rr] > m0 + col + shift) || key[rr] >= w.len;
+                const float x = masked && out ? -kInf : s[4 * j + e];
+                s[4 * j + e] = exp2f(fmaf(x, p.sm_scale_log2, -lse2));  // P^T
+            }
+        }
+        // The other consumer's dQ MMAs of the previous tile read dS^T: wait until both retired them.
+        if (it > 0) named_barrier_sync_unaligned(FusedBar::DsFree, kFusedConsumers * kWarpgroupThreads);
+        // P^T and dS^T to shared memory (SW128 slabs [key][row]): accumulator block j holds query columns 8 j + 2 quad
+        // (+1), chunk j of rows g and g + 8.
+        // Row g of both slabs at chunk 0 (xor z: the compiler cannot reassociate it with the chunk offsets and
+        // hoist them); chunk j of rows g and g + 8 is that address xor 16 j, plus 1024 for g + 8 (smem_layout.cuh).
+        const uint32_t row_g = static_cast<uint32_t>(f.row0 * kSw128RowBytes + (f.row0 % kSw128AtomRows) * 16 + 4 * f.quad);
+        const uint32_t ds_g = (smem_addr(sm.ds[c]) ^ z) + row_g;
+        const uint32_t pt_g = (smem_addr(sm.dq_stage[c]) ^ z) + row_g;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (h == 1) {
+                issue_dp_half<E>(dp, desc_v, desc_do, 1);
+                wgmma_wait<0>();
+                wgmma_fence_regs(dp);
+            }
+#pragma unroll
+            for (int jh = 0; jh < kQ / 16; ++jh) {
+                const int j = h * (kQ / 16) + jh;
+#pragma unroll
+                for (int rr = 0; rr < 2; ++rr) {
+                    float ds[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int col = f.col(j) + e;
+                        ds[e] = s[4 * j + 2 * rr + e] * (dp[4 * jh + 2 * rr + e] - sm.delta[pos.stage][col]);
+                    }
+                    const uint32_t off = static_cast<uint32_t>(j * 16);
+                    const uint32_t row_off = rr * 8 * kSw128RowBytes;
+                    st_shared_u32((pt_g ^ off) + row_off, pack_x2<E>(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]));
+                    st_shared_u32((ds_g ^ off) + row_off, pack_x2<E>(ds[0], ds[1]));
+                }
+            }
+        }
+        fence_proxy_async_shared();  // P^T, dS^T: generic stores -> the MMAs' reads (async proxy)
+        __syncwarp();
+        // Each warp's MMA rows are its own 16 keys' rows of P^T / dS^T, but wgmma reads the whole warpgroup's tile:
+        // the consumer's four warps meet first.
+        named_barrier_sync_unaligned(c == 0 ? FusedBar::Staged0 : FusedBar::Staged1, kWarpgroupThreads);
+        wgmma_fence();
+        mma_ss_kmn<E, kDv>(dv, smem_addr(sm.dq_stage[c]) + z, do_addr);
+        mma_ss_kmn<E, kD>(dk, smem_addr(sm.ds[c]) + z, q_addr);
+        wgmma_commit();
+        // Both halves of dS^T stored.
+        named_barrier_sync_unaligned(FusedBar::DsStored, kFusedConsumers * kWarpgroupThreads);
+        wgmma_wait<0>();
+        wgmma_fence_regs(dv);
+        wgmma_fence_regs(dk);
+        release_by_warp(&sm.empty[pos.stage], lane);
+        const uint32_t ds_addr[kFusedConsumers] = {smem_addr(sm.ds[0]) + z, smem_addr(sm.ds[1]) + z};
+        const uint32_t k_addr[kFusedConsumers] = {smem_addr(sm.k[0]) + z, smem_addr(sm.k[1]) + z};
+        // This tile's accumulator blocks: (head, tile, slab) with p.q_tiles 64-row tiles per head.
+        float* dq_blocks = p.dq_accum + ((static_cast<int64_t>(head) * p.q_tiles + q_tile0 + m0 / kQ) * (kD / 64)) *
+                                            kDqBlockFloats;
+        // The consumers split dQ's 64-column slabs: at d 128 one each; at d 192 two and one, swapping every tile.
+        int slab_begin = c;
+        int slab_end = c + 1;
+        if constexpr (kD == 192) {
+            const bool two = ((it + c) & 1) == 0;
+            slab_begin = two ? 0 : 2;
+            slab_end = two ? 2 : 3;
+        }
+#pragma unroll 1
+        for (int slab = slab_begin; slab < slab_end; ++slab) {
+            float acc[32];
+            dq_chunk<E>(acc, ds_addr, k_addr, slab);
+            reduce_dq_chunk(dq_blocks + slab * kDqBlockFloats, sm.dq_stage[c],
+                            c == 0 ? FusedBar::Staged0 : FusedBar::Staged1, t, acc);
+        }
+    }
+    if (t == 0) bulk_wait_all();  // the bulk reductions read shared memory until they complete
+    const int c_keys = clamp_to(keys - c * kRows, 0, kRows);
+    const int64_t kc0 = k0 + c * kRows;
+    store_rows<E, kD>(p.d_k + kc0 * p.d_k_stride_t + w.head * p.d_k_stride_h, p.d_k_stride_t, c_keys, f, dk,
+                      p.sm_scale);
+    store_rows<E, kDv>(p.d_v + kc0 * p.d_v_stride_t + w.head * p.d_v_stride_h, p.d_v_stride_t, c_keys, f, dv, 1.f);
+}
+
+// dQ = dq_accum * scale in the element type: one CTA of 128 threads per (64-row query tile, head), numbered as
+// find_seq_tile<64> numbers tiles (p.q_tiles per head); thread t converts its fragment positions of each block.
+template <int kD, class E>
+__device__ __forceinline__ void dq_convert_kernel(const DensePrefillBwdParams& p) {
+    if (static_cast<int64_t>(blockIdx.x) >= static_cast<int64_t>(p.q_tiles) * p.h_q) return;
+    __shared__ SeqTile tile;
+    const int t = static_cast<int>(threadIdx.x);
+    if (t < 32) {
+        const SeqTile w = find_seq_tile<kRows>(p.cu_seqlens_q, p.batch, p.total_q, p.q_tiles, t);
+        if (t == 0) tile = w;
+    }
+    __syncthreads();
+    const SeqTile w = tile;
+    if (!w.found) return;
+    const int rows = min(kRows, w.len - w.t0);
+    const int tile_index = p.q_tiles - 1 - static_cast<int>(blockIdx.x % p.q_tiles);  // find_seq_tile's numbering
+    const AccFrag f = AccFrag::of_thread(t);
+    const float* blocks =
+        p.dq_accum + ((static_cast<int64_t>(w.head) * p.q_tiles + tile_index) * (kD / 64)) * kDqBlockFloats;
+    uint16_t* out = p.d_q + static_cast<int64_t>(w.start + w.t0) * p.d_q_stride_t + w.head * p.d_q_stride_h;
+    const float sc = p.sm_scale;
+#pragma unroll 1
+    for (int slab = 0; slab < kD / 64; ++slab) {
+        float acc[32];
+        const float4* src = reinterpret_cast<const float4*>(blocks + slab * kDqBlockFloats);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const float4 v = src[k * kWarpgroupThreads + t];
+            acc[4 * k] = v.x;
+            acc[4 * k + 1] = v.y;
+            acc[4 * k + 2] = v.z;
+            acc[4 * k + 3] = v.w;
+        }
+        store_rows<E, 64>(out + slab * 64, p.d_q_stride_t, rows, f, acc, sc);
+    }
 }
 
 }  // namespace flashmla::dense_prefill::bwd

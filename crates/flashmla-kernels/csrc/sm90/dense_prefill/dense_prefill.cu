@@ -22,9 +22,11 @@ FLASHMLA_DENSE_PREFILL_FWD(dense_prefill_fwd_d192_f16, 192, F16)
 FLASHMLA_DENSE_PREFILL_FWD(dense_prefill_fwd_d128_bf16, 128, Bf16)
 FLASHMLA_DENSE_PREFILL_FWD(dense_prefill_fwd_d128_f16, 128, F16)
 
-// Backward (bwd.cuh): delta (block 256 threads, one warp per (row, head)), then dQ (block bwd::kDqThreads = 384,
-// grid of 128-row tiles) and dK / dV (block bwd::kThreads = 256, 64-key tiles), dynamic shared memory
-// bwd::kDqSmemBytes<d> / kDkvSmemBytes<d>, in any order after delta.
+// Backward (bwd.cuh): delta (block 256 threads, one warp per (row, head); also zeroes dq_accum when set), then
+// either the fused pass (block bwd::kFusedThreads = 384, 128-key tiles, dynamic shared memory bwd::kFusedSmemBytes<d>)
+// followed by dq_convert (block 256, one thread per 8 columns of a (row, head)), or, deterministic, dQ (block
+// bwd::kDqThreads = 384, grid of 128-row tiles) and dK / dV (block bwd::kThreads = 256, 64-key tiles), dynamic shared
+// memory bwd::kDqSmemBytes<d> / kDkvSmemBytes<d>, in any order after delta.
 #define FLASHMLA_DENSE_PREFILL_BWD(SUFFIX, D, E)                                                                  \
     extern "C" __global__ void __launch_bounds__(flashmla::dense_prefill::bwd::kDqThreads, 1)                     \
         dense_prefill_bwd_dq_##SUFFIX(const __grid_constant__ DensePrefillBwdParams p) {                         \
@@ -35,6 +37,15 @@ FLASHMLA_DENSE_PREFILL_FWD(dense_prefill_fwd_d128_f16, 128, F16)
         dense_prefill_bwd_dkv_##SUFFIX(const __grid_constant__ DensePrefillBwdParams p) {                        \
         extern __shared__ __align__(1024) uint8_t smem[];                                                         \
         flashmla::dense_prefill::bwd::dkv_kernel<D, E>(p, smem);                                                  \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(flashmla::dense_prefill::bwd::kFusedThreads, 1)                  \
+        dense_prefill_bwd_fused_##SUFFIX(const __grid_constant__ DensePrefillBwdParams p) {                      \
+        extern __shared__ __align__(1024) uint8_t smem[];                                                         \
+        flashmla::dense_prefill::bwd::fused_kernel<D, E>(p, smem);                                                \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256)                                                             \
+        dense_prefill_bwd_dq_convert_##SUFFIX(const __grid_constant__ DensePrefillBwdParams p) {                 \
+        flashmla::dense_prefill::bwd::dq_convert_kernel<D, E>(p);                                                 \
     }
 
 FLASHMLA_DENSE_PREFILL_BWD(d192_bf16, 192, Bf16)

@@ -44,9 +44,10 @@ struct DensePrefillFwdParams {
     float sm_scale_log2;           // softmax_scale * log2(e)
 };
 
-// The backward (three kernels: delta, dQ, dK / dV; bwd.cuh). Same conventions as the forward; `lse` and `delta` are
-// [h_q, total_q] f32 with rows contiguous. No atomics: each kernel owns the rows it writes, so the results are
-// deterministic.
+// The backward (bwd.cuh). Same conventions as the forward; `lse` and `delta` are [h_q, total_q] f32 with rows
+// contiguous. Two schedules: the default (delta, which also zeroes `dq_accum`; one fused dK / dV / dQ pass adding dQ
+// into `dq_accum` with f32 atomics; a conversion of dQ) and the deterministic one (delta, dQ, dK / dV: no atomics,
+// each kernel owns the rows it writes; `dq_accum` is null).
 struct DensePrefillBwdParams {
     const uint16_t* q;             // [total_q, h_q, d]
     const uint16_t* k;             // [total_k, h_k, d]
@@ -60,6 +61,7 @@ struct DensePrefillBwdParams {
     uint16_t* d_k;                 // [total_k, h_k, d]
     uint16_t* d_v;                 // [total_k, h_k, d_v]
     float* delta;                  // [h_q, total_q] workspace: rowsum(d_out * out), written by the delta kernel
+    float* dq_accum;               // [h_q, total_q, d] f32 workspace of the fused schedule (rows contiguous), or null
 
     int64_t q_stride_t;
     int64_t q_stride_h;
@@ -87,11 +89,11 @@ struct DensePrefillBwdParams {
     int32_t h_k;
     int32_t h_per_k;
     int32_t q_tiles;               // ceil(total_q / 128) + batch: the dQ grid's 128-row tiles per query head
-    int32_t k_tiles;               // ceil(total_k / 64) + batch: the dK / dV grid's tiles per key head
+    int32_t k_tiles;               // the dK / dV grid's tiles per key head: ceil(total_k / 64) + batch (fused: / 128)
     uint32_t flags;                // kFlagCausal
     float sm_scale_log2;           // softmax_scale * log2(e)
     float sm_scale;                // softmax_scale
-    int32_t reserved;              // keeps the size a multiple of 8; always 0
+    int32_t d_qk;                  // d (192 or 128): the row width of dq_accum
 };
 
 }  // namespace flashmla::dense_prefill

@@ -125,6 +125,8 @@ device_params! {
         pub d_v: u64,
         /// Workspace `[h_q, total_q]` f32.
         pub delta: u64,
+        /// The fused schedule's f32 dQ accumulator `[h_q, total_q, d]`, or 0 (deterministic schedule).
+        pub dq_accum: u64,
         /// Elements between `q` rows.
         pub q_stride_t: i64,
         /// Elements between `q` heads.
@@ -173,9 +175,9 @@ device_params! {
         pub h_k: i32,
         /// `h_q / h_k`.
         pub h_per_k: i32,
-        /// `ceil(total_q / 64) + b`.
+        /// `ceil(total_q / 128) + b`.
         pub q_tiles: i32,
-        /// `ceil(total_k / 64) + b`.
+        /// `ceil(total_k / 64) + b`; the fused kernel: `ceil(total_k / 128) + b`.
         pub k_tiles: i32,
         /// `FLAG_*` bits.
         pub flags: u32,
@@ -183,8 +185,8 @@ device_params! {
         pub sm_scale_log2: f32,
         /// `softmax_scale`.
         pub sm_scale: f32,
-        /// Always 0.
-        pub reserved: i32,
+        /// `d`: the row width of `dq_accum`.
+        pub d_qk: i32,
     }
 }
 
@@ -219,6 +221,22 @@ pub mod kernels {
     pub const BWD_DKV_D128_BF16: &str = "dense_prefill_bwd_dkv_d128_bf16";
     /// Backward: dK and dV, `d` 128, fp16.
     pub const BWD_DKV_D128_F16: &str = "dense_prefill_bwd_dkv_d128_f16";
+    /// Backward, fused dK / dV / dQ, `d` 192, bf16.
+    pub const BWD_FUSED_D192_BF16: &str = "dense_prefill_bwd_fused_d192_bf16";
+    /// Backward, fused, `d` 192, fp16.
+    pub const BWD_FUSED_D192_F16: &str = "dense_prefill_bwd_fused_d192_f16";
+    /// Backward, fused, `d` 128, bf16.
+    pub const BWD_FUSED_D128_BF16: &str = "dense_prefill_bwd_fused_d128_bf16";
+    /// Backward, fused, `d` 128, fp16.
+    pub const BWD_FUSED_D128_F16: &str = "dense_prefill_bwd_fused_d128_f16";
+    /// Backward, dQ conversion of the fused schedule, `d` 192, bf16.
+    pub const BWD_DQ_CONVERT_D192_BF16: &str = "dense_prefill_bwd_dq_convert_d192_bf16";
+    /// Backward, dQ conversion, `d` 192, fp16.
+    pub const BWD_DQ_CONVERT_D192_F16: &str = "dense_prefill_bwd_dq_convert_d192_f16";
+    /// Backward, dQ conversion, `d` 128, bf16.
+    pub const BWD_DQ_CONVERT_D128_BF16: &str = "dense_prefill_bwd_dq_convert_d128_bf16";
+    /// Backward, dQ conversion, `d` 128, fp16.
+    pub const BWD_DQ_CONVERT_D128_F16: &str = "dense_prefill_bwd_dq_convert_d128_f16";
     /// Every kernel [`super::kernel_for`] and [`super::bwd_kernels_for`] can name.
     pub const ALL: &[&str] = &[
         FWD_D192_BF16,
@@ -235,6 +253,14 @@ pub mod kernels {
         BWD_DKV_D192_F16,
         BWD_DKV_D128_BF16,
         BWD_DKV_D128_F16,
+        BWD_FUSED_D192_BF16,
+        BWD_FUSED_D192_F16,
+        BWD_FUSED_D128_BF16,
+        BWD_FUSED_D128_F16,
+        BWD_DQ_CONVERT_D192_BF16,
+        BWD_DQ_CONVERT_D192_F16,
+        BWD_DQ_CONVERT_D128_BF16,
+        BWD_DQ_CONVERT_D128_F16,
     ];
 }
 
@@ -257,39 +283,70 @@ pub const BWD_DKV_SMEM_D192: u32 = 125_952;
 /// The same, `d` 128.
 pub const BWD_DKV_SMEM_D128: u32 = 101_376;
 
-/// The backward's kernels for `d` and an element type: `(delta, (dQ, smem), (dK / dV, smem))`.
-#[allow(clippy::type_complexity)]
-pub fn bwd_kernels_for(
-    d: usize,
-    dtype: DType,
-) -> Result<(&'static str, (&'static str, u32), (&'static str, u32))> {
+/// Keys per CTA of the fused backward kernel (`bwd::kFusedKeys`: two consumers of 64 keys).
+pub const BWD_FUSED_TILE: usize = 128;
+/// Threads per CTA of the fused kernel (`bwd::kFusedThreads`: a producer and two consumer warpgroups).
+pub const BWD_FUSED_THREADS: u32 = 384;
+/// Threads per CTA of the dQ conversion (one CTA per 64-row query tile and head).
+pub const BWD_CONVERT_THREADS: u32 = 128;
+/// Query rows per accumulator tile of the default backward (`bwd::kRows`).
+pub const BWD_ACC_TILE: usize = 64;
+/// Dynamic shared memory of the fused kernel, `d` 192 (`bwd::kFusedSmemBytes<192>`, static_asserted in bwd.cuh).
+pub const BWD_FUSED_SMEM_D192: u32 = 216_064;
+/// The same, `d` 128.
+pub const BWD_FUSED_SMEM_D128: u32 = 183_296;
+
+/// The backward's kernels for one `d` and element type, with their dynamic shared memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BwdKernels {
+    /// `delta` (and the zeroing of the dQ accumulator).
+    pub delta: &'static str,
+    /// Deterministic schedule: dQ.
+    pub dq: (&'static str, u32),
+    /// Deterministic schedule: dK / dV.
+    pub dkv: (&'static str, u32),
+    /// Default schedule: dK / dV / dQ in one pass.
+    pub fused: (&'static str, u32),
+    /// Default schedule: the dQ conversion.
+    pub dq_convert: &'static str,
+}
+
+/// The backward's kernels for `d` and an element type.
+pub fn bwd_kernels_for(d: usize, dtype: DType) -> Result<BwdKernels> {
     use kernels::*;
-    let delta = if dtype == DType::F16 {
-        BWD_DELTA_F16
-    } else {
-        BWD_DELTA_BF16
+    let f16 = match dtype {
+        DType::F16 => true,
+        DType::Bf16 => false,
+        _ => {
+            return Err(Error::unsupported(
+                format!("dense_prefill backward kernels for {dtype:?}"),
+                "the sm_90a kernels are built for bf16 and fp16",
+            ))
+        }
     };
-    match (d, dtype) {
-        (192, DType::Bf16) => Ok((
+    let delta = if f16 { BWD_DELTA_F16 } else { BWD_DELTA_BF16 };
+    let pick = |bf: &'static str, h: &'static str| if f16 { h } else { bf };
+    match d {
+        192 => Ok(BwdKernels {
             delta,
-            (BWD_DQ_D192_BF16, BWD_DQ_SMEM_D192),
-            (BWD_DKV_D192_BF16, BWD_DKV_SMEM_D192),
-        )),
-        (192, DType::F16) => Ok((
+            dq: (pick(BWD_DQ_D192_BF16, BWD_DQ_D192_F16), BWD_DQ_SMEM_D192),
+            dkv: (pick(BWD_DKV_D192_BF16, BWD_DKV_D192_F16), BWD_DKV_SMEM_D192),
+            fused: (
+                pick(BWD_FUSED_D192_BF16, BWD_FUSED_D192_F16),
+                BWD_FUSED_SMEM_D192,
+            ),
+            dq_convert: pick(BWD_DQ_CONVERT_D192_BF16, BWD_DQ_CONVERT_D192_F16),
+        }),
+        128 => Ok(BwdKernels {
             delta,
-            (BWD_DQ_D192_F16, BWD_DQ_SMEM_D192),
-            (BWD_DKV_D192_F16, BWD_DKV_SMEM_D192),
-        )),
-        (128, DType::Bf16) => Ok((
-            delta,
-            (BWD_DQ_D128_BF16, BWD_DQ_SMEM_D128),
-            (BWD_DKV_D128_BF16, BWD_DKV_SMEM_D128),
-        )),
-        (128, DType::F16) => Ok((
-            delta,
-            (BWD_DQ_D128_F16, BWD_DQ_SMEM_D128),
-            (BWD_DKV_D128_F16, BWD_DKV_SMEM_D128),
-        )),
+            dq: (pick(BWD_DQ_D128_BF16, BWD_DQ_D128_F16), BWD_DQ_SMEM_D128),
+            dkv: (pick(BWD_DKV_D128_BF16, BWD_DKV_D128_F16), BWD_DKV_SMEM_D128),
+            fused: (
+                pick(BWD_FUSED_D128_BF16, BWD_FUSED_D128_F16),
+                BWD_FUSED_SMEM_D128,
+            ),
+            dq_convert: pick(BWD_DQ_CONVERT_D128_BF16, BWD_DQ_CONVERT_D128_F16),
+        }),
         _ => Err(Error::unsupported(
             format!("dense_prefill backward kernels for d = {d}, {dtype:?}"),
             "the sm_90a kernels are built for d 128 and 192 in bf16 and fp16",
@@ -453,17 +510,30 @@ pub(crate) fn launch(
 /// One launch of the backward: kernel, geometry, parameters.
 pub type BwdLaunch = (&'static str, LaunchConfig, DensePrefillBwdParams);
 
-/// Checks the backward kernels' limits and builds their three launches, in order: delta, dQ, dK / dV (pure: no GPU
-/// needed). Empty when there is nothing to compute.
+/// Checks the backward kernels' limits and builds their launches, in order (pure: no GPU needed): for the fused
+/// schedule ([`super::DensePrefillBwdOptions::fused_for`]) delta (which also zeroes the dQ accumulator), the fused
+/// dK / dV / dQ pass and the dQ conversion; for the separate one delta, dQ and dK / dV. `workspace` is f32 of [`super::bwd_workspace_shape`], contiguous. Empty when there is
+/// nothing to compute.
 pub fn lower_bwd(
     dims: &DensePrefillDims,
     args: &super::DensePrefillBwdArgs<'_, DeviceView>,
     grads: &super::DensePrefillGrads<DeviceView>,
-    delta: &DeviceView,
+    workspace: &DeviceView,
+    options: &super::DensePrefillBwdOptions,
 ) -> Result<Vec<BwdLaunch>> {
     let fwd = &args.fwd;
-    let (delta_kernel, (dq_kernel, dq_smem), (dkv_kernel, dkv_smem)) =
-        bwd_kernels_for(dims.d, dims.dtype)?;
+    let kernels = bwd_kernels_for(dims.d, dims.dtype)?;
+    expect_contiguous("workspace", workspace)?;
+    // The default schedule's workspace: the dQ accumulator (super::bwd_accumulator_len floats), then delta
+    // [h_q, total_q].
+    let fused = options.fused_for(dims.d)?;
+    let (dq_accum, delta_ptr) = if !fused {
+        (0, workspace.ptr())
+    } else {
+        let accum_bytes = super::bwd_accumulator_len(dims) as u64 * 4;
+        (workspace.ptr(), workspace.ptr() + accum_bytes)
+    };
+    let delta = workspace;
     expect_rows_16b(
         "dense_prefill backward",
         &[
@@ -477,13 +547,19 @@ pub fn lower_bwd(
             ("d_v", &grads.d_v),
         ],
     )?;
-    expect_offsets_and_rows(fwd, &[("lse", args.lse), ("delta", delta)])?;
+    expect_offsets_and_rows(fwd, &[("lse", args.lse)])?;
     expect_element_aligned(&[
         ("cu_seqlens_q", Some(fwd.cu_seqlens_q)),
         ("cu_seqlens_k", Some(fwd.cu_seqlens_k)),
         ("lse", Some(args.lse)),
-        ("delta", Some(delta)),
     ])?;
+    if workspace.ptr() % 16 != 0 {
+        return Err(Error::invalid(
+            "workspace.data_ptr",
+            "a 16-byte aligned address",
+            format!("{:#x}", workspace.ptr()),
+        ));
+    }
     expect_offsets_fit_i64(&[
         ("q", Some(fwd.q)),
         ("k", Some(fwd.k)),
@@ -494,11 +570,17 @@ pub fn lower_bwd(
         ("d_q", Some(&grads.d_q)),
         ("d_k", Some(&grads.d_k)),
         ("d_v", Some(&grads.d_v)),
-        ("delta", Some(delta)),
+        ("workspace", Some(delta)),
     ])?;
     let sm_scale_log2 = scale_log2(dims)?;
-    let q_tiles = dims.total_q.div_ceil(BWD_DQ_TILE) + dims.batch;
-    let k_tiles = dims.total_k.div_ceil(BWD_TILE) + dims.batch;
+    // The dQ kernel's 128-row tiles; the default schedule's 64-row accumulator tiles.
+    let q_tiles = if !fused {
+        dims.total_q.div_ceil(BWD_DQ_TILE) + dims.batch
+    } else {
+        dims.total_q.div_ceil(BWD_ACC_TILE) + dims.batch
+    };
+    let k_tile = if !fused { BWD_TILE } else { BWD_FUSED_TILE };
+    let k_tiles = dims.total_k.div_ceil(k_tile) + dims.batch;
     let grid = |tiles: usize, heads: usize, what: &str| -> Result<u32> {
         tiles
             .checked_mul(heads)
@@ -525,6 +607,7 @@ pub fn lower_bwd(
         grid(q_tiles, dims.h_q, "dQ")?,
         grid(k_tiles, dims.h_k, "dK / dV")?,
     );
+    let convert_blocks = grid(q_tiles, dims.h_q, "dQ conversion")?;
     let params = DensePrefillBwdParams {
         q: fwd.q.ptr(),
         k: fwd.k.ptr(),
@@ -537,7 +620,8 @@ pub fn lower_bwd(
         d_q: grads.d_q.ptr(),
         d_k: grads.d_k.ptr(),
         d_v: grads.d_v.ptr(),
-        delta: delta.ptr(),
+        delta: delta_ptr,
+        dq_accum,
         q_stride_t: stride_param("q", fwd.q, 0)?,
         q_stride_h: stride_param("q", fwd.q, 1)?,
         k_stride_t: stride_param("k", fwd.k, 0)?,
@@ -555,19 +639,19 @@ pub fn lower_bwd(
         d_v_stride_t: stride_param("d_v", &grads.d_v, 0)?,
         d_v_stride_h: stride_param("d_v", &grads.d_v, 1)?,
         lse_stride_h: stride_param("lse", args.lse, 0)?,
-        delta_stride_h: stride_param("delta", delta, 0)?,
+        delta_stride_h: i64::from(to_i32("q.shape[0]", dims.total_q)?),
         batch: to_i32("cu_seqlens_q.shape[0] - 1", dims.batch)?,
         total_q: to_i32("q.shape[0]", dims.total_q)?,
         total_k: to_i32("k.shape[0]", dims.total_k)?,
         h_q: to_i32("q.shape[1]", dims.h_q)?,
         h_k: to_i32("k.shape[1]", dims.h_k)?,
         h_per_k: to_i32("h_q / h_k", dims.h_q / dims.h_k)?,
-        q_tiles: to_i32("ceil(total_q / 128) + b", q_tiles)?,
-        k_tiles: to_i32("ceil(total_k / 64) + b", k_tiles)?,
+        q_tiles: to_i32("ceil(total_q / tile) + b", q_tiles)?,
+        k_tiles: to_i32("ceil(total_k / tile) + b", k_tiles)?,
         flags: if dims.causal { FLAG_CAUSAL } else { 0 },
         sm_scale_log2,
         sm_scale: dims.softmax_scale,
-        reserved: 0,
+        d_qk: to_i32("d", dims.d)?,
     };
     let cfg = |grid: u32, block: u32, smem: u32| LaunchConfig {
         grid: (grid, 1, 1),
@@ -579,14 +663,32 @@ pub fn lower_bwd(
     let mut launches = Vec::new();
     if dims.total_q > 0 {
         launches.push((
-            delta_kernel,
+            kernels.delta,
             cfg(delta_blocks, BWD_DELTA_THREADS, 0),
             params,
         ));
-        launches.push((dq_kernel, cfg(dq_grid, BWD_DQ_THREADS, dq_smem), params));
     }
-    if dims.total_k > 0 {
-        launches.push((dkv_kernel, cfg(dkv_grid, BWD_THREADS, dkv_smem), params));
+    if !fused {
+        if dims.total_q > 0 {
+            let (name, smem) = kernels.dq;
+            launches.push((name, cfg(dq_grid, BWD_DQ_THREADS, smem), params));
+        }
+        if dims.total_k > 0 {
+            let (name, smem) = kernels.dkv;
+            launches.push((name, cfg(dkv_grid, BWD_THREADS, smem), params));
+        }
+    } else {
+        if dims.total_k > 0 {
+            let (name, smem) = kernels.fused;
+            launches.push((name, cfg(dkv_grid, BWD_FUSED_THREADS, smem), params));
+        }
+        if dims.total_q > 0 {
+            launches.push((
+                kernels.dq_convert,
+                cfg(convert_blocks, BWD_CONVERT_THREADS, 0),
+                params,
+            ));
+        }
     }
     Ok(launches)
 }
@@ -598,17 +700,19 @@ pub(crate) fn launch_bwd(
     dims: &DensePrefillDims,
     args: &super::DensePrefillBwdArgs<'_, DeviceView>,
     grads: &super::DensePrefillGrads<DeviceView>,
-    delta: &DeviceView,
+    workspace: &DeviceView,
+    options: &super::DensePrefillBwdOptions,
 ) -> Result<()> {
     expect_location("q", args.fwd.q, Location::Cuda(gpu.ordinal()))?;
-    for (name, cfg, params) in lower_bwd(dims, args, grads, delta)? {
+    for (name, cfg, params) in lower_bwd(dims, args, grads, workspace, options)? {
         let kernel = gpu.kernel(FAMILY, name)?;
         // SAFETY: `DensePrefillBwdParams` mirrors the kernels' parameter struct (checked at compile time).
         // `validate_bwd` / `validate_grads` established the shapes and dtypes and that every tensor lives on this
         // device; `lower_bwd` checked alignment, contiguity and that every offset fits i64. The kernels clamp every
-        // offset they read (work.cuh), read q / k / v / out / d_out / lse rows and write d_q / d_k / d_v / delta
-        // rows inside the views (heads < h_q, h_k), which by the DeviceView contract are valid, live and do not
-        // alias outputs with inputs; delta is written by the first launch before the next two read it (one stream).
+        // offset they read (work.cuh), read q / k / v / out / d_out / lse rows and write d_q / d_k / d_v rows inside
+        // the views (heads < h_q, h_k), which by the DeviceView contract are valid, live and do not alias outputs
+        // with inputs; delta and the dQ accumulator lie inside the contiguous workspace of bwd_workspace_shape
+        // (validate_grads), written by the first launch before the next ones read them (one stream).
         unsafe { gpu.launch(&kernel, &cfg, &params)? };
     }
     Ok(())
@@ -697,7 +801,11 @@ mod tests {
     }
 
     /// The backward's launches for views `v` (the forward's), with gradients and a workspace of their shapes.
-    fn lower_bwd_for(v: &[DeviceView; 7], delta: &DeviceView) -> Result<Vec<BwdLaunch>> {
+    fn lower_bwd_for(
+        v: &[DeviceView; 7],
+        workspace: &DeviceView,
+        options: super::super::DensePrefillBwdOptions,
+    ) -> Result<Vec<BwdLaunch>> {
         let (total_q, h_q, d) = (v[0].shape()[0], v[0].shape()[1], v[0].shape()[2]);
         let (total_k, h_k) = (v[1].shape()[0], v[1].shape()[1]);
         let t = DType::Bf16;
@@ -721,15 +829,45 @@ mod tests {
             lse: &v[6],
         };
         let dims = super::super::validate_bwd(&args)?;
-        super::super::validate_grads(&dims, v[0].location(), &grads, delta)?;
-        lower_bwd(&dims, &args, &grads, delta)
+        super::super::validate_grads(&dims, v[0].location(), &grads, workspace, &options)?;
+        lower_bwd(&dims, &args, &grads, workspace, &options)
+    }
+
+    const DETERMINISTIC: super::super::DensePrefillBwdOptions =
+        super::super::DensePrefillBwdOptions {
+            deterministic: true,
+            fused: None,
+        };
+    const FUSED: super::super::DensePrefillBwdOptions = super::super::DensePrefillBwdOptions {
+        deterministic: false,
+        fused: Some(true),
+    };
+
+    #[test]
+    fn the_measured_schedule_is_fused_at_d128_only_and_never_deterministic() {
+        let auto = super::super::DensePrefillBwdOptions::default();
+        assert_eq!(
+            (auto.fused_for(128).unwrap(), auto.fused_for(192).unwrap()),
+            (true, false)
+        );
+        assert!(!DETERMINISTIC.fused_for(128).unwrap());
+        assert!(FUSED.fused_for(192).unwrap());
+        let both = super::super::DensePrefillBwdOptions {
+            deterministic: true,
+            fused: Some(true),
+        };
+        assert!(both
+            .fused_for(128)
+            .unwrap_err()
+            .to_string()
+            .contains("options.fused"));
     }
 
     #[test]
     fn lowers_the_backward_to_delta_dq_and_dkv_launches() {
         let v = views(1000, 3000, 16, 4, 192, 3);
         let delta = fake_view(BASE + (10 << 32), DType::F32, &[16, 1000], None);
-        let launches = lower_bwd_for(&v, &delta).unwrap();
+        let launches = lower_bwd_for(&v, &delta, DETERMINISTIC).unwrap();
         let names: Vec<&str> = launches.iter().map(|l| l.0).collect();
         assert_eq!(
             names,
@@ -755,18 +893,83 @@ mod tests {
         );
         assert_eq!((p.h_per_k, p.flags, p.sm_scale), (4, FLAG_CAUSAL, 0.1));
         assert_eq!((p.lse_stride_h, p.delta_stride_h), (1000, 1000));
+        assert_eq!((p.dq_accum, p.delta), (0, BASE + (10 << 32)));
+    }
+
+    /// The shared-memory sizes requested here are the ones bwd.cuh static_asserts (a launch with less traps).
+    #[test]
+    fn backward_smem_sizes_match_the_kernels_static_asserts() {
+        let src = include_str!("../../../../flashmla-kernels/csrc/sm90/dense_prefill/bwd.cuh");
+        let asserted = |name: &str| -> u32 {
+            let at = src
+                .find(&format!("static_assert({name} == "))
+                .unwrap_or_else(|| panic!("no static_assert of {name}"));
+            let rest = &src[at + name.len() + "static_assert( == ".len()..];
+            rest[..rest.find(',').unwrap()].trim().parse().unwrap()
+        };
+        assert_eq!(asserted("kDqSmemBytes<192>"), BWD_DQ_SMEM_D192);
+        assert_eq!(asserted("kDqSmemBytes<128>"), BWD_DQ_SMEM_D128);
+        assert_eq!(asserted("kDkvSmemBytes<192>"), BWD_DKV_SMEM_D192);
+        assert_eq!(asserted("kDkvSmemBytes<128>"), BWD_DKV_SMEM_D128);
+        assert_eq!(asserted("kFusedSmemBytes<192>"), BWD_FUSED_SMEM_D192);
+        assert_eq!(asserted("kFusedSmemBytes<128>"), BWD_FUSED_SMEM_D128);
+    }
+
+    #[test]
+    fn lowers_the_default_backward_to_delta_fused_and_convert_launches() {
+        let v = views(1000, 3000, 16, 4, 192, 3);
+        let ws = BASE + (10 << 32);
+        // A deterministic-size workspace is refused, naming the expected shape.
+        let small = fake_view(ws, DType::F32, &[16, 1000], None);
+        let err = lower_bwd_for(&v, &small, FUSED).unwrap_err().to_string();
+        assert!(
+            err.contains("workspace") && err.contains("3751552"),
+            "{err}"
+        );
+        // 16 heads x (ceil(1000 / 64) + 3) tiles x 64 x 192 accumulator floats, then delta.
+        let acc = 16 * 19 * 64 * 192;
+        let workspace = fake_view(ws, DType::F32, &[acc + 16 * 1000], None);
+        let launches = lower_bwd_for(&v, &workspace, FUSED).unwrap();
+        let names: Vec<&str> = launches.iter().map(|l| l.0).collect();
+        assert_eq!(
+            names,
+            [
+                kernels::BWD_DELTA_BF16,
+                kernels::BWD_FUSED_D192_BF16,
+                kernels::BWD_DQ_CONVERT_D192_BF16
+            ]
+        );
+        let p = &launches[1].2;
+        // 128 keys per CTA: ceil(3000 / 128) + 3 tiles per key head.
+        assert_eq!(p.k_tiles, 24 + 3);
+        assert_eq!(launches[1].1.grid.0, 27 * 4);
+        assert_eq!(
+            (launches[1].1.block.0, launches[1].1.shared_mem_bytes),
+            (BWD_FUSED_THREADS, BWD_FUSED_SMEM_D192)
+        );
+        // The accumulator first, then delta.
+        assert_eq!(
+            (p.dq_accum, p.delta, p.delta_stride_h, p.d_qk, p.q_tiles),
+            (ws, ws + acc as u64 * 4, 1000, 192, 19)
+        );
+        // One conversion CTA per accumulator tile and head.
+        assert_eq!(launches[2].1.grid.0, 19 * 16);
     }
 
     #[test]
     fn backward_refuses_a_strided_workspace_and_misaligned_gradients() {
         let v = views(10, 10, 2, 2, 128, 1);
         let strided = fake_view(BASE + (10 << 32), DType::F32, &[2, 10], Some(&[1, 2]));
-        let err = lower_bwd_for(&v, &strided).unwrap_err().to_string();
-        assert!(err.contains("delta.strides[1]"), "{err}");
+        let err = lower_bwd_for(&v, &strided, DETERMINISTIC)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("workspace"), "{err}");
         let mut v = views(10, 10, 2, 2, 128, 1);
         v[5] = fake_view(BASE + 6, DType::Bf16, &[10, 2, 128], None);
         let delta = fake_view(BASE + (10 << 32), DType::F32, &[2, 10], None);
-        let err = lower_bwd_for(&v, &delta).unwrap_err().to_string();
+        let err = lower_bwd_for(&v, &delta, DETERMINISTIC)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("`out`"), "{err}");
     }
 }

@@ -8,7 +8,8 @@ pub mod launch;
 mod validate;
 
 pub use validate::{
-    validate, validate_bwd, validate_grads, validate_output, DensePrefillDims, HEAD_DIMS,
+    bwd_accumulator_len, bwd_workspace_shape, bwd_workspace_shape_for, validate, validate_bwd,
+    validate_grads, validate_output, DensePrefillDims, HEAD_DIMS,
 };
 
 use crate::alloc::try_collect;
@@ -71,6 +72,37 @@ pub struct DensePrefillGrads<T> {
     pub d_v: T,
 }
 
+/// Options of the GPU backward.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DensePrefillBwdOptions {
+    /// Bitwise-reproducible gradients: the separate schedule only (see `fused`).
+    pub deterministic: bool,
+    /// The schedule (docs/dense-prefill.md, "Backward"). Fused: one pass computes dK, dV and dQ, adding dQ into an
+    /// f32 accumulator in the workspace with bulk reductions whose order varies from run to run (five MMAs per pair
+    /// of tiles). Separate: dQ and dK / dV by two kernels that each write their rows once (seven MMAs per pair, no
+    /// atomics, deterministic). `None`: the measured choice, fused at `d` 128 and separate at `d` 192 (where the fused
+    /// kernel is still 4% slower); `Some(true)` with `deterministic` is refused.
+    pub fused: Option<bool>,
+}
+
+impl DensePrefillBwdOptions {
+    /// Whether the backward of head dimension `d` runs the fused schedule under these options.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for `fused: Some(true)` with `deterministic`.
+    pub fn fused_for(&self, d: usize) -> Result<bool> {
+        match (self.deterministic, self.fused) {
+            (true, Some(true)) => Err(Error::invalid(
+                "options.fused",
+                "None or Some(false) with deterministic (the fused schedule adds with atomics)",
+                "Some(true)",
+            )),
+            (true, _) => Ok(false),
+            (false, Some(f)) => Ok(f),
+            (false, None) => Ok(d == 128),
+        }
+    }
+}
+
 /// Refuses device tensors on a CPU path.
 fn expect_host(dims_loc: Location, what: &str) -> Result<()> {
     match dims_loc {
@@ -82,20 +114,38 @@ fn expect_host(dims_loc: Location, what: &str) -> Result<()> {
     }
 }
 
-/// The backward on the GPU: writes `grads` (caller-allocated, see [`validate_grads`]) on `gpu`'s stream, using
-/// `delta` (`[h_q, total_q]` f32, caller-allocated, rows contiguous) as its workspace. Asynchronous; allocates
-/// nothing and reads no tensor on the host (CUDA-graph safe). No atomics: the results are deterministic.
-///
-/// Errors: those of [`validate_bwd`] and [`validate_grads`], and the kernels' limits ([`launch::lower_bwd`]).
+/// The backward on the GPU with default options. See [`dense_prefill_bwd_cuda_with`].
 pub fn dense_prefill_bwd_cuda(
     gpu: &Gpu,
     args: &DensePrefillBwdArgs<'_, DeviceView>,
     grads: &DensePrefillGrads<DeviceView>,
-    delta: &DeviceView,
+    workspace: &DeviceView,
+) -> Result<()> {
+    dense_prefill_bwd_cuda_with(
+        gpu,
+        args,
+        grads,
+        workspace,
+        &DensePrefillBwdOptions::default(),
+    )
+}
+
+/// The backward on the GPU: writes `grads` (caller-allocated, see [`validate_grads`]) on `gpu`'s stream, using
+/// `workspace` (f32 of [`bwd_workspace_shape`], caller-allocated, contiguous) for `delta` and, unless
+/// `options.deterministic`, the f32 dQ accumulator. Asynchronous; allocates nothing and reads no tensor on the host
+/// (CUDA-graph safe).
+///
+/// Errors: those of [`validate_bwd`] and [`validate_grads`], and the kernels' limits ([`launch::lower_bwd`]).
+pub fn dense_prefill_bwd_cuda_with(
+    gpu: &Gpu,
+    args: &DensePrefillBwdArgs<'_, DeviceView>,
+    grads: &DensePrefillGrads<DeviceView>,
+    workspace: &DeviceView,
+    options: &DensePrefillBwdOptions,
 ) -> Result<()> {
     let dims = validate_bwd(args)?;
-    validate_grads(&dims, args.fwd.q.location(), grads, delta)?;
-    launch::launch_bwd(gpu, &dims, args, grads, delta)
+    validate_grads(&dims, args.fwd.q.location(), grads, workspace, options)?;
+    launch::launch_bwd(gpu, &dims, args, grads, workspace, options)
 }
 
 /// The forward on the GPU: writes `out` and `lse` (caller-allocated, see [`validate_output`]) on `gpu`'s stream.

@@ -1,6 +1,9 @@
 //! Shape, dtype and placement checks of the dense varlen prefill (docs/spec.md section 5).
 
-use super::{DensePrefillArgs, DensePrefillBwdArgs, DensePrefillGrads, DensePrefillOutput};
+use super::{
+    DensePrefillArgs, DensePrefillBwdArgs, DensePrefillBwdOptions, DensePrefillGrads,
+    DensePrefillOutput,
+};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Location, TensorMeta};
 use crate::validate::{
@@ -152,12 +155,13 @@ pub fn validate_output<T: TensorMeta>(
 
 /// Checks the gradients and the workspace a caller provides for a backward of dimensions `dims` on `loc`: `d_q [total_q,
 /// h_q, d]`, `d_k [total_k, h_k, d]`, `d_v [total_k, h_k, d_v]` of q's dtype (last dimensions contiguous), and
-/// `delta [h_q, total_q]` f32.
+/// `workspace` f32 of [`bwd_workspace_shape`]`(dims, options)`.
 pub fn validate_grads<T: TensorMeta>(
     dims: &DensePrefillDims,
     loc: Location,
     grads: &DensePrefillGrads<T>,
-    delta: &T,
+    workspace: &T,
+    options: &DensePrefillBwdOptions,
 ) -> Result<()> {
     for (name, t, shape) in [
         ("d_q", &grads.d_q, [dims.total_q, dims.h_q, dims.d]),
@@ -169,8 +173,48 @@ pub fn validate_grads<T: TensorMeta>(
         crate::validate::expect_shape(name, t, &shape)?;
         expect_last_dim_contiguous(name, t)?;
     }
-    expect_location("delta", delta, loc)?;
-    expect_dtype("delta", delta, &[DType::F32])?;
-    crate::validate::expect_shape("delta", delta, &[dims.h_q, dims.total_q])?;
+    expect_location("workspace", workspace, loc)?;
+    expect_dtype("workspace", workspace, &[DType::F32])?;
+    crate::validate::expect_shape("workspace", workspace, &bwd_workspace_shape(dims, options)?)?;
     Ok(())
+}
+
+/// The shape of the backward's f32 workspace (contiguous, 16-byte aligned): `[h_q, total_q]` (the per-row `delta`)
+/// for the separate schedule; for the fused one (see [`DensePrefillBwdOptions::fused`]) one dimension of
+/// [`bwd_accumulator_len`] + `h_q * total_q` floats, the f32 dQ accumulator followed by `delta` `[h_q, total_q]`:
+/// about `4 d + 4` bytes per query row and head (the accumulator pads each sequence to whole 64-row tiles).
+///
+/// Errors: those of [`DensePrefillBwdOptions::fused_for`].
+pub fn bwd_workspace_shape(
+    dims: &DensePrefillDims,
+    options: &DensePrefillBwdOptions,
+) -> Result<Vec<usize>> {
+    bwd_workspace_shape_for(dims.h_q, dims.total_q, dims.batch, dims.d, options)
+}
+
+/// [`bwd_workspace_shape`] from the dimensions it depends on.
+pub fn bwd_workspace_shape_for(
+    h_q: usize,
+    total_q: usize,
+    batch: usize,
+    d: usize,
+    options: &DensePrefillBwdOptions,
+) -> Result<Vec<usize>> {
+    Ok(if options.fused_for(d)? {
+        vec![accumulator_len(h_q, total_q, batch, d).saturating_add(h_q.saturating_mul(total_q))]
+    } else {
+        vec![h_q, total_q]
+    })
+}
+
+/// Floats of the f32 dQ accumulator of the default backward: per query head, `ceil(total_q / 64) + b` tiles of 64
+/// rows (every sequence's rows padded to whole tiles) times `d` columns.
+pub fn bwd_accumulator_len(dims: &DensePrefillDims) -> usize {
+    accumulator_len(dims.h_q, dims.total_q, dims.batch, dims.d)
+}
+
+fn accumulator_len(h_q: usize, total_q: usize, batch: usize, d: usize) -> usize {
+    (total_q.div_ceil(64) + batch)
+        .saturating_mul(64 * d)
+        .saturating_mul(h_q)
 }
