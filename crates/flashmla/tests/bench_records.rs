@@ -243,7 +243,9 @@ fn bench_record(r: &Record) -> Result<(), String> {
                 .map(|_| ())
         }
         "dense_prefill" => tflops(dense_prefill_flop(r)?),
-        "dense_prefill_bwd" => tflops(2.5 * dense_prefill_flop(r)?),
+        "dense_prefill_bwd" | "dense_prefill_bwd_deterministic" | "dense_prefill_bwd_fused" => {
+            tflops(2.5 * dense_prefill_flop(r)?)
+        }
         _ => Err(format!(
             "op {op:?} has no schema: add its shape fields to this test and to docs/benchmarking.md"
         )),
