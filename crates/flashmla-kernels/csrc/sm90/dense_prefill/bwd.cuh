@@ -361,6 +361,41 @@ __device__ __forceinline__ void dq_kernel(const DensePrefillBwdParams& p, uint8_
                       f, dq, p.sm_scale);
 }
 
+// The dK / dV producers' tile loop: streams the 64-row tiles of Q and d_out (with their lse and delta; rows past the
+// sequence read 0) of every query head of key head `kv_head`'s group, query tiles m_first .. m_first + m_count - 1
+// of the sequence starting at row q0, through the plan's kStages ring.
+template <int kDSlabs, int kQ, class Plan>
+__device__ __forceinline__ void stream_query_tiles(const DensePrefillBwdParams& p, Plan& sm, int kv_head, int q0,
+                                                   int s_q, int m_first, int m_count, int n_iter,
+                                                   const Sw128CopyThread& ct) {
+    const uint16_t* dummy = p.q;
+        for (int it = 0; it < n_iter; ++it) {
+            const int head = kv_head * p.h_per_k + it / m_count;
+            const int m0 = (m_first + it % m_count) * kQ;
+            const RingPos<kStages> pos = RingPos<kStages>::of(it);
+            MBarrier::wait(&sm.empty[pos.stage], pos.empty_parity);
+            const int64_t row0 = static_cast<int64_t>(q0) + m0;
+            copy_tile<kDSlabs, kQ>(smem_addr(sm.q[pos.stage]), p.q + row0 * p.q_stride_t + head * p.q_stride_h,
+                                           p.q_stride_t, 0, s_q - m0, ct, dummy);
+            copy_tile<2, kQ>(smem_addr(sm.d_out[pos.stage]),
+                                     p.d_out + row0 * p.d_out_stride_t + head * p.d_out_stride_h, p.d_out_stride_t, 0,
+                                     s_q - m0, ct, dummy);
+            const int tid = static_cast<int>(threadIdx.x);
+            if (tid < 2 * kQ) {  // threads 0..kQ-1: lse, kQ..2kQ-1: delta; rows past the sequence read 0
+                const int rr = tid % kQ;
+                const bool ok = m0 + rr < s_q;
+                if (tid < kQ) {
+                    const float* src = ok ? p.lse + head * p.lse_stride_h + row0 + rr : p.lse;
+                    cp_async_4_zfill(smem_addr(&sm.lse[pos.stage][rr]), src, ok);
+                } else {
+                    const float* src = ok ? p.delta + head * p.delta_stride_h + row0 + rr : p.delta;
+                    cp_async_4_zfill(smem_addr(&sm.delta[pos.stage][rr]), src, ok);
+                }
+            }
+            MBarrier::arrive_on_cp_async_noinc(&sm.full[pos.stage]);
+        }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // dK / dV
 
@@ -396,31 +431,7 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
         copy_tile<2, kRows>(smem_addr(sm.v), p.v + k0 * p.v_stride_t + w.head * p.v_stride_h, p.v_stride_t, 0, keys,
                             ct, dummy);
         MBarrier::arrive_on_cp_async_noinc(&sm.own_full);
-        for (int it = 0; it < n_iter; ++it) {
-            const int head = w.head * p.h_per_k + it / m_count;
-            const int m0 = (m_first + it % m_count) * kQ;
-            const RingPos<kStages> pos = RingPos<kStages>::of(it);
-            MBarrier::wait(&sm.empty[pos.stage], pos.empty_parity);
-            const int64_t row0 = static_cast<int64_t>(q0) + m0;
-            copy_tile<kDSlabs, kQ>(smem_addr(sm.q[pos.stage]), p.q + row0 * p.q_stride_t + head * p.q_stride_h,
-                                           p.q_stride_t, 0, s_q - m0, ct, dummy);
-            copy_tile<2, kQ>(smem_addr(sm.d_out[pos.stage]),
-                                     p.d_out + row0 * p.d_out_stride_t + head * p.d_out_stride_h, p.d_out_stride_t, 0,
-                                     s_q - m0, ct, dummy);
-            const int tid = static_cast<int>(threadIdx.x);
-            if (tid < 2 * kQ) {  // threads 0..kQ-1: lse, kQ..2kQ-1: delta; rows past the sequence read 0
-                const int rr = tid % kQ;
-                const bool ok = m0 + rr < s_q;
-                if (tid < kQ) {
-                    const float* src = ok ? p.lse + head * p.lse_stride_h + row0 + rr : p.lse;
-                    cp_async_4_zfill(smem_addr(&sm.lse[pos.stage][rr]), src, ok);
-                } else {
-                    const float* src = ok ? p.delta + head * p.delta_stride_h + row0 + rr : p.delta;
-                    cp_async_4_zfill(smem_addr(&sm.delta[pos.stage][rr]), src, ok);
-                }
-            }
-            MBarrier::arrive_on_cp_async_noinc(&sm.full[pos.stage]);
-        }
+        stream_query_tiles<kDSlabs, kQ>(p, sm, w.head, q0, s_q, m_first, m_count, n_iter, ct);
         return;
     }
 
@@ -692,31 +703,7 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
             copy_tile<2, kRows>(smem_addr(sm.v[c]), v, p.v_stride_t, c * kRows, keys, ct, dummy);
         }
         MBarrier::arrive_on_cp_async_noinc(&sm.own_full);
-        for (int it = 0; it < n_iter; ++it) {
-            const int head = w.head * p.h_per_k + it / m_count;
-            const int m0 = (m_first + it % m_count) * kQ;
-            const RingPos<kStages> pos = RingPos<kStages>::of(it);
-            MBarrier::wait(&sm.empty[pos.stage], pos.empty_parity);
-            const int64_t row0 = static_cast<int64_t>(q0) + m0;
-            copy_tile<kDSlabs, kQ>(smem_addr(sm.q[pos.stage]), p.q + row0 * p.q_stride_t + head * p.q_stride_h,
-                                   p.q_stride_t, 0, s_q - m0, ct, dummy);
-            copy_tile<2, kQ>(smem_addr(sm.d_out[pos.stage]),
-                             p.d_out + row0 * p.d_out_stride_t + head * p.d_out_stride_h, p.d_out_stride_t, 0,
-                             s_q - m0, ct, dummy);
-            const int tid = static_cast<int>(threadIdx.x);
-            if (tid < 2 * kQ) {  // threads 0..kQ-1: lse, kQ..2kQ-1: delta; rows past the sequence read 0
-                const int rr = tid % kQ;
-                const bool ok = m0 + rr < s_q;
-                if (tid < kQ) {
-                    const float* src = ok ? p.lse + head * p.lse_stride_h + row0 + rr : p.lse;
-                    cp_async_4_zfill(smem_addr(&sm.lse[pos.stage][rr]), src, ok);
-                } else {
-                    const float* src = ok ? p.delta + head * p.delta_stride_h + row0 + rr : p.delta;
-                    cp_async_4_zfill(smem_addr(&sm.delta[pos.stage][rr]), src, ok);
-                }
-            }
-            MBarrier::arrive_on_cp_async_noinc(&sm.full[pos.stage]);
-        }
+        stream_query_tiles<kDSlabs, kQ>(p, sm, w.head, q0, s_q, m_first, m_count, n_iter, ct);
         return;
     }
 
