@@ -764,8 +764,12 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
                 s[4 * j + e] = exp2f(fmaf(x, p.sm_scale_log2, -lse2));  // P^T
             }
         }
-        // The other consumer's dQ MMAs of the previous tile read dS^T: wait until both retired them.
-        if (it > 0) named_barrier_sync_unaligned(FusedBar::DsFree, kFusedConsumers * kWarpgroupThreads);
+        // The other consumer's dQ MMAs of the previous tile read dS^T, and P^T overwrites the staging buffer that
+        // this consumer's last bulk reduction reads: wait until both are done (thread 0 owns the bulk group).
+        if (it > 0) {
+            if (t == 0) bulk_wait_read();
+            named_barrier_sync_unaligned(FusedBar::DsFree, kFusedConsumers * kWarpgroupThreads);
+        }
         // P^T and dS^T to shared memory (SW128 slabs [key][row]): accumulator block j holds query columns 8 j + 2 quad
         // (+1), chunk j of rows g and g + 8.
         // Row g of both slabs at chunk 0 (xor z: the compiler cannot reassociate it with the chunk offsets and
