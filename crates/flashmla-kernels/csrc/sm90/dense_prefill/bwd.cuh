@@ -539,9 +539,12 @@ struct FusedPlan {
     alignas(kSw128AtomBytes) uint8_t d_out[kStages][2 * kSlab64];         // d_out tiles
     // dS^T of the tile, one [64 keys][64 rows] slab per consumer; both consumers' dQ MMAs read both.
     alignas(kSw128AtomBytes) uint8_t ds[kFusedConsumers][kSlab64];
-    // Each consumer's 64 x 64 f32 dQ chunk on its way to the bulk add (block order); before that, in its first 8 KB,
-    // the tile's P^T ([64 keys][64 rows], an SW128 slab), the A operand of dV += P^T dO.
-    alignas(kSw128AtomBytes) float dq_stage[kFusedConsumers][kDqBlockFloats];
+    // The tile's P^T ([64 keys][64 rows], an SW128 slab) per consumer, the A operand of dV += P^T dO.
+    alignas(kSw128AtomBytes) uint8_t pt[kFusedConsumers][kSlab64];
+    // Each consumer's 64 x 64 f32 dQ chunk on its way to the bulk add (block order). The bulk reduction reads it
+    // while the consumer goes on (its next write waits for that read): P^T lives apart (sharing this buffer made
+    // every tile wait for the previous tile's reduction to leave shared memory, 3-5% slower at d 192 and d 128).
+    alignas(16) float dq_stage[kFusedConsumers][kDqBlockFloats];
     float lse[kStages][kFusedQ];  // the tile rows' lse (0 past the sequence)
     float delta[kStages][kFusedQ];
     uint64_t own_full;
@@ -554,8 +557,8 @@ struct FusedPlan {
 };
 template <int kD>
 inline constexpr uint32_t kFusedSmemBytes = static_cast<uint32_t>(sizeof(FusedPlan<kD>)) + kSmemAlignSlack;
-static_assert(kFusedSmemBytes<192> == 216064, "update launch.rs BWD_FUSED_SMEM_D192");
-static_assert(kFusedSmemBytes<128> == 183296, "update launch.rs BWD_FUSED_SMEM_D128");
+static_assert(kFusedSmemBytes<192> == 232448, "update launch.rs BWD_FUSED_SMEM_D192");
+static_assert(kFusedSmemBytes<128> == 199680, "update launch.rs BWD_FUSED_SMEM_D128");
 
 // Named barriers of the fused kernel: the two consumers' rendezvous around the shared dS^T tile, and each consumer's
 // own (128 threads) around its dQ staging buffer.
@@ -764,19 +767,15 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
                 s[4 * j + e] = exp2f(fmaf(x, p.sm_scale_log2, -lse2));  // P^T
             }
         }
-        // The other consumer's dQ MMAs of the previous tile read dS^T, and P^T overwrites the staging buffer that
-        // this consumer's last bulk reduction reads: wait until both are done (thread 0 owns the bulk group).
-        if (it > 0) {
-            if (t == 0) bulk_wait_read();
-            named_barrier_sync_unaligned(FusedBar::DsFree, kFusedConsumers * kWarpgroupThreads);
-        }
+        // The other consumer's dQ MMAs of the previous tile read dS^T: wait until both retired them.
+        if (it > 0) named_barrier_sync_unaligned(FusedBar::DsFree, kFusedConsumers * kWarpgroupThreads);
         // P^T and dS^T to shared memory (SW128 slabs [key][row]): accumulator block j holds query columns 8 j + 2 quad
         // (+1), chunk j of rows g and g + 8.
         // Row g of both slabs at chunk 0 (xor z: the compiler cannot reassociate it with the chunk offsets and
         // hoist them); chunk j of rows g and g + 8 is that address xor 16 j, plus 1024 for g + 8 (smem_layout.cuh).
         const uint32_t row_g = static_cast<uint32_t>(f.row0 * kSw128RowBytes + (f.row0 % kSw128AtomRows) * 16 + 4 * f.quad);
         const uint32_t ds_g = (smem_addr(sm.ds[c]) ^ z) + row_g;
-        const uint32_t pt_g = (smem_addr(sm.dq_stage[c]) ^ z) + row_g;
+        const uint32_t pt_g = (smem_addr(sm.pt[c]) ^ z) + row_g;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             if (h == 1) {
@@ -808,7 +807,7 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
         // the consumer's four warps meet first.
         named_barrier_sync_unaligned(c == 0 ? FusedBar::Staged0 : FusedBar::Staged1, kWarpgroupThreads);
         wgmma_fence();
-        mma_ss_kmn<E, kDv>(dv, smem_addr(sm.dq_stage[c]) + z, do_addr);
+        mma_ss_kmn<E, kDv>(dv, smem_addr(sm.pt[c]) + z, do_addr);
         mma_ss_kmn<E, kD>(dk, smem_addr(sm.ds[c]) + z, q_addr);
         wgmma_commit();
         // Both halves of dS^T stored.

@@ -292,9 +292,9 @@ pub const BWD_CONVERT_THREADS: u32 = 128;
 /// Query rows per accumulator tile of the default backward (`bwd::kRows`).
 pub const BWD_ACC_TILE: usize = 64;
 /// Dynamic shared memory of the fused kernel, `d` 192 (`bwd::kFusedSmemBytes<192>`, static_asserted in bwd.cuh).
-pub const BWD_FUSED_SMEM_D192: u32 = 216_064;
+pub const BWD_FUSED_SMEM_D192: u32 = 232_448;
 /// The same, `d` 128.
-pub const BWD_FUSED_SMEM_D128: u32 = 183_296;
+pub const BWD_FUSED_SMEM_D128: u32 = 199_680;
 
 /// The backward's kernels for one `d` and element type, with their dynamic shared memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
