@@ -26,8 +26,8 @@ pub const KNOWN_SPILLS: &[(&str, u64, u64)] = &[
     ("decode_split_fp8_model1_pair", 8, 8),
     // The fused dense backward at d 192 (dK 96 + dV 64 accumulator registers of its 232): a few loop-invariant
     // values of the tile walk. Its MMAs are not serialised.
-    ("dense_prefill_bwd_fused_d192_bf16", 24, 28),
-    ("dense_prefill_bwd_fused_d192_f16", 24, 28),
+    ("dense_prefill_bwd_fused_d192_bf16", 28, 36),
+    ("dense_prefill_bwd_fused_d192_f16", 28, 36),
 ];
 
 /// Markers of ptxas lines that carry known information wherever they appear: the injected `warpgroup.arrive`

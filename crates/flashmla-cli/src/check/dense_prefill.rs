@@ -138,6 +138,27 @@ fn run_hostile_offsets(gpu: &Gpu, seed: u64) -> flashmla::Result<Outcome> {
         dev.run(gpu, causal, None)?;
         gpu.synchronize()?;
     }
+    // The backward on the same offsets, every schedule at both head dimensions (the fused one numbers its
+    // accumulator tiles from the query offsets).
+    for d in [192, 128] {
+        let data = PrefillSpec { d, ..data.clone() };
+        let mut case = prefill_case(&mut rng(seed), &data)?;
+        case.cu_q = flashmla::HostTensor::from_i32(bad.clone(), &[5])?;
+        case.cu_k = flashmla::HostTensor::from_i32(vec![i32::MIN, 500, -1, 399, 1 << 30], &[5])?;
+        let d_out = randn_half(&mut rng(seed ^ 7), &[400, 2, 128], 1.0, DType::Bf16)?;
+        for (deterministic, fused) in [(false, Some(true)), (true, None), (false, Some(false))] {
+            let options = DensePrefillBwdOptions {
+                deterministic,
+                fused,
+            };
+            let dev = DensePrefillBwdOnGpu::new(gpu, &case, &d_out, true, options)?;
+            for causal in [false, true] {
+                dev.fwd.run(gpu, causal, None)?;
+                dev.run(gpu, causal, None)?;
+                gpu.synchronize()?;
+            }
+        }
+    }
     let ok = Spec {
         data,
         causal: true,

@@ -650,7 +650,8 @@ __device__ __forceinline__ int seq_tile_base(const int32_t* cu, int seq, int tot
 // slots; `red.global` issued by the MMA warps themselves slowed the kernel by about 40% at d 128, and one bulk add
 // per 256-byte row kept the TMA unit busier than the MMAs). Thread 0 waits for the previous bulk read of the buffer
 // before anyone overwrites it.
-__device__ __forceinline__ void reduce_dq_chunk(float* dst, float* stage, FusedBar bar, int t, const float (&acc)[32]) {
+__device__ __forceinline__ void reduce_dq_chunk(float* dst, bool in_bounds, float* stage, FusedBar bar, int t,
+                                                const float (&acc)[32]) {
     if (t == 0) bulk_wait_read();
     named_barrier_sync_unaligned(bar, kWarpgroupThreads);
     const uint32_t src = smem_addr(stage);
@@ -662,7 +663,7 @@ __device__ __forceinline__ void reduce_dq_chunk(float* dst, float* stage, FusedB
     }
     fence_proxy_async_shared();  // staged block: generic stores -> the bulk reduction's reads (async proxy)
     named_barrier_sync_unaligned(bar, kWarpgroupThreads);
-    if (t == 0) {
+    if (t == 0 && in_bounds) {
         bulk_reduce_add_f32_s2g(dst, src, kDqBlockFloats * 4);
         bulk_commit();
     }
@@ -818,9 +819,11 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
         release_by_warp(&sm.empty[pos.stage], lane);
         const uint32_t ds_addr[kFusedConsumers] = {smem_addr(sm.ds[0]) + z, smem_addr(sm.ds[1]) + z};
         const uint32_t k_addr[kFusedConsumers] = {smem_addr(sm.k[0]) + z, smem_addr(sm.k[1]) + z};
-        // This tile's accumulator blocks: (head, tile, slab) with p.q_tiles 64-row tiles per head.
-        float* dq_blocks = p.dq_accum + ((static_cast<int64_t>(head) * p.q_tiles + q_tile0 + m0 / kQ) * (kD / 64)) *
-                                            kDqBlockFloats;
+        // This tile's accumulator blocks: (head, tile, slab) with p.q_tiles 64-row tiles per head. Offsets that
+        // break the contract (overlapping sequences) can number a tile past them: its adds are dropped.
+        const int q_tile = q_tile0 + m0 / kQ;
+        float* dq_blocks =
+            p.dq_accum + ((static_cast<int64_t>(head) * p.q_tiles + q_tile) * (kD / 64)) * kDqBlockFloats;
         // The consumers split dQ's 64-column slabs: at d 128 one each; at d 192 two and one, swapping every tile.
         int slab_begin = c;
         int slab_end = c + 1;
@@ -833,7 +836,7 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
         for (int slab = slab_begin; slab < slab_end; ++slab) {
             float acc[32];
             dq_chunk<E>(acc, ds_addr, k_addr, slab);
-            reduce_dq_chunk(dq_blocks + slab * kDqBlockFloats, sm.dq_stage[c],
+            reduce_dq_chunk(dq_blocks + slab * kDqBlockFloats, q_tile < p.q_tiles, sm.dq_stage[c],
                             c == 0 ? FusedBar::Staged0 : FusedBar::Staged1, t, acc);
         }
     }
