@@ -79,7 +79,10 @@ __device__ __forceinline__ const uint16_t* key_row(const DecodeParams& p, int bl
 // Producer warpgroup (threads 0..127): thread t copies 16-byte chunk t % 8 of one 128-byte slab row, 16 rows per
 // pass, 4 passes per 64-row tile (as in the sparse forward).
 
-template <int kDqk, int kGroup>
+// Waits for column group kGroup's release and issues the thread's copies of it. kFenced: the copies form their own
+// cp.async group, which the caller waits for and publishes after a proxy fence (the TMA mode, whose consumers do not
+// fence); otherwise they complete the group's full barrier themselves and the consumers fence.
+template <int kDqk, int kGroup, bool kFenced>
 __device__ __forceinline__ void gather_group(SmemPlan<kDqk>& sm, const Ring& pos, uint32_t stage_base,
                                              const uint16_t* const (&src)[kPassesPerTile],
                                              const bool (&ok)[kPassesPerTile]) {
@@ -94,7 +97,11 @@ __device__ __forceinline__ void gather_group(SmemPlan<kDqk>& sm, const Ring& pos
                               src[k] + slab * kSw128ColsBf16, ok[k]);
         }
     }
-    MBarrier::arrive_on_cp_async_noinc(&sm.kv_full[pos.stage][kGroup]);
+    if constexpr (kFenced) {
+        cp_async_commit_group();
+    } else {
+        MBarrier::arrive_on_cp_async_noinc(&sm.kv_full[pos.stage][kGroup]);
+    }
 }
 
 // Q [64 rows x columns 0..511] of request b -> sm.q (rows past the tile's rows zero-filled).
@@ -145,7 +152,7 @@ __device__ __forceinline__ void tma_group(const DecodeParams& p, SmemPlan<kDqk>&
 
 // The thread's share of gathering key tile k with cp.async (rows of keys past the request or in a missing block
 // zero-filled, never read), given the block ids of its 4 rows.
-template <int kDqk>
+template <int kDqk, bool kFenced>
 __device__ __forceinline__ void gather_tile(const DecodeParams& p, SmemPlan<kDqk>& sm, const RowTile& rt, int k,
                                             const Ring& pos, uint32_t stage_base, const int (&blk)[kPassesPerTile],
                                             const Sw128CopyThread& ct) {
@@ -158,9 +165,19 @@ __device__ __forceinline__ void gather_tile(const DecodeParams& p, SmemPlan<kDqk
         ok[pass] = block_valid(p, blk[pass]);
         src[pass] = (ok[pass] ? key_row(p, blk[pass], key, rt.kv_head) : p.q) + ct.chunk_elems;
     }
-    if constexpr (C::kRopeSlabs > 0) gather_group<kDqk, kGroupRope>(sm, pos, stage_base, src, ok);
-    gather_group<kDqk, kGroupLeft>(sm, pos, stage_base, src, ok);
-    gather_group<kDqk, kGroupRight>(sm, pos, stage_base, src, ok);
+    if constexpr (C::kRopeSlabs > 0) gather_group<kDqk, kGroupRope, kFenced>(sm, pos, stage_base, src, ok);
+    gather_group<kDqk, kGroupLeft, kFenced>(sm, pos, stage_base, src, ok);
+    gather_group<kDqk, kGroupRight, kFenced>(sm, pos, stage_base, src, ok);
+    if constexpr (kFenced) {
+        if constexpr (C::kRopeSlabs > 0) {
+            cp_async_wait_group<2>();
+            publish_group(&sm.kv_full[pos.stage][kGroupRope]);
+        }
+        cp_async_wait_group<1>();
+        publish_group(&sm.kv_full[pos.stage][kGroupLeft]);
+        cp_async_wait_group<0>();
+        publish_group(&sm.kv_full[pos.stage][kGroupRight]);
+    }
 }
 
 template <int kDqk>
@@ -207,7 +224,7 @@ __device__ __forceinline__ void producer(const DecodeParams& p, SmemPlan<kDqk>& 
                         // be zeros (the cache may hold NaN there), which only the gather writes.
                         int blk[kPassesPerTile];
                         load_blocks(k, blk);
-                        gather_tile<kDqk>(p, sm, rt, k, pos, kv_base + pos.stage * C::kStageBytes, blk, ct);
+                        gather_tile<kDqk, true>(p, sm, rt, k, pos, kv_base + pos.stage * C::kStageBytes, blk, ct);
                     }
                 }
                 return;
@@ -218,7 +235,7 @@ __device__ __forceinline__ void producer(const DecodeParams& p, SmemPlan<kDqk>& 
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
                 if (k + 1 < c.tile1) load_blocks(k + 1, blk_next);
                 const Ring pos = Ring::of(tile);
-                gather_tile<kDqk>(p, sm, rt, k, pos, kv_base + pos.stage * C::kStageBytes, blk, ct);
+                gather_tile<kDqk, false>(p, sm, rt, k, pos, kv_base + pos.stage * C::kStageBytes, blk, ct);
 #pragma unroll
                 for (int pass = 0; pass < kPassesPerTile; ++pass) blk[pass] = blk_next[pass];
             }
@@ -229,8 +246,8 @@ __device__ __forceinline__ void producer(const DecodeParams& p, SmemPlan<kDqk>& 
 // The sparse decode's producer: the same chunk walk and Q tile as the dense one. Per key tile, each thread copies
 // its row's raw bytes into the stage with cp.async as soon as each column group is released (sparse_keys.cuh has
 // the scheme), then dequantises them in place once they landed and publishes the group (proxy fence, 128
-// arrivals). The RoPE group (V3.2) needs no dequantisation: its copies complete the barrier themselves. Indices
-// are loaded a tile ahead; scales are loaded with the copies and used after them.
+// arrivals). The RoPE group (V3.2) needs no dequantisation: its copies join the left group's cp.async group and are
+// published with it. Indices are loaded a tile ahead; scales are loaded with the copies and used after them.
 template <int kDqk>
 __device__ __forceinline__ void producer_sparse(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched) {
     using C = Config<kDqk>;
@@ -254,10 +271,9 @@ __device__ __forceinline__ void producer_sparse(const DecodeParams& p, SmemPlan<
                 if (k + 1 < c.tile1) idx = sparse_index(p, c, (k + 1) * kKeysPerTile + lane.row);
                 const Ring pos = Ring::of(tile);
                 const uint32_t stage = smem_addr(sm.kv[pos.stage]);
-                if constexpr (C::kRopeSlabs > 0) {
+                if constexpr (C::kRopeSlabs > 0) {  // published with the left group (same cp.async group)
                     MBarrier::wait(&sm.kv_empty[pos.stage][kGroupRope], pos.empty_parity);
                     copy_rope<kDqk>(stage, lane, row, p.q, copy8);
-                    MBarrier::arrive_on_cp_async_noinc(&sm.kv_full[pos.stage][kGroupRope]);
                 }
                 MBarrier::wait(&sm.kv_empty[pos.stage][kGroupLeft], pos.empty_parity);
 #pragma unroll
@@ -271,7 +287,9 @@ __device__ __forceinline__ void producer_sparse(const DecodeParams& p, SmemPlan<
 
                 cp_async_wait_group<1>();
                 dequant_slabs<kDqk, 0, kSlabsPerHalf>(stage, lane, scales);
-                publish_group(&sm.kv_full[pos.stage][kGroupLeft]);
+                fence_proxy_async_shared();
+                if constexpr (C::kRopeSlabs > 0) MBarrier::arrive(&sm.kv_full[pos.stage][kGroupRope]);
+                MBarrier::arrive(&sm.kv_full[pos.stage][kGroupLeft]);
                 cp_async_wait_group<0>();
                 dequant_slabs<kDqk, kSlabsPerHalf, kNopeSlabs>(stage, lane, scales);
                 publish_group(&sm.kv_full[pos.stage][kGroupRight]);
@@ -319,10 +337,9 @@ __device__ __forceinline__ void producer_sparse_split(const DecodeParams& p, Sme
                 const Ring pos = Ring::of(tile);
                 const uint32_t stage = smem_addr(sm.kv[pos.stage]);
                 const uint32_t peer_stage = mapa_shared(stage, peer);
-                if constexpr (C::kRopeSlabs > 0) {
+                if constexpr (C::kRopeSlabs > 0) {  // published with the left group (same cp.async group)
                     MBarrier::wait(&sm.kv_empty[pos.stage][kGroupRope], pos.empty_parity);
                     copy_rope<kDqk>(stage, lane, rope_row, p.q, copy8);
-                    MBarrier::arrive_on_cp_async_noinc(&sm.kv_full[pos.stage][kGroupRope]);
                 }
                 MBarrier::wait(&sm.kv_empty[pos.stage][kGroupLeft], pos.empty_parity);
 #pragma unroll
@@ -344,6 +361,7 @@ __device__ __forceinline__ void producer_sparse_split(const DecodeParams& p, Sme
                 dequant_slabs_split<kDqk, 0, kSlabsPerHalf>(stage, peer_stage, mapa_shared(smem_addr(left), peer),
                                                             split, scales);
                 fence_proxy_async_shared();
+                if constexpr (C::kRopeSlabs > 0) MBarrier::arrive(&sm.kv_full[pos.stage][kGroupRope]);
                 if (t == 0) {
                     mbarrier_arrive_expect_tx(smem_addr(left), kSlabsPerHalf * kPeerBytesPerSlab);
                 } else {
@@ -376,6 +394,15 @@ __device__ __forceinline__ void producer_sparse_split(const DecodeParams& p, Sme
 
 // ---------------------------------------------------------------------------------------------------------------
 // Consumer warpgroups.
+
+// Whether the consumers must fence the generic proxy after a key group's full barrier: only where the producer's
+// cp.async copies complete the barrier themselves (the dense gather path). TMA tiles are written by the async proxy;
+// the dense TMA path's gathered tiles (a request's partial last tile, a missing block) and every sparse group are
+// fenced by the producer before its arrival.
+template <bool kSparse>
+__device__ __forceinline__ bool consumers_fence(const DecodeParams& p) {
+    return !kSparse && (p.flags & kFlagKTma) == 0;
+}
 
 // Key references of keys `lane` and `lane + 32` of tile k of chunk c (the score warpgroup's view of the producer's
 // test: block ids when dense, raw indices when sparse), loaded a tile before the mask is formed from them.
@@ -454,10 +481,10 @@ __device__ __forceinline__ uint64_t v_desc(uint32_t stage_addr, int first_slab, 
 template <class E, int kDqk, int kGroup, bool kFirstGroup>
 __device__ __forceinline__ void qk_group(SmemPlan<kDqk>& sm, const Ring& pos, uint64_t desc_q, uint64_t desc_k,
                                          const uint32_t (&q_rope)[Config<kDqk>::kRopeFragSteps][4],
-                                         float (&s)[kSRegs]) {
+                                         float (&s)[kSRegs], bool fence) {
     using C = Config<kDqk>;
     MBarrier::wait(&sm.kv_full[pos.stage][kGroup], pos.full_parity);
-    fence_proxy_async_shared();  // cp.async (generic proxy) wrote the group; wgmma reads it (async proxy)
+    if (fence) fence_proxy_async_shared();  // cp.async (generic proxy) wrote the group; wgmma reads it (async proxy)
     constexpr int kFirstSlab = group_first_slab(kGroup);
     constexpr int kSteps = group_slabs<kDqk>(kGroup) * C::kKStepsPerSlab;
 #pragma unroll
@@ -476,17 +503,17 @@ __device__ __forceinline__ void qk_group(SmemPlan<kDqk>& sm, const Ring& pos, ui
 template <class E, int kDqk>
 __device__ __forceinline__ void issue_qk(SmemPlan<kDqk>& sm, const Ring& pos, uint64_t desc_q,
                                          const uint32_t (&q_rope)[Config<kDqk>::kRopeFragSteps][4],
-                                         float (&s)[kSRegs]) {
+                                         float (&s)[kSRegs], bool fence) {
     using C = Config<kDqk>;
     const uint64_t desc_k = make_wgmma_desc_sw128(smem_addr(sm.kv[pos.stage]), kUnusedLbo, kSw128AtomBytes);
     wgmma_fence();
     if constexpr (C::kRopeSlabs > 0) {
-        qk_group<E, kDqk, kGroupRope, true>(sm, pos, desc_q, desc_k, q_rope, s);
-        qk_group<E, kDqk, kGroupLeft, false>(sm, pos, desc_q, desc_k, q_rope, s);
+        qk_group<E, kDqk, kGroupRope, true>(sm, pos, desc_q, desc_k, q_rope, s, fence);
+        qk_group<E, kDqk, kGroupLeft, false>(sm, pos, desc_q, desc_k, q_rope, s, fence);
     } else {
-        qk_group<E, kDqk, kGroupLeft, true>(sm, pos, desc_q, desc_k, q_rope, s);
+        qk_group<E, kDqk, kGroupLeft, true>(sm, pos, desc_q, desc_k, q_rope, s, fence);
     }
-    qk_group<E, kDqk, kGroupRight, false>(sm, pos, desc_q, desc_k, q_rope, s);
+    qk_group<E, kDqk, kGroupRight, false>(sm, pos, desc_q, desc_k, q_rope, s, fence);
     wgmma_commit();
 }
 
@@ -659,6 +686,7 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
     const uint64_t desc_q = make_wgmma_desc_sw128(smem_addr(sm.q), kUnusedLbo, kSw128AtomBytes);
     const bool bulk_out = (p.flags & kFlagOutBulk) != 0;
     const uint32_t peer = split_dequant ? cluster_ctarank() ^ 1u : 0u;
+    const bool consumer_fence = consumers_fence<kSparse>(p);
 
     int tile = 0;
     int q_uses = 0;
@@ -686,7 +714,8 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 mask = TileKeys<kSparse>::load(p, c, c.tile0, lane).mask(p, c, c.tile0, lane);
                 if (n_tiles > 1) blk_next = TileKeys<kSparse>::load(p, c, c.tile0 + 1, lane);
                 MBarrier::wait(&sm.q_full, static_cast<uint32_t>(q_uses & 1));
-                issue_qk<E, kDqk>(sm, Ring::of(tile), desc_q, q_rope, s);
+                fence_proxy_async_shared();  // the Q tile's cp.async (generic proxy) -> wgmma (async proxy)
+                issue_qk<E, kDqk>(sm, Ring::of(tile), desc_q, q_rope, s, consumer_fence);
             }
             for (int i = 0; i < n_tiles; ++i, ++tile) {
                 const Ring pos = Ring::of(tile);
@@ -766,7 +795,7 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 if (split_dequant && lane == 0) {
                     mbarrier_arrive_remote_relaxed(mapa_shared(smem_addr(&sm.kv_empty[pos.stage][kGroupLeft]), peer));
                 }
-                if (has_next) issue_qk<E, kDqk>(sm, Ring::of(tile + 1), desc_q, q_rope, s);
+                if (has_next) issue_qk<E, kDqk>(sm, Ring::of(tile + 1), desc_q, q_rope, s, consumer_fence);
                 named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
             }
             if (n_tiles > 0) ++q_uses;
@@ -799,7 +828,7 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
 // O += P(i) V -> wait -> release the right group. Per chunk, the epilogue.
 template <class E, int kDqk>
 __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched,
-                                               bool split_dequant) {
+                                               bool split_dequant, bool consumer_fence) {
     const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Value);
     const int lane = t % 32;
     const AccFrag f = AccFrag::of_thread(t);
@@ -818,7 +847,7 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
                 const Ring pos = Ring::of(tile);
                 const uint32_t stage_addr = smem_addr(sm.kv[pos.stage]);
                 MBarrier::wait(&sm.kv_full[pos.stage][kGroupRight], pos.full_parity);
-                fence_proxy_async_shared();
+                if (consumer_fence) fence_proxy_async_shared();
                 named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
 
                 const float alpha[2] = {sm.row_scale[pos.stage][rows[0]], sm.row_scale[pos.stage][rows[1]]};
@@ -923,7 +952,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
         bulk_wait_all();  // the partials' bulk stores are performed before the CTA ends
     } else {
         setmaxnreg_inc<kSparse && !kPair ? kValueRegsSparse : kValueRegs>();
-        value_consumer<E, kDqk>(p, sm, sched, split_dequant);
+        value_consumer<E, kDqk>(p, sm, sched, split_dequant, consumers_fence<kSparse>(p));
         bulk_wait_all();
     }
 }
