@@ -17,13 +17,12 @@ pub const KNOWN_SPILLS: &[(&str, u64, u64)] = &[
     // rows of values at a time; ptxas then keeps a few more values of the d_qk 576 tile loop on the stack.
     ("sparse_bwd_main_pair_det_d576", 56, 56),
     ("sparse_bwd_main_pair_d576", 12, 28),
-    // The sparse FP8 decode of one row tile (80 / 232 / 192 registers, decode/config.cuh) keeps a few values of its
-    // epilogue's addressing on the stack; the pair kernels' producer (40 registers) a value of its chunk walk. Their
-    // tile loops do not spill.
+    // The sparse FP8 decode (80 / 232 / 192 registers, decode/config.cuh) keeps a few values of its epilogue's
+    // addressing on the stack. Its tile loops do not spill.
     ("decode_split_fp8_v32", 32, 32),
     ("decode_split_fp8_model1", 32, 32),
-    ("decode_split_fp8_v32_pair", 8, 8),
-    ("decode_split_fp8_model1_pair", 8, 8),
+    ("decode_split_fp8_v32_pair", 32, 32),
+    ("decode_split_fp8_model1_pair", 32, 32),
     // The fused dense backward at d 192 (dK 96 + dV 64 accumulator registers of its 232): a few loop-invariant
     // values of the tile walk. Its MMAs are not serialised.
     ("dense_prefill_bwd_fused_d192_bf16", 28, 36),

@@ -937,7 +937,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
     const Role role = static_cast<Role>(threadIdx.x / kWarpgroupThreads);
     if (role == Role::Producer) {
         if constexpr (kPair) {
-            setmaxnreg_dec<kProducerRegs>();
+            setmaxnreg_dec<kProducerRegsSparse>();
             producer_sparse_split<kDqk>(p, sm, sched);
         } else if constexpr (kSparse) {
             setmaxnreg_dec<kProducerRegsSparse>();
@@ -947,11 +947,11 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
             producer<kDqk>(p, sm, sched);
         }
     } else if (role == Role::Score) {
-        setmaxnreg_inc<kSparse && !kPair ? kScoreRegsSparse : kScoreRegs>();
+        setmaxnreg_inc<kSparse ? kScoreRegsSparse : kScoreRegs>();
         score_consumer<E, kDqk, kSparse>(p, sm, sched, split_dequant);
         bulk_wait_all();  // the partials' bulk stores are performed before the CTA ends
     } else {
-        setmaxnreg_inc<kSparse && !kPair ? kValueRegsSparse : kValueRegs>();
+        setmaxnreg_inc<kSparse ? kValueRegsSparse : kValueRegs>();
         value_consumer<E, kDqk>(p, sm, sched, split_dequant, consumers_fence<kSparse>(p));
         bulk_wait_all();
     }
