@@ -22,7 +22,7 @@ pub const KNOWN_SPILLS: &[(&str, u64, u64)] = &[
     ("decode_split_fp8_v32", 32, 32),
     ("decode_split_fp8_model1", 32, 32),
     ("decode_split_fp8_v32_pair", 32, 32),
-    ("decode_split_fp8_model1_pair", 32, 32),
+    ("decode_split_fp8_model1_pair", 40, 40),
     // The fused dense backward at d 192 (dK 96 + dV 64 accumulator registers of its 232): a few loop-invariant
     // values of the tile walk. Its MMAs are not serialised.
     ("dense_prefill_bwd_fused_d192_bf16", 28, 36),

@@ -299,10 +299,12 @@ __device__ __forceinline__ void producer_sparse(const DecodeParams& p, SmemPlan<
 }
 
 // The sparse producer of a 2-CTA cluster (the *_pair kernels): the same walk, but each CTA dequantises only its
-// half of a tile's rows (sparse_keys.cuh, SplitLane) and writes them to both CTAs' stages; the RoPE columns (bf16)
-// of all 64 rows are copied locally as before. A left / right group may only be written once both CTAs' consumers
-// released it (kv_empty counts the peer's credits too); its full barrier counts the 128 local arrivals and the
-// peer's st.async bytes, which thread 0 announces with its arrival.
+// half of a tile's rows (sparse_keys.cuh, SplitLane) and writes them to both CTAs' stages; the RoPE columns (bf16,
+// V3.2) of all 64 rows are copied locally as before. It fills the rope and left groups only: the right group is the
+// value warpgroup's (fill_right_split), which is idle for most of a tile while this chain sets the tile's pace. A
+// left / right group may only be written once both CTAs' consumers released it (kv_empty counts the peer's credits
+// too); its full barrier counts the 128 local arrivals and the peer's st.async bytes, which thread 0 announces with
+// its arrival.
 template <int kDqk>
 __device__ __forceinline__ void producer_sparse_split(const DecodeParams& p, SmemPlan<kDqk>& sm,
                                                       const Schedule& sched) {
@@ -347,17 +349,10 @@ __device__ __forceinline__ void producer_sparse_split(const DecodeParams& p, Sme
                     copy_nope_raw_split<kDqk>(stage, split, nope_row, sl, p.q, copy8);
                 }
                 cp_async_commit_group();
-                MBarrier::wait(&sm.kv_empty[pos.stage][kGroupRight], pos.empty_parity);
-#pragma unroll
-                for (int sl = kSlabsPerHalf; sl < kNopeSlabs; ++sl) {
-                    copy_nope_raw_split<kDqk>(stage, split, nope_row, sl, p.q, copy8);
-                }
-                if constexpr (C::kRopeSlabs == 0) copy_rope<kDqk>(stage, lane, rope_row, p.q, copy8);  // MODEL1
-                cp_async_commit_group();
 
+                // The right group is the value warpgroup's (fill_right_split).
                 uint64_t* left = &sm.kv_full[pos.stage][kGroupLeft];
-                uint64_t* right = &sm.kv_full[pos.stage][kGroupRight];
-                cp_async_wait_group<1>();
+                cp_async_wait_group<0>();
                 dequant_slabs_split<kDqk, 0, kSlabsPerHalf>(stage, peer_stage, mapa_shared(smem_addr(left), peer),
                                                             split, scales);
                 fence_proxy_async_shared();
@@ -366,16 +361,6 @@ __device__ __forceinline__ void producer_sparse_split(const DecodeParams& p, Sme
                     mbarrier_arrive_expect_tx(smem_addr(left), kSlabsPerHalf * kPeerBytesPerSlab);
                 } else {
                     MBarrier::arrive(left);
-                }
-                cp_async_wait_group<0>();
-                dequant_slabs_split<kDqk, kSlabsPerHalf, kNopeSlabs>(stage, peer_stage,
-                                                                     mapa_shared(smem_addr(right), peer), split,
-                                                                     scales);
-                fence_proxy_async_shared();
-                if (t == 0) {
-                    mbarrier_arrive_expect_tx(smem_addr(right), (kNopeSlabs - kSlabsPerHalf) * kPeerBytesPerSlab);
-                } else {
-                    MBarrier::arrive(right);
                 }
             }
         });
@@ -389,6 +374,56 @@ __device__ __forceinline__ void producer_sparse_split(const DecodeParams& p, Sme
         const Ring pos = Ring::of(tile + i);
         MBarrier::wait(&sm.kv_empty[pos.stage][kGroupLeft], pos.empty_parity);
         MBarrier::wait(&sm.kv_empty[pos.stage][kGroupRight], pos.empty_parity);
+    }
+}
+
+// The right column group of key tile k (ring position `tile`) of chunk c in a pair kernel, filled by the value
+// warpgroup (thread t) from indices it loaded a tile ahead: the row's scales are loaded first; once both CTAs'
+// consumers released the group,
+// its raw NoPE bytes of this CTA's rows (and MODEL1's bf16 RoPE slab, all 64 rows, locally) are copied, dequantised
+// into both CTAs' stages and published, as the producer does the left group.
+// The thread's raw indices of tile k for fill_right_split (its NoPE row; MODEL1 also its RoPE row), loaded ahead.
+struct RightIdx {
+    int nope;
+    int rope;
+    template <int kDqk>
+    static __device__ __forceinline__ RightIdx load(const DecodeParams& p, const Chunk& c, int k, int t,
+                                                    uint32_t rank) {
+        RightIdx r{sparse_index(p, c, k * kKeysPerTile + SplitLane::of(t, rank).row), -1};
+        if constexpr (Config<kDqk>::kRopeSlabs == 0) r.rope = sparse_index(p, c, k * kKeysPerTile + RawLane::of(t).row);
+        return r;
+    }
+};
+
+template <int kDqk>
+__device__ __forceinline__ void fill_right_split(const DecodeParams& p, SmemPlan<kDqk>& sm, const Chunk& c, int k,
+                                                 int tile, int t, uint32_t rank, bool copy8, const RightIdx& idx) {
+    using C = Config<kDqk>;
+    constexpr int kNopeSlabs = Fp8Format<kDqk>::kDNope / kSw128ColsBf16;
+    constexpr uint32_t kPeerBytesPerSlab = 32 * kSw128RowBytes;
+    const SplitLane split = SplitLane::of(t, rank);
+    const Fp8Row row = sparse_row(p, c, k * kKeysPerTile + split.row, idx.nope);
+    const uint4 scales = load_scales<kDqk>(row);
+    const Ring pos = Ring::of(tile);
+    const uint32_t stage = smem_addr(sm.kv[pos.stage]);
+    MBarrier::wait(&sm.kv_empty[pos.stage][kGroupRight], pos.empty_parity);
+#pragma unroll
+    for (int sl = kSlabsPerHalf; sl < kNopeSlabs; ++sl) copy_nope_raw_split<kDqk>(stage, split, row, sl, p.q, copy8);
+    if constexpr (C::kRopeSlabs == 0) {  // MODEL1: the RoPE slab belongs to the right group
+        const RawLane lane = RawLane::of(t);
+        copy_rope<kDqk>(stage, lane, sparse_row(p, c, k * kKeysPerTile + lane.row, idx.rope), p.q, copy8);
+    }
+    cp_async_commit_group();
+    cp_async_wait_group<0>();
+    uint64_t* right = &sm.kv_full[pos.stage][kGroupRight];
+    const uint32_t peer = rank ^ 1u;
+    dequant_slabs_split<kDqk, kSlabsPerHalf, kNopeSlabs>(stage, mapa_shared(stage, peer),
+                                                         mapa_shared(smem_addr(right), peer), split, scales);
+    fence_proxy_async_shared();
+    if (t == 0) {
+        mbarrier_arrive_expect_tx(smem_addr(right), (kNopeSlabs - kSlabsPerHalf) * kPeerBytesPerSlab);
+    } else {
+        MBarrier::arrive(right);
     }
 }
 
@@ -826,7 +861,9 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
 
 // Value warpgroup (WG 2). Per tile i: wait for the right group -> Handoff -> rescale O[:, 256:512] by alpha(i) ->
 // O += P(i) V -> wait -> release the right group. Per chunk, the epilogue.
-template <class E, int kDqk>
+// kFillRight (the sparse pair kernels): this warpgroup also fills the right group of the tiles, two ahead of its PV
+// (fill_right_split): a chunk's first two before its first tile, tile i + 2 after releasing tile i's.
+template <class E, int kDqk, bool kFillRight>
 __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched,
                                                bool split_dequant, bool consumer_fence) {
     const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Value);
@@ -837,13 +874,24 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
     const bool bulk_out = (p.flags & kFlagOutBulk) != 0;
     const uint32_t peer = split_dequant ? cluster_ctarank() ^ 1u : 0u;
 
+    const uint32_t rank = kFillRight ? cluster_ctarank() : 0u;
+    const bool copy8 = (p.flags & kFlagCopy8) != 0;
     int tile = 0;
     int chunks = 0;
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
         for_each_chunk(p, sched, part, [&](const Chunk& c) {
             float o[kORegs];
             zero_regs(o);
+            if constexpr (kFillRight) {
+#pragma unroll 1
+                for (int k = c.tile0; k < min(c.tile0 + kStages, c.tile1); ++k) {
+                    fill_right_split<kDqk>(p, sm, c, k, tile + (k - c.tile0), t, rank, copy8,
+                                           RightIdx::load<kDqk>(p, c, k, t, rank));
+                }
+            }
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
+                RightIdx fill_idx{-1, -1};
+                if (kFillRight && k + kStages < c.tile1) fill_idx = RightIdx::load<kDqk>(p, c, k + kStages, t, rank);
                 const Ring pos = Ring::of(tile);
                 const uint32_t stage_addr = smem_addr(sm.kv[pos.stage]);
                 MBarrier::wait(&sm.kv_full[pos.stage][kGroupRight], pos.full_parity);
@@ -866,6 +914,11 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
                 release_by_warp(&sm.kv_empty[pos.stage][kGroupRight], lane);
                 if (split_dequant && lane == 0) {
                     mbarrier_arrive_remote_relaxed(mapa_shared(smem_addr(&sm.kv_empty[pos.stage][kGroupRight]), peer));
+                }
+                if constexpr (kFillRight) {
+                    if (k + kStages < c.tile1) {
+                        fill_right_split<kDqk>(p, sm, c, k + kStages, tile + kStages, t, rank, copy8, fill_idx);
+                    }
                 }
             }
             named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
@@ -952,7 +1005,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
         bulk_wait_all();  // the partials' bulk stores are performed before the CTA ends
     } else {
         setmaxnreg_inc<kSparse ? kValueRegsSparse : kValueRegs>();
-        value_consumer<E, kDqk>(p, sm, sched, split_dequant, consumers_fence<kSparse>(p));
+        value_consumer<E, kDqk, kPair>(p, sm, sched, split_dequant, consumers_fence<kSparse>(p));
         bulk_wait_all();
     }
 }
