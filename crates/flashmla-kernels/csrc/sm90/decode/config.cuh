@@ -38,11 +38,12 @@ inline constexpr uint32_t kProducerRegs = 40;
 inline constexpr uint32_t kScoreRegs = 248;
 inline constexpr uint32_t kValueRegs = 216;
 static_assert(kProducerRegs + kScoreRegs + kValueRegs <= 3 * kRegsAtLaunch, "setmaxnreg pool of the CTA");
-// The sparse FP8 decode (`producer_sparse`, `producer_sparse_split`): its producer's copy, dequantisation and
-// publication chain is what the consumers wait for (docs/decode.md), and at 40 registers it spilled (one row tile)
-// or re-derived its addressing from the parameters (2-CTA pair). 80 / 232 / 192 runs the h_q 16 and 64 shapes 2-5%
-// and the pair kernels' h_q 128 shapes up to 2% faster (H100, A/B of the builds; 96 / 224 / 184 measured the same)
-// and leaves ptxas a few bytes of the epilogue's addressing to spill.
+// The sparse FP8 decode (`producer_sparse`, `producer_sparse_split`): the copy, dequantisation and publication chain
+// of the key groups is what the consumers wait for (docs/decode.md), and at 40 registers its producer spilled (one row
+// tile) or re-derived its addressing from the parameters (2-CTA pair). 80 / 232 / 192 runs the h_q 16 and 64 shapes
+// 2-5% and the pair kernels' h_q 128 shapes up to 2% faster (H100, A/B of the builds; 96 / 224 / 184 measured the
+// same) and leaves ptxas a few bytes of the epilogue's addressing to spill. In the pair kernels the value warpgroup
+// also fills the right group (`fill_right_split`) in its 192.
 inline constexpr uint32_t kProducerRegsSparse = 80;
 inline constexpr uint32_t kScoreRegsSparse = 232;
 inline constexpr uint32_t kValueRegsSparse = 192;

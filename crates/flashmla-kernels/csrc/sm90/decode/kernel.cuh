@@ -377,12 +377,8 @@ __device__ __forceinline__ void producer_sparse_split(const DecodeParams& p, Sme
     }
 }
 
-// The right column group of key tile k (ring position `tile`) of chunk c in a pair kernel, filled by the value
-// warpgroup (thread t) from indices it loaded a tile ahead: the row's scales are loaded first; once both CTAs'
-// consumers released the group,
-// its raw NoPE bytes of this CTA's rows (and MODEL1's bf16 RoPE slab, all 64 rows, locally) are copied, dequantised
-// into both CTAs' stages and published, as the producer does the left group.
-// The thread's raw indices of tile k for fill_right_split (its NoPE row; MODEL1 also its RoPE row), loaded ahead.
+// The thread's raw indices of tile k for fill_right_split (its NoPE row; MODEL1 also its RoPE row), loaded a tile
+// ahead.
 struct RightIdx {
     int nope;
     int rope;
@@ -395,6 +391,10 @@ struct RightIdx {
     }
 };
 
+// The right column group of key tile k (ring position `tile`) of chunk c in a pair kernel, filled by the value
+// warpgroup (thread t) from indices it loaded a tile ahead, as the producer fills the left group: the row's scales
+// are loaded first; once both CTAs' consumers released the group, the raw NoPE bytes of this CTA's rows (and MODEL1's
+// bf16 RoPE slab, all 64 rows, locally) are copied, dequantised into both CTAs' stages and published.
 template <int kDqk>
 __device__ __forceinline__ void fill_right_split(const DecodeParams& p, SmemPlan<kDqk>& sm, const Chunk& c, int k,
                                                  int tile, int t, uint32_t rank, bool copy8, const RightIdx& idx) {
@@ -862,7 +862,8 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
 // Value warpgroup (WG 2). Per tile i: wait for the right group -> Handoff -> rescale O[:, 256:512] by alpha(i) ->
 // O += P(i) V -> wait -> release the right group. Per chunk, the epilogue.
 // kFillRight (the sparse pair kernels): this warpgroup also fills the right group of the tiles, two ahead of its PV
-// (fill_right_split): a chunk's first two before its first tile, tile i + 2 after releasing tile i's.
+// (fill_right_split): a chunk's first two before its first tile, tile i + 2 after releasing tile i's. The producer's
+// chain set the sparse decode's pace while this warpgroup idled at Handoff for most of a tile (docs/decode.md).
 template <class E, int kDqk, bool kFillRight>
 __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched,
                                                bool split_dequant, bool consumer_fence) {
