@@ -27,4 +27,21 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const TensorMapBytes* 
         : "memory");
 }
 
+// The same with an L2 cache policy for the bytes read (a createpolicy value, e.g. l2_policy_evict_first()).
+__device__ __forceinline__ void tma_load_4d_hint(uint32_t dst, const TensorMapBytes* map, int c0, int c1, int c2,
+                                                 int c3, uint32_t bar, uint64_t policy) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, "
+        "{%2, %3, %4, %5}], [%6], %7;" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "l"(policy)
+        : "memory");
+}
+
+// An L2 policy for cache hints: the bytes read are evicted first.
+__device__ __forceinline__ uint64_t l2_policy_evict_first() {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
 }  // namespace flashmla

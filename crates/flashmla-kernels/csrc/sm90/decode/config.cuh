@@ -8,6 +8,7 @@
 
 #include "common/smem_layout.cuh"
 #include "common/softmax_tile.cuh"
+#include "sm90/decode/params.h"
 
 namespace flashmla::decode {
 
@@ -107,6 +108,9 @@ __host__ __device__ constexpr int group_slabs(int group) {
 //   row_scale  [stage][64]                     alpha of tile i (rescale of O before adding tile i)
 //   row_inv    [2][64]                         per chunk c, in slot c % 2: 1 / softmax denominator (0: no key)
 //   barriers:  q_full / q_empty (per chunk with keys), kv_full[stage][group], kv_empty[stage][group]
+//   sched      [kInlineScheduleWords]          kFlagInlineSchedule: the CTA's copy of the schedule (line starts,
+//                                              end, budget, parts); it fills part of the 1 KB tail padding the
+//                                              struct's alignment adds anyway, so the plan's size is unchanged
 template <int kDqk>
 struct SmemPlan {
     using C = Config<kDqk>;
@@ -119,6 +123,7 @@ struct SmemPlan {
     uint64_t q_empty;                       // score warpgroup -> producer: the chunk's last QK read Q (one per warp)
     uint64_t kv_full[kStages][kMaxGroups];  // producer -> consumers: a column group landed (128 arrivals)
     uint64_t kv_empty[kStages][kMaxGroups]; // consumers -> producer: a column group released (one per warp)
+    int32_t sched[kInlineScheduleWords];    // warp 0 -> every role (after __syncthreads)
 };
 
 inline constexpr uint32_t kSmemAlignSlack = kSw128AtomBytes;

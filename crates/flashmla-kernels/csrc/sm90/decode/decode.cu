@@ -1,7 +1,7 @@
 // Entry points of the dense decode family (docs/spec.md section 4), launched in this order on one stream by
 // ops/decode/launch.rs:
 //   decode_schedule                          grid (1), block (kScheduleThreads): the split-KV schedule
-//   decode_split_{bf16,f16}_d{576,512}       grid (head_tiles, grid_parts), block (kThreads = 384), dynamic shared
+//   decode_split_{bf16,f16}_d{576,512}[_once] grid (head_tiles, grid_parts), block (kThreads = 384), dynamic shared
 //   decode_split_fp8_{v32,model1}[_pair]     memory kSmemBytes<d_qk> (config.cuh; mirrored in launch.rs)
 //   decode_combine[4]_{bf16,f16}             grid (batch, head_tiles, kCombineRowGroups<1 | 4>), block (kCombineThreads)
 #include "sm90/decode/kernel.cuh"
@@ -18,23 +18,28 @@ extern "C" __global__ void __launch_bounds__(kScheduleThreads, 1)
     flashmla::decode::write_schedule(p);
 }
 
-#define FLASHMLA_DECODE_SPLIT(NAME, E, DQK, SPARSE, PAIR)                                     \
+#define FLASHMLA_DECODE_SPLIT(NAME, E, DQK, SPARSE, PAIR, ONCE)                               \
     extern "C" __global__ void __launch_bounds__(kThreads, 1)                                 \
         NAME(const __grid_constant__ DecodeParams p) {                                        \
         extern __shared__ __align__(1024) uint8_t smem[];                                     \
-        flashmla::decode::decode_split<E, DQK, SPARSE, PAIR>(p, smem);                        \
+        flashmla::decode::decode_split<E, DQK, SPARSE, PAIR, ONCE>(p, smem);                  \
     }
-FLASHMLA_DECODE_SPLIT(decode_split_bf16_d576, Bf16, 576, false, false)
-FLASHMLA_DECODE_SPLIT(decode_split_bf16_d512, Bf16, 512, false, false)
-FLASHMLA_DECODE_SPLIT(decode_split_f16_d576, F16, 576, false, false)
-FLASHMLA_DECODE_SPLIT(decode_split_f16_d512, F16, 512, false, false)
+FLASHMLA_DECODE_SPLIT(decode_split_bf16_d576, Bf16, 576, false, false, false)
+FLASHMLA_DECODE_SPLIT(decode_split_bf16_d512, Bf16, 512, false, false, false)
+FLASHMLA_DECODE_SPLIT(decode_split_f16_d576, F16, 576, false, false, false)
+FLASHMLA_DECODE_SPLIT(decode_split_f16_d512, F16, 512, false, false, false)
+// One row tile per key head (launch.rs picks): each key tile is read by one CTA, L2 evict-first.
+FLASHMLA_DECODE_SPLIT(decode_split_bf16_d576_once, Bf16, 576, false, false, true)
+FLASHMLA_DECODE_SPLIT(decode_split_bf16_d512_once, Bf16, 512, false, false, true)
+FLASHMLA_DECODE_SPLIT(decode_split_f16_d576_once, F16, 576, false, false, true)
+FLASHMLA_DECODE_SPLIT(decode_split_f16_d512_once, F16, 512, false, false, true)
 // Sparse FP8 decode (bf16 q and out): V3.2 (656-byte tokens, d_qk 576) and MODEL1 (584-byte tokens, d_qk 512); one
 // row tile per chunk, or (*_pair, two row tiles: h_q 65..128) a 2-CTA cluster whose producers each dequantise half
 // of a tile's rows into both CTAs.
-FLASHMLA_DECODE_SPLIT(decode_split_fp8_v32, Bf16, 576, true, false)
-FLASHMLA_DECODE_SPLIT(decode_split_fp8_model1, Bf16, 512, true, false)
-FLASHMLA_DECODE_SPLIT(decode_split_fp8_v32_pair, Bf16, 576, true, true)
-FLASHMLA_DECODE_SPLIT(decode_split_fp8_model1_pair, Bf16, 512, true, true)
+FLASHMLA_DECODE_SPLIT(decode_split_fp8_v32, Bf16, 576, true, false, false)
+FLASHMLA_DECODE_SPLIT(decode_split_fp8_model1, Bf16, 512, true, false, false)
+FLASHMLA_DECODE_SPLIT(decode_split_fp8_v32_pair, Bf16, 576, true, true, false)
+FLASHMLA_DECODE_SPLIT(decode_split_fp8_model1_pair, Bf16, 512, true, true, false)
 
 #define FLASHMLA_DECODE_COMBINE(NAME, E, WARPS_PER_ROW)                                      \
     extern "C" __global__ void __launch_bounds__(kCombineThreads)                            \

@@ -132,7 +132,8 @@ __device__ __forceinline__ void load_q_tile(const DecodeParams& p, SmemPlan<kDqk
 // page): every producer thread waits for each column group's release, so that all of them keep in step with the
 // ring's phases (the gather path below needs that); thread 0 announces the group's bytes, issues one box per 64-column
 // slab and arrives for the warpgroup.
-template <int kDqk, int kGroup>
+// kEvictFirst: the CTA is the only reader of these keys (one row tile per key head); they leave L2 first.
+template <int kDqk, int kGroup, bool kEvictFirst>
 __device__ __forceinline__ void tma_group(const DecodeParams& p, SmemPlan<kDqk>& sm, const Ring& pos,
                                           uint32_t stage_addr, int block, int row0, int kv_head) {
     using C = Config<kDqk>;
@@ -144,8 +145,13 @@ __device__ __forceinline__ void tma_group(const DecodeParams& p, SmemPlan<kDqk>&
     MBarrier::expect_tx(full, kSlabs * C::kSlabBytes);
 #pragma unroll
     for (int slab = kFirst; slab < kFirst + kSlabs; ++slab) {
-        tma_load_4d(stage_addr + slab * C::kSlabBytes, &p.k_tmap, slab * kSw128ColsBf16, kv_head, row0, block,
-                    smem_addr(full));
+        const uint32_t dst = stage_addr + slab * C::kSlabBytes;
+        if constexpr (kEvictFirst) {
+            tma_load_4d_hint(dst, &p.k_tmap, slab * kSw128ColsBf16, kv_head, row0, block, smem_addr(full),
+                             l2_policy_evict_first());
+        } else {
+            tma_load_4d(dst, &p.k_tmap, slab * kSw128ColsBf16, kv_head, row0, block, smem_addr(full));
+        }
     }
     MBarrier::arrive(full, kWarpgroupThreads);
 }
@@ -180,7 +186,8 @@ __device__ __forceinline__ void gather_tile(const DecodeParams& p, SmemPlan<kDqk
     }
 }
 
-template <int kDqk>
+// kKeysOnce: one row tile per key head (the *_once kernels), whose key tiles no other CTA reads.
+template <int kDqk, bool kKeysOnce>
 __device__ __forceinline__ void producer(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched) {
     using C = Config<kDqk>;
     const Sw128CopyThread ct = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
@@ -215,10 +222,10 @@ __device__ __forceinline__ void producer(const DecodeParams& p, SmemPlan<kDqk>& 
                         const uint32_t stage_addr = smem_addr(sm.kv[pos.stage]);
                         const int row0 = page_mod(key0, p.page_size);
                         if constexpr (C::kRopeSlabs > 0) {
-                            tma_group<kDqk, kGroupRope>(p, sm, pos, stage_addr, block, row0, rt.kv_head);
+                            tma_group<kDqk, kGroupRope, kKeysOnce>(p, sm, pos, stage_addr, block, row0, rt.kv_head);
                         }
-                        tma_group<kDqk, kGroupLeft>(p, sm, pos, stage_addr, block, row0, rt.kv_head);
-                        tma_group<kDqk, kGroupRight>(p, sm, pos, stage_addr, block, row0, rt.kv_head);
+                        tma_group<kDqk, kGroupLeft, kKeysOnce>(p, sm, pos, stage_addr, block, row0, rt.kv_head);
+                        tma_group<kDqk, kGroupRight, kKeysOnce>(p, sm, pos, stage_addr, block, row0, rt.kv_head);
                     } else {
                         // The request's last, partial tile or a missing block: rows past the request's keys must
                         // be zeros (the cache may hold NaN there), which only the gather writes.
@@ -952,9 +959,14 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
 // Kernel bodies (instantiated by decode.cu).
 
 // kPair (sparse only): the 2-CTA cluster of two row tiles whose producers each dequantise half of a tile's rows.
-template <class E, int kDqk, bool kSparse, bool kPair>
+// kKeysOnce (dense only): the *_once kernels, for one row tile per key head; its key tiles are read by this CTA
+// alone, so their TMA loads are evicted from L2 first (the host picks these kernels; with two or more row tiles the
+// other CTAs of the key head read each tile right after, from L2). A runtime flag instead of separate kernels
+// measured 1.5-2% slower where it was off: the added code changed ptxas's schedule of the whole kernel.
+template <class E, int kDqk, bool kSparse, bool kPair, bool kKeysOnce = false>
 __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* smem) {
     static_assert(kSparse || !kPair, "only the sparse decode splits its dequantisation");
+    static_assert(!kSparse || !kKeysOnce, "the sparse producer gathers by index, without TMA");
     using Plan = SmemPlan<kDqk>;
     using C = Config<kDqk>;
     const uint32_t raw = smem_addr(smem);
@@ -966,9 +978,9 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
     // its producer writes them; the barriers must exist cluster-wide before either CTA touches the other's.
     constexpr bool split_dequant = kPair;
     // A small batch's schedule is derived here (no schedule kernel); the __syncthreads below publishes it.
-    const int32_t* const sched_line = (p.flags & kFlagInlineSchedule) ? inline_schedule_copy(p) : p.schedule;
+    const int32_t* const sched_line = (p.flags & kFlagInlineSchedule) ? sm.sched : p.schedule;
     if ((p.flags & kFlagInlineSchedule) && threadIdx.x < 32) {
-        write_schedule_warp(p, inline_schedule_copy(p), blockIdx.x == 0 && blockIdx.y == 0);
+        write_schedule_warp(p, sm.sched, blockIdx.x == 0 && blockIdx.y == 0);
     }
     if (threadIdx.x == 0) {
         MBarrier::init(&sm.q_full, kWarpgroupThreads);
@@ -998,7 +1010,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
             producer_sparse<kDqk>(p, sm, sched);
         } else {
             setmaxnreg_dec<kProducerRegs>();
-            producer<kDqk>(p, sm, sched);
+            producer<kDqk, kKeysOnce>(p, sm, sched);
         }
     } else if (role == Role::Score) {
         setmaxnreg_inc<kSparse ? kScoreRegsSparse : kScoreRegs>();

@@ -37,13 +37,12 @@ inline constexpr uint32_t kFlagInlineSchedule = 1u << 7;  // no schedule kernel:
 inline constexpr int kScheduleTail = 2;
 
 // kFlagInlineSchedule: at most four requests per lane of one warp, and the words of each split CTA's own copy of the
-// schedule (after the shared one, which the combine reads): kInlineScheduleMaxBatch + 1 + kScheduleTail, padded to 16
-// bytes.
+// schedule in shared memory (SmemPlan::sched): kInlineScheduleMaxBatch + 1 + kScheduleTail, padded to 16 bytes.
 inline constexpr int kInlineScheduleMaxBatch = 128;
 inline constexpr int kInlineScheduleWords = 132;
 static_assert(kInlineScheduleMaxBatch % 32 == 0, "whole rounds of one request per lane");
-// launch.rs sizes the workspace with these (INLINE_SCHEDULE_MAX_BATCH / INLINE_SCHEDULE_WORDS); keep both in step.
-static_assert(kInlineScheduleMaxBatch == 128 && kInlineScheduleWords == 132, "update launch.rs INLINE_SCHEDULE_*");
+// launch.rs decides when the schedule is inline with INLINE_SCHEDULE_MAX_BATCH; keep both in step.
+static_assert(kInlineScheduleMaxBatch == 128, "update launch.rs INLINE_SCHEDULE_MAX_BATCH");
 static_assert(kInlineScheduleWords >= kInlineScheduleMaxBatch + 1 + kScheduleTail && kInlineScheduleWords % 4 == 0,
               "a CTA's schedule copy holds the line starts, the end and the tail, 16-byte aligned");
 

@@ -163,9 +163,9 @@ __device__ __forceinline__ void write_schedule(const DecodeParams& p) {
 // The schedule of a batch of at most kInlineScheduleMaxBatch requests, derived by warp 0 of a split CTA
 // (kFlagInlineSchedule: no schedule kernel, one launch fewer per step). Lane l reads the lengths of requests l,
 // l + 32, ... (all loads issued before any is used), a warp scan per 32 requests with a running carry gives the line
-// starts, and the lanes write them with the budget and parts into `dst` (the CTA's own copy, read back after the
-// CTA's first __syncthreads). CTA (0, 0) writes the same to p.schedule, which the combine kernel reads after this
-// kernel.
+// starts, and the lanes write them with the budget and parts into `dst` (the CTA's own copy in shared memory, read
+// after the CTA's first __syncthreads). CTA (0, 0) writes the same to p.schedule, which the combine kernel reads
+// after this kernel.
 __device__ __forceinline__ void write_schedule_warp(const DecodeParams& p, int32_t* dst, bool shared_copy) {
     constexpr int kRounds = kInlineScheduleMaxBatch / 32;
     const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -215,10 +215,6 @@ __device__ __forceinline__ void write_schedule_warp(const DecodeParams& p, int32
 }
 
 // Where split CTA (blockIdx.x, blockIdx.y) keeps its copy of an inline schedule (see DecodeParams::schedule).
-__device__ __forceinline__ int32_t* inline_schedule_copy(const DecodeParams& p) {
-    const int64_t cta = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
-    return p.schedule + ((p.batch + 1 + kScheduleTail + 3) / 4) * 4 + cta * kInlineScheduleWords;
-}
 
 // One chunk of work: key tiles [tile0, tile1) of request b.
 struct Chunk {
@@ -241,14 +237,23 @@ struct Schedule {
         return {line, line[p.batch + 1], line[p.batch + 2]};
     }
     static __device__ __forceinline__ Schedule load(const DecodeParams& p) { return load(p, p.schedule); }
-    // Largest b with S_b <= pos (pos < S_batch).
+    // Largest b with S_b <= pos (S_0 <= pos < S_batch), found by the calling warp (all 32 lanes, the same pos): each
+    // round every lane reads one of 32 evenly spaced starts of the range and a ballot keeps the piece holding pos,
+    // so the round trips are log32(batch), not log2(batch) (the line may be in global memory: a dependent load
+    // each, in front of the CTA's first tile).
     __device__ __forceinline__ int request_at(int pos, int batch) const {
-        int lo = 0, hi = batch - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if (line[mid] <= pos) lo = mid; else hi = mid - 1;
+        const int lane = static_cast<int>(threadIdx.x) % 32;
+        int lo = 0, n = batch;  // the answer is in [lo, lo + n)
+        while (n > 32) {
+            const int step = (n + 31) / 32;
+            const int at = lo + lane * step;
+            const unsigned le = __ballot_sync(0xffffffffu, at < lo + n && line[at] <= pos);
+            const int k = 31 - __clz(le);  // lane 0 reads S_lo <= pos, so le != 0
+            lo += k * step;
+            n = min(step, n - k * step);
         }
-        return lo;
+        const unsigned le = __ballot_sync(0xffffffffu, lane < n && line[lo + lane] <= pos);
+        return lo + 31 - __clz(le);
     }
     // Part holding line position `pos`.
     __device__ __forceinline__ int part_of(int pos) const { return pos / budget; }

@@ -20,8 +20,8 @@
 //! page_size` of its cache is a missing key, lengths are clamped to `0..=topk`; every query token is a request of
 //! the schedule.
 //!
-//! Memory: the workspace ([`dense_workspace_words`] / [`sparse_workspace_words`] f32 words) holds the schedule (`batch + 3` i32,
-//! and for an inline schedule [`INLINE_SCHEDULE_WORDS`] more per split CTA) and the
+//! Memory: the workspace ([`dense_workspace_words`] / [`sparse_workspace_words`] f32 words) holds the schedule (`batch + 3` i32;
+//! with an inline schedule each split CTA keeps its own copy in shared memory) and the
 //! partials of split requests (`2 * max_parts * head_tiles * 64` rows of 512 f32 plus their lse; `max_parts` is
 //! `sm_count / head_tiles` for the balanced schedule, about 34 MB on an H100, and grows with `batch * max_blocks *
 //! page_size` in batch-invariant mode). Nothing else is allocated.
@@ -81,10 +81,8 @@ pub const FLAG_INLINE_SCHEDULE: u32 = 128;
 /// Words of the schedule after the `batch + 1` line starts (`kScheduleTail`).
 pub const SCHEDULE_TAIL: usize = 2;
 /// Most requests whose schedule the split kernel derives itself (`kInlineScheduleMaxBatch`: four per lane of one
-/// warp).
+/// warp; each split CTA keeps its copy in shared memory).
 pub const INLINE_SCHEDULE_MAX_BATCH: usize = 128;
-/// Words of a split CTA's own copy of an inline schedule (`kInlineScheduleWords`).
-pub const INLINE_SCHEDULE_WORDS: usize = 132;
 /// The gather moves 16-byte chunks.
 const CHUNK_ALIGN_BYTES: u64 = 16;
 /// Largest grid y / z dimension.
@@ -128,8 +126,7 @@ device_params! {
         pub out: u64,
         /// `[b, h_q, s_q]` f32.
         pub lse: u64,
-        /// Workspace: `batch + 1 + SCHEDULE_TAIL` i32 (padded to 4), then with [`FLAG_INLINE_SCHEDULE`]
-        /// [`INLINE_SCHEDULE_WORDS`] per split CTA.
+        /// Workspace: `batch + 1 + SCHEDULE_TAIL` i32 (padded to 4).
         pub schedule: u64,
         /// Workspace: `[2 * max_parts][head_tiles][64][512]` f32.
         pub part_o: u64,
@@ -244,6 +241,15 @@ pub mod kernels {
     pub const SPLIT_F16_D576: &str = "decode_split_f16_d576";
     /// Split kernel, f16, d_qk 512.
     pub const SPLIT_F16_D512: &str = "decode_split_f16_d512";
+    /// Split kernel, bf16, d_qk 576, for one row tile per key head: each key is read by one CTA, so its TMA loads
+    /// carry an L2 evict-first hint.
+    pub const SPLIT_BF16_D576_ONCE: &str = "decode_split_bf16_d576_once";
+    /// The same, bf16, d_qk 512.
+    pub const SPLIT_BF16_D512_ONCE: &str = "decode_split_bf16_d512_once";
+    /// The same, f16, d_qk 576.
+    pub const SPLIT_F16_D576_ONCE: &str = "decode_split_f16_d576_once";
+    /// The same, f16, d_qk 512.
+    pub const SPLIT_F16_D512_ONCE: &str = "decode_split_f16_d512_once";
     /// Sparse split kernel, V3.2 FP8 cache (656-byte tokens, d_qk 576), bf16.
     pub const SPLIT_FP8_V32: &str = "decode_split_fp8_v32";
     /// Sparse split kernel, MODEL1 FP8 cache (584-byte tokens, d_qk 512), bf16.
@@ -268,6 +274,10 @@ pub mod kernels {
         SPLIT_BF16_D512,
         SPLIT_F16_D576,
         SPLIT_F16_D512,
+        SPLIT_BF16_D576_ONCE,
+        SPLIT_BF16_D512_ONCE,
+        SPLIT_F16_D576_ONCE,
+        SPLIT_F16_D512_ONCE,
         SPLIT_FP8_V32,
         SPLIT_FP8_MODEL1,
         SPLIT_FP8_V32_PAIR,
@@ -279,13 +289,21 @@ pub mod kernels {
     ];
 }
 
-/// Split-kernel symbol and dynamic shared memory for a dtype and `d_qk`.
-pub fn split_kernel_for(dtype: DType, d_qk: usize) -> Result<(&'static str, u32)> {
+/// Split-kernel symbol and dynamic shared memory for a dtype and `d_qk`; `keys_read_once`: one row tile per key
+/// head (each key tile is read by one CTA), which takes the `*_once` kernels (L2 evict-first key loads; with more
+/// row tiles the other CTAs of a key head read the tile from L2 right after).
+pub fn split_kernel_for(
+    dtype: DType,
+    d_qk: usize,
+    keys_read_once: bool,
+) -> Result<(&'static str, u32)> {
+    use kernels::*;
+    let pick = |many: &'static str, once: &'static str| if keys_read_once { once } else { many };
     match (dtype, d_qk) {
-        (DType::Bf16, 576) => Ok((kernels::SPLIT_BF16_D576, SMEM_BYTES_D576)),
-        (DType::Bf16, 512) => Ok((kernels::SPLIT_BF16_D512, SMEM_BYTES_D512)),
-        (DType::F16, 576) => Ok((kernels::SPLIT_F16_D576, SMEM_BYTES_D576)),
-        (DType::F16, 512) => Ok((kernels::SPLIT_F16_D512, SMEM_BYTES_D512)),
+        (DType::Bf16, 576) => Ok((pick(SPLIT_BF16_D576, SPLIT_BF16_D576_ONCE), SMEM_BYTES_D576)),
+        (DType::Bf16, 512) => Ok((pick(SPLIT_BF16_D512, SPLIT_BF16_D512_ONCE), SMEM_BYTES_D512)),
+        (DType::F16, 576) => Ok((pick(SPLIT_F16_D576, SPLIT_F16_D576_ONCE), SMEM_BYTES_D576)),
+        (DType::F16, 512) => Ok((pick(SPLIT_F16_D512, SPLIT_F16_D512_ONCE), SMEM_BYTES_D512)),
         _ => Err(Error::unsupported(
             format!("decode kernel for {dtype} with d_qk = {d_qk}"),
             "the sm_90a kernels are built for bf16 and f16 with d_qk 512 and 576",
@@ -432,8 +450,8 @@ impl ScheduleGeometry {
         })
     }
 
-    /// f32 words of the workspace: the schedule (`batch + 3` i32, padded to 16 bytes; for an inline schedule
-    /// followed by one copy per split CTA), the partial lse and the partial outputs.
+    /// f32 words of the workspace: the schedule (`batch + 3` i32, padded to 16 bytes), the partial lse and the
+    /// partial outputs.
     pub fn workspace_words(&self, batch: usize) -> usize {
         let (sched, lse, o) = self.workspace_split(batch);
         sched + lse + o
@@ -449,10 +467,7 @@ impl ScheduleGeometry {
 
     /// Words of the three workspace regions, each a multiple of 4 (16-byte aligned starts).
     fn workspace_split(&self, batch: usize) -> (usize, usize, usize) {
-        let mut sched = (batch + 1 + SCHEDULE_TAIL).next_multiple_of(4);
-        if Self::inline_schedule(batch) {
-            sched += self.head_tiles * self.grid_parts * INLINE_SCHEDULE_WORDS;
-        }
+        let sched = (batch + 1 + SCHEDULE_TAIL).next_multiple_of(4);
         let slots = 2 * self.max_parts * self.head_tiles;
         (sched, slots * ROWS_PER_CTA, slots * ROWS_PER_CTA * D_V)
     }
@@ -543,7 +558,9 @@ pub fn lower(
     options: &DecodeOptions,
     sm_count: usize,
 ) -> Result<DecodePlan> {
-    let (split_kernel, smem) = split_kernel_for(dims.dtype, dims.d_qk)?;
+    // One row tile of 64 query rows per key head: every key tile is read by one CTA.
+    let keys_read_once = dims.s_q * (dims.h_q / dims.h_kv.max(1)) <= ROWS_PER_CTA;
+    let (split_kernel, smem) = split_kernel_for(dims.dtype, dims.d_qk, keys_read_once)?;
     expect_rows_16b("decode", &[("q", args.q), ("k_cache", args.k_cache)])?;
     expect_element_aligned(&[
         ("block_table", Some(args.block_table)),
@@ -1052,14 +1069,11 @@ mod tests {
         let g =
             ScheduleGeometry::of(&dims(4, 1, 16, 2, 64), &DecodeOptions::default(), 132).unwrap();
         assert_eq!((g.head_tiles, g.grid_parts), (2, 66));
-        // Workspace: the schedule (b + 3 words, padded to 4), for b <= 128 a copy of it per split CTA, and
-        // 2 * 66 * 2 slots of 64 rows x (512 + 1) f32.
+        // Workspace: the schedule (b + 3 words, padded to 4; an inline schedule's per-CTA copies live in shared
+        // memory) and 2 * 66 * 2 slots of 64 rows x (512 + 1) f32.
         let g = ScheduleGeometry::of(&dims(128, 1, 128, 1, 64), &DecodeOptions::default(), 132)
             .unwrap();
-        assert_eq!(
-            g.workspace_words(128),
-            132 + 2 * 66 * INLINE_SCHEDULE_WORDS + 2 * 66 * 2 * 64 * 513
-        );
+        assert_eq!(g.workspace_words(128), 132 + 2 * 66 * 2 * 64 * 513);
         assert_eq!(g.workspace_words(129), 132 + 2 * 66 * 2 * 64 * 513);
     }
 
@@ -1199,10 +1213,7 @@ mod tests {
             fixed_budget: 0,
         };
         assert_eq!(plan.geometry, plain);
-        assert_eq!(
-            plain.workspace_words(3),
-            8 + 2 * 66 * INLINE_SCHEDULE_WORDS + 2 * 66 * 2 * 64 * (1 + D_V)
-        );
+        assert_eq!(plain.workspace_words(3), 8 + 2 * 66 * 2 * 64 * (1 + D_V));
         // 129 requests: one more than the split kernel scans, so the schedule kernel runs first.
         let d129 = dims(129, 2, 64, 1, 5);
         let plan = lower_case(&d129, &case(&d129, None, None)).unwrap();
