@@ -1188,6 +1188,18 @@ mod tests {
     }
 
     #[test]
+    fn one_row_tile_per_key_head_takes_the_once_kernels() {
+        let split =
+            |d: &DenseDecodeDims| lower_case(d, &case(d, None, None)).unwrap().launches[0].0;
+        // s_q * h_q / h_kv query rows per key head: 64 or fewer fill one row tile, read by one CTA.
+        assert_eq!(split(&dims(3, 1, 64, 1, 5)), kernels::SPLIT_BF16_D576_ONCE);
+        assert_eq!(split(&dims(3, 2, 32, 1, 5)), kernels::SPLIT_BF16_D576_ONCE);
+        assert_eq!(split(&dims(3, 1, 128, 2, 5)), kernels::SPLIT_BF16_D576_ONCE);
+        assert_eq!(split(&dims(3, 2, 64, 1, 5)), kernels::SPLIT_BF16_D576);
+        assert_eq!(split(&dims(3, 1, 128, 1, 5)), kernels::SPLIT_BF16_D576);
+    }
+
+    #[test]
     fn lowers_its_launches_with_flags() {
         let d = dims(3, 2, 64, 1, 5);
         let c = case(&d, None, None);
