@@ -69,9 +69,8 @@ struct DecodeParams {
                                     // lse_stride_s)
     int32_t* schedule;              // workspace [batch + 1 + kScheduleTail]: line start of every request, the
                                     // line's end, then budget and number of parts (written by decode_schedule, or
-                                    // with kFlagInlineSchedule by split CTA (0, 0)); with kFlagInlineSchedule
-                                    // followed, at word round_up(batch + 3, 4), by one kInlineScheduleWords copy
-                                    // per split CTA (blockIdx.y * gridDim.x + blockIdx.x)
+                                    // with kFlagInlineSchedule by split CTA (0, 0), for the combine; every split
+                                    // CTA then keeps its own copy in shared memory, SmemPlan::sched)
     float* part_o;                  // workspace [2 * max_parts][head_tiles][64][512] f32: normalised partial outputs
     float* part_lse;                // workspace [2 * max_parts][head_tiles][64] f32: their natural-log lse
 

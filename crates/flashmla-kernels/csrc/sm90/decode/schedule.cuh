@@ -214,8 +214,6 @@ __device__ __forceinline__ void write_schedule_warp(const DecodeParams& p, int32
     }
 }
 
-// Where split CTA (blockIdx.x, blockIdx.y) keeps its copy of an inline schedule (see DecodeParams::schedule).
-
 // One chunk of work: key tiles [tile0, tile1) of request b.
 struct Chunk {
     int b;       // the request
