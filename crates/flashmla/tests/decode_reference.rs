@@ -359,6 +359,33 @@ fn a_lone_long_request_is_split_over_at_most_max_request_parts() {
 }
 
 #[test]
+fn the_parts_floor_gives_way_once_parts_are_long() {
+    // One request of 131072 keys among 127 of 1024, h_q 16 on 132 SMs: the line (2052 + 127 * 20 = 4592 units)
+    // fills the parts at a budget of 35. The floor of ceil(2052 / 32) = 65 units would leave 61 parts idle; capped
+    // at MAX_BUDGET_FLOOR it does not bind, and the long request spreads over 59 parts.
+    let shape = ScheduleShape {
+        h_q: 16,
+        ..mla_shape(132)
+    };
+    let mut keys = vec![1024usize; 128];
+    keys[0] = 131072;
+    let s = decode_schedule(&shape, &ScheduleConfig::default(), &keys);
+    assert_eq!(s.tile_budget, 35);
+    let used = |s: &DecodeSchedule| s.chunks.iter().map(|c| c.part).max().unwrap() + 1;
+    assert_eq!(used(&s), 132);
+    assert_eq!(s.request_chunks[1] - s.request_chunks[0], 59);
+    let uncapped_floor = ScheduleConfig {
+        max_budget_floor: 0,
+        ..ScheduleConfig::default()
+    };
+    let s = decode_schedule(&shape, &uncapped_floor, &keys);
+    assert_eq!((s.tile_budget, used(&s)), (65, 71));
+    // A lone request of 131072 keys: parts of 16 units (128 parts) rather than 32 parts of 65.
+    let s = decode_schedule(&shape, &ScheduleConfig::default(), &[131072]);
+    assert_eq!((s.tile_budget, used(&s)), (16, 129));
+}
+
+#[test]
 fn schedule_worked_example() {
     let s = decode_schedule(
         &mla_shape(16),
@@ -459,6 +486,7 @@ fn schedule_covers_every_key_once_with_bounded_chunks_and_load() {
             keys_per_tile: [1, 16, 64][rng.random_range(0..3)],
             chunk_overhead_tiles: rng.random_range(1..6),
             max_request_parts: [0, 1, 3, 32][rng.random_range(0..4)],
+            max_budget_floor: [0, 1, 16][rng.random_range(0..3)],
         };
         let s = decode_schedule(&shape, &cfg, &keys);
         check_schedule_properties(
@@ -519,6 +547,7 @@ fn schedule_driven_split_equals_unsplit_dense_and_sparse() {
         keys_per_tile: 4,
         chunk_overhead_tiles: 1,
         max_request_parts: 0,
+        max_budget_floor: 0,
     };
     let mut sp = spec(&[0, 45, 3, 70], (2, 4, 1), 8, true);
     sp.sink = true;

@@ -58,14 +58,19 @@ fn shapes(suite: BenchSuite) -> Vec<Shape> {
                     }
                 }
             }
+            // One request of 131072 keys among 127 of 1024, at every head count and with two query tokens.
             let mut skew = vec![1024usize; 128];
             skew[0] = 131072;
-            v.push(Shape {
-                seqlens: skew,
-                label: "skewed",
-                ..uniform(128, 1, 128, 0, false)
-            });
+            for (s_q, h_q) in [(1usize, 16usize), (1, 64), (1, 128), (2, 16)] {
+                v.push(Shape {
+                    seqlens: skew.clone(),
+                    label: "skewed",
+                    ..uniform(128, s_q, h_q, 0, false)
+                });
+            }
+            // A lone request: its split over the SMs against its partials.
             v.push(uniform(1, 1, 128, 4096, false));
+            v.push(uniform(1, 1, 64, 131072, false));
             // What the peer has no kernel for: other page sizes, s_q up to 16, f16.
             v.push(Shape {
                 page: 16,

@@ -143,17 +143,17 @@ inline constexpr uint32_t kPartialRowBytes = kDvPerConsumer * sizeof(float);
 static_assert(kRowsPerCta * kPartialRowBytes <= Config<512>::kQSmemBytes, "a staged partial half fits the Q tile");
 static_assert(kRowsPerCta * kPartialRowBytes <= Config<512>::kStageBytes, "a staged partial half fits a key stage");
 
-// Combine kernel: 256 threads, kWarpsPerRow warps per output row, each merging every kWarpsPerRow-th part of it (16
-// columns per lane); with several, they add their sums through shared memory. A warp's walk over its parts is a chain
-// of L2 round trips, which is what a split request's combine waits on; spreading it over four warps pays where few
-// requests leave most SMs idle (decode_combine4_*), and costs where many CTAs have nothing to merge.
+// Combine kernel: 256 threads, kWarpsPerRow (1, 2 or 4) warps per output row, each merging every kWarpsPerRow-th
+// part of it (16 columns per lane); with several, they add their sums through shared memory. A warp's walk over its
+// parts is a chain of L2 round trips, which is what a split request's combine waits on. launch.rs gives a row as many
+// warps as keep a request's CTAs at most 8 per row tile (four for up to 16 rows, two for up to 32) and four for a small
+// batch; more CTAs cost where many have nothing to merge.
 inline constexpr int kCombineThreads = 256;
 template <int kWarpsPerRow>
-inline constexpr int kCombineRowsPerCta = kCombineThreads / 32 / kWarpsPerRow;  // 8 or 2
-template <int kWarpsPerRow>
-inline constexpr int kCombineRowGroups = kRowsPerCta / kCombineRowsPerCta<kWarpsPerRow>;  // 8 or 32
-// launch.rs launches the combine grids with these (COMBINE_ROW_GROUPS / COMBINE4_ROW_GROUPS); keep both in step.
-static_assert(kCombineRowGroups<1> == 8 && kCombineRowGroups<4> == 32, "update launch.rs COMBINE*_ROW_GROUPS");
+inline constexpr int kCombineRowsPerCta = kCombineThreads / 32 / kWarpsPerRow;  // 8, 4 or 2
+// launch.rs sizes the combine grid z from these (COMBINE_THREADS); keep both in step.
+static_assert(kCombineRowsPerCta<1> == 8 && kCombineRowsPerCta<2> == 4 && kCombineRowsPerCta<4> == 2,
+              "update launch.rs combine_launch");
 inline constexpr int kCombineColsPerLane = kDv / 32;  // 16
 
 }  // namespace flashmla::decode

@@ -3,7 +3,8 @@
 //   decode_schedule                          grid (1), block (kScheduleThreads): the split-KV schedule
 //   decode_split_{bf16,f16}_d{576,512}[_once] grid (head_tiles, grid_parts), block (kThreads = 384), dynamic shared
 //   decode_split_fp8_{v32,model1}[_pair]     memory kSmemBytes<d_qk> (config.cuh; mirrored in launch.rs)
-//   decode_combine[4]_{bf16,f16}             grid (batch, head_tiles, kCombineRowGroups<1 | 4>), block (kCombineThreads)
+//   decode_combine[2|4]_{bf16,f16}           grid (batch, head_tiles, ceil(rows of a tile / kCombineRowsPerCta)),
+//                                            block (kCombineThreads)
 #include "sm90/decode/kernel.cuh"
 
 using flashmla::Bf16;
@@ -46,8 +47,10 @@ FLASHMLA_DECODE_SPLIT(decode_split_fp8_model1_pair, Bf16, 512, true, true, false
         NAME(const __grid_constant__ DecodeParams p) {                                       \
         flashmla::decode::decode_combine<E, WARPS_PER_ROW>(p);                               \
     }
-// One warp per row (grid z 8), and four warps per row for small batches (grid z 32; launch.rs picks).
+// One, two or four warps per row (launch.rs picks from the rows of a tile and the batch).
 FLASHMLA_DECODE_COMBINE(decode_combine_bf16, Bf16, 1)
 FLASHMLA_DECODE_COMBINE(decode_combine_f16, F16, 1)
+FLASHMLA_DECODE_COMBINE(decode_combine2_bf16, Bf16, 2)
+FLASHMLA_DECODE_COMBINE(decode_combine2_f16, F16, 2)
 FLASHMLA_DECODE_COMBINE(decode_combine4_bf16, Bf16, 4)
 FLASHMLA_DECODE_COMBINE(decode_combine4_f16, F16, 4)

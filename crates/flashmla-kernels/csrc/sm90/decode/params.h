@@ -118,8 +118,8 @@ struct DecodeParams {
     int32_t max_parts;              // bound on the schedule's number of parts (sizes part_o / part_lse)
     int32_t chunk_overhead;         // line units a request costs beyond its key tiles (>= 1)
     int32_t fixed_budget;           // 0: balanced schedule; > 0: batch-invariant schedule with this budget
-    int32_t max_request_parts;      // balanced schedule: most parts one request is split over (0: no bound)
-    int32_t reserved;               // 0; keeps the struct free of padding
+    int32_t max_request_parts;      // balanced schedule: most parts one request is split over (0: no bound) ...
+    int32_t max_budget_floor;       // ... while its parts hold at most this many units (0: always)
     uint32_t flags;                 // kFlag* bits
     float sm_scale_log2;            // softmax_scale * log2(e)
     int32_t tail[14];               // 0; pads the struct to its 64-byte alignment without implicit padding

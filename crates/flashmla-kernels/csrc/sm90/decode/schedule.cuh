@@ -7,8 +7,8 @@
 // [p * budget, (p + 1) * budget), one chunk per request it meets. A request without keys is handled (out = 0,
 // lse = +inf) by the part holding its unit S_b + overhead - 1.
 //   balanced (fixed_budget == 0): budget = ceil(L / grid_parts), so the grid's parts share the work evenly, but at
-//     least ceil(longest segment / max_request_parts) (a lone long request is not cut into more partials than pay
-//     off); when every request has the same segment s and rounding the budget up to a multiple of s costs at most
+//     least min(ceil(longest segment / max_request_parts), max_budget_floor) (a lone long request is not cut into
+//     more partials than pay off, until its parts are long enough that more parallel tiles pay); when every request has the same segment s and rounding the budget up to a multiple of s costs at most
 //     1/16 more, the budget is rounded up (whole requests per part, none split);
 //   batch-invariant (fixed_budget > 0): every request's segment is rounded up to a multiple of the fixed budget,
 //     so its chunk boundaries depend only on its own length, never on the rest of the batch.
@@ -90,7 +90,11 @@ __device__ __forceinline__ void schedule_rule(const DecodeParams& p, int line, i
         parts = line / budget;
     } else {
         budget = max(1, (line + p.grid_parts - 1) / p.grid_parts);
-        if (p.max_request_parts > 0) budget = max(budget, (longest + p.max_request_parts - 1) / p.max_request_parts);
+        if (p.max_request_parts > 0) {
+            int floor = (longest + p.max_request_parts - 1) / p.max_request_parts;
+            if (p.max_budget_floor > 0) floor = min(floor, p.max_budget_floor);
+            budget = max(budget, floor);
+        }
         // A uniform batch whose parts can hold whole requests at a cost of at most 1/16 more per part takes
         // whole requests: no request is split, so no partials and no combine work.
         if (uniform) {

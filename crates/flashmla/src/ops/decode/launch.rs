@@ -35,7 +35,7 @@ use crate::error::{Error, Result};
 use crate::ops::layout::{
     expect_element_aligned, expect_offsets_fit_i64, expect_rows_16b, rows_aligned, stride_param,
 };
-use crate::reference::decode::{CHUNK_OVERHEAD_TILES, MAX_REQUEST_PARTS};
+use crate::reference::decode::{CHUNK_OVERHEAD_TILES, MAX_BUDGET_FLOOR, MAX_REQUEST_PARTS};
 use crate::tensor::{DType, DeviceView, Location, TensorMeta};
 use crate::validate::{expect_location, to_i32};
 
@@ -51,12 +51,8 @@ pub const THREADS_PER_CTA: u32 = 384;
 pub const SCHEDULE_THREADS: u32 = 1024;
 /// Threads of a combine CTA (`kCombineThreads`).
 pub const COMBINE_THREADS: u32 = 256;
-/// Row groups of a query-row tile in the combine's grid z (`kCombineRowGroups<1>`: 64 rows, one warp each, 8 per CTA).
-pub const COMBINE_ROW_GROUPS: u32 = 8;
-/// Row groups of the four-warps-per-row combine (`kCombineRowGroups<4>`: 2 rows per CTA).
-pub const COMBINE4_ROW_GROUPS: u32 = 32;
-/// The one-warp combine's CTAs up to which the four-warps-per-row combine runs instead (its grid, four times as
-/// many CTAs, then still fits the SMs of an H100 about twice).
+/// The one-warp combine's CTAs up to which a row gets four warps whatever its tile's rows (a small batch: its grid,
+/// up to four times as many CTAs, then still fits the SMs of an H100 about twice).
 pub const COMBINE4_MAX_CTAS: usize = 128;
 /// Dynamic shared memory of the d_qk = 576 split kernels (`kSmemBytes<576>`, static_asserted in config.cuh).
 pub const SMEM_BYTES_D576: u32 = 232_448;
@@ -216,10 +212,10 @@ device_params! {
         pub chunk_overhead: i32,
         /// 0: balanced schedule; > 0: batch-invariant with this budget.
         pub fixed_budget: i32,
-        /// Balanced schedule: most parts one request is split over (0: no bound).
+        /// Balanced schedule: most parts one request is split over (0: no bound) ...
         pub max_request_parts: i32,
-        /// 0; keeps the struct free of padding.
-        pub reserved: i32,
+        /// ... while its parts hold at most this many line units (0: always).
+        pub max_budget_floor: i32,
         /// `FLAG_*` bits.
         pub flags: u32,
         /// `softmax_scale * log2(e)`.
@@ -263,9 +259,13 @@ pub mod kernels {
     pub const COMBINE_BF16: &str = "decode_combine_bf16";
     /// Combine, f16 output.
     pub const COMBINE_F16: &str = "decode_combine_f16";
-    /// Combine with four warps per row (small batches), bf16 output.
+    /// Combine with two warps per row (up to 32 rows per tile), bf16 output.
+    pub const COMBINE2_BF16: &str = "decode_combine2_bf16";
+    /// Combine with two warps per row, f16 output.
+    pub const COMBINE2_F16: &str = "decode_combine2_f16";
+    /// Combine with four warps per row (up to 16 rows per tile, and small batches), bf16 output.
     pub const COMBINE4_BF16: &str = "decode_combine4_bf16";
-    /// Combine with four warps per row (small batches), f16 output.
+    /// Combine with four warps per row, f16 output.
     pub const COMBINE4_F16: &str = "decode_combine4_f16";
     /// Every kernel of the family.
     pub const ALL: &[&str] = &[
@@ -284,6 +284,8 @@ pub mod kernels {
         SPLIT_FP8_MODEL1_PAIR,
         COMBINE_BF16,
         COMBINE_F16,
+        COMBINE2_BF16,
+        COMBINE2_F16,
         COMBINE4_BF16,
         COMBINE4_F16,
     ];
@@ -320,13 +322,32 @@ pub fn combine_kernel_for(dtype: DType) -> &'static str {
     }
 }
 
-/// The four-warps-per-row variant of a combine kernel of [`combine_kernel_for`] and its grid z.
-fn combine4_of(kernel: &'static str) -> &'static str {
-    if kernel == kernels::COMBINE_F16 {
-        kernels::COMBINE4_F16
+/// The combine launch for a one-warp combine kernel of [`combine_kernel_for`]: the kernel with as many warps per row
+/// as keep a row tile's CTAs at most 8 (four warps for up to 16 rows per tile, two for up to 32; four whatever the
+/// rows for a small batch, `tiles * 8 <= COMBINE4_MAX_CTAS` with `tiles = batch * head_tiles`), and its grid z, the
+/// CTAs of a row tile (`ceil(tile rows / rows per CTA)`). A row's warps walk its parts side by side: a request split
+/// over many parts is merged in a fraction of the time (H100, one request of 131072 keys among 127 of 1024, h_q 16:
+/// 136.8 -> 129.3 us for the whole step); a CTA of a request that was not split returns at once, and fewer of those
+/// cost less.
+fn combine_launch(kernel: &'static str, tiles: usize, rows: usize) -> (&'static str, u32) {
+    let f16 = kernel == kernels::COMBINE_F16;
+    let tile_rows = rows.min(ROWS_PER_CTA);
+    let warps_per_row = if tiles * 8 <= COMBINE4_MAX_CTAS || tile_rows <= 16 {
+        4
+    } else if tile_rows <= 32 {
+        2
     } else {
-        kernels::COMBINE4_BF16
-    }
+        1
+    };
+    let kernel = match (warps_per_row, f16) {
+        (4, true) => kernels::COMBINE4_F16,
+        (4, false) => kernels::COMBINE4_BF16,
+        (2, true) => kernels::COMBINE2_F16,
+        (2, false) => kernels::COMBINE2_BF16,
+        _ => kernel,
+    };
+    let rows_per_cta = COMBINE_THREADS as usize / 32 / warps_per_row;
+    (kernel, tile_rows.div_ceil(rows_per_cta) as u32)
 }
 
 /// What the schedule sees of a decode: its requests (dense: the batch; sparse: every query token, since each has
@@ -646,6 +667,7 @@ pub fn lower(
         chunk_overhead: CHUNK_OVERHEAD_TILES as i32,
         fixed_budget: to_i32("options.chunk_tiles", geometry.fixed_budget)?,
         max_request_parts: MAX_REQUEST_PARTS as i32,
+        max_budget_floor: MAX_BUDGET_FLOOR as i32,
         req_tokens: 1,
         flags: (if dims.causal && dims.s_q > 1 {
             FLAG_CAUSAL
@@ -693,13 +715,11 @@ impl DecodePlan {
         };
         // A small batch's split requests are merged by four warps per row (each walks a fourth of the parts), a
         // larger one's by one: there most combine CTAs find their request unsplit and return at once.
-        let wide = params.batch as usize * geometry.head_tiles * COMBINE_ROW_GROUPS as usize
-            <= COMBINE4_MAX_CTAS;
-        let (combine_kernel, row_groups) = if wide {
-            (combine4_of(combine_kernel), COMBINE4_ROW_GROUPS)
-        } else {
-            (combine_kernel, COMBINE_ROW_GROUPS)
-        };
+        let (combine_kernel, row_groups) = combine_launch(
+            combine_kernel,
+            params.batch as usize * geometry.head_tiles,
+            params.rows.max(1) as usize,
+        );
         let combine = LaunchConfig {
             grid: (params.batch as u32, geometry.head_tiles as u32, row_groups),
             block: (COMBINE_THREADS, 1, 1),
@@ -894,6 +914,7 @@ pub fn lower_sparse(
         chunk_overhead: CHUNK_OVERHEAD_TILES as i32,
         fixed_budget: to_i32("options.chunk_tiles", geometry.fixed_budget)?,
         max_request_parts: MAX_REQUEST_PARTS as i32,
+        max_budget_floor: MAX_BUDGET_FLOOR as i32,
         flags: FLAG_SPARSE | if copy16 { 0 } else { FLAG_COPY8 } | out_flags(&out.out),
         sm_scale_log2,
         ..DecodeParams::default()
@@ -1054,6 +1075,18 @@ mod tests {
     }
 
     #[test]
+    fn a_row_gets_more_combine_warps_where_its_tile_has_few_rows() {
+        use kernels::*;
+        // b 128: 16 rows per tile (h_q 16) take four warps a row, 32 rows (s_q 2) two, 64 one: 8 CTAs per tile.
+        assert_eq!(combine_launch(COMBINE_BF16, 128, 16), (COMBINE4_BF16, 8));
+        assert_eq!(combine_launch(COMBINE_F16, 128, 32), (COMBINE2_F16, 8));
+        assert_eq!(combine_launch(COMBINE_BF16, 256, 128), (COMBINE_BF16, 8));
+        assert_eq!(combine_launch(COMBINE_F16, 128, 5), (COMBINE4_F16, 3));
+        // A small batch: four warps a row at any row count.
+        assert_eq!(combine_launch(COMBINE_BF16, 16, 64), (COMBINE4_BF16, 32));
+        assert_eq!(combine_launch(COMBINE_BF16, 2, 128), (COMBINE4_BF16, 32));
+    }
+    #[test]
     fn geometry_worked_example() {
         // s_q 1, h_q 128, h_kv 1 on 132 SMs: two row tiles per chunk, 66 parts (the doc comment's example).
         let g = ScheduleGeometry::of(&dims(128, 1, 128, 1, 64), &DecodeOptions::default(), 132)
@@ -1211,7 +1244,7 @@ mod tests {
         // four-warp combine runs.
         assert_eq!(plan.launches[0].1.grid, (2, 66, 1));
         assert_eq!(plan.launches[0].1.cluster, Some((2, 1, 1)));
-        assert_eq!(plan.launches[1].1.grid, (3, 2, COMBINE4_ROW_GROUPS));
+        assert_eq!(plan.launches[1].1.grid, (3, 2, 32));
         assert_eq!(
             plan.params.flags,
             FLAG_CAUSAL | FLAG_OUT_VEC4 | FLAG_OUT_BULK | FLAG_INLINE_SCHEDULE
@@ -1325,7 +1358,7 @@ mod tests {
             FLAG_SPARSE | FLAG_INLINE_SCHEDULE
         );
         assert_eq!(plan.launches[0].1.grid, (2, 66, 1));
-        assert_eq!(plan.launches[1].1.grid, (6, 2, COMBINE4_ROW_GROUPS));
+        assert_eq!(plan.launches[1].1.grid, (6, 2, 32));
         // h_q 16, MODEL1: one row tile per token; 80 x 2 tokens are more requests than the split kernel scans.
         let plan = lower_sparse_case((80, 2, 16), 512, (8, 64, 64 * 584), 64).unwrap();
         assert_eq!(plan.launches[0].0, kernels::SCHEDULE);

@@ -30,12 +30,12 @@ use crate::reference::kv_quant::{dequantize_token, CacheLayout};
 use rayon::prelude::*;
 use std::ops::Range;
 
-// The schedule lives in its own file (the future GPU launcher calls it too); declaring it here keeps
-// `reference/mod.rs` unchanged. Its items are re-exported below.
+// The schedule lives in its own file (the GPU launcher shares its constants and tests its rule against it); its
+// items are re-exported below.
 mod schedule;
 pub use schedule::{
     decode_schedule, DecodeSchedule, KvChunk, ScheduleConfig, ScheduleShape, CHUNK_OVERHEAD_TILES,
-    KEYS_PER_TILE, MAX_REQUEST_PARTS, ROWS_PER_CTA,
+    KEYS_PER_TILE, MAX_BUDGET_FLOOR, MAX_REQUEST_PARTS, ROWS_PER_CTA,
 };
 
 /// Outputs of a full decode: `out [b, s_q, h_q, d_v]` and `lse [b, h_q, s_q]` (natural log, `+inf` for

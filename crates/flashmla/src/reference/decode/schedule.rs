@@ -17,6 +17,12 @@ pub const CHUNK_OVERHEAD_TILES: usize = 4;
 /// parallel tiles (H100, b 1, s_k 4K: 48.6 -> 34.5 us at h_q 64, 31.9 -> 25.2 at h_q 16 with 33 parts instead of
 /// 132; b 1, h_q 128, s_k 16K: 68.0 -> 54.5 with 33 instead of 66).
 pub const MAX_REQUEST_PARTS: usize = 32;
+/// The most units the [`MAX_REQUEST_PARTS`] floor asks of a part: once a part holds this many (16 units, about 768
+/// keys beyond its overhead), more parallel tiles pay for their partials, and the floor stops binding. It matters
+/// where one request is much longer than the rest of a full batch (one request of 131072 keys among 127 of 1024:
+/// the floor of 65 units left 61 of 132 parts idle at h_q 16 and 64) and for a lone request of more than about 32K
+/// keys.
+pub const MAX_BUDGET_FLOOR: usize = 16;
 
 /// The tile sizes and costs the heuristic assumes (the GPU kernel's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,8 +33,10 @@ pub struct ScheduleConfig {
     pub keys_per_tile: usize,
     /// Cost of one chunk beyond its tiles, in tiles ([`CHUNK_OVERHEAD_TILES`]; at least 1 is used).
     pub chunk_overhead_tiles: usize,
-    /// Most parts one request is split over ([`MAX_REQUEST_PARTS`]; 0: no bound).
+    /// Most parts one request is split over ([`MAX_REQUEST_PARTS`]; 0: no bound) ...
     pub max_request_parts: usize,
+    /// ... while its parts hold at most this many units ([`MAX_BUDGET_FLOOR`]; 0: always).
+    pub max_budget_floor: usize,
 }
 
 impl Default for ScheduleConfig {
@@ -38,6 +46,7 @@ impl Default for ScheduleConfig {
             keys_per_tile: KEYS_PER_TILE,
             chunk_overhead_tiles: CHUNK_OVERHEAD_TILES,
             max_request_parts: MAX_REQUEST_PARTS,
+            max_budget_floor: MAX_BUDGET_FLOOR,
         }
     }
 }
@@ -133,8 +142,8 @@ pub fn aligned_budget(budget: usize, tiles: &[usize], overhead: usize) -> usize 
 ///    requests on a line in order, each as its overhead followed by its tiles: request `b` starts at
 ///    `S_b = sum_{c < b} (overhead + tiles_c)` and its tile `k` sits at `S_b + overhead + k`. The line has
 ///    length `L = S_batch`.
-/// 3. Cut the line into pieces of `budget = max(ceil(L / num_parts), ceil(max_b segment_b / max_request_parts))`
-///    units ([`aligned_budget`] may round it up to whole requests for a uniform batch): tile `k` of request `b`
+/// 3. Cut the line into pieces of `budget = max(ceil(L / num_parts), floor)` units, `floor =
+///    min(ceil(max_b segment_b / max_request_parts), max_budget_floor)` ([`aligned_budget`] may round it up to whole requests for a uniform batch): tile `k` of request `b`
 ///    goes to part `(S_b + overhead + k) / budget`; a request's consecutive tiles in one part form a chunk.
 ///    A request without keys gets one empty chunk in the part of its last overhead unit,
 ///    `(S_b + overhead - 1) / budget`.
@@ -177,9 +186,10 @@ pub fn decode_schedule(
         .collect();
     let line: usize = tiles.iter().map(|&t| overhead + t).sum();
     let longest = tiles.iter().map(|&t| overhead + t).max().unwrap_or(0);
-    let floor = match config.max_request_parts {
-        0 => 1,
-        m => longest.div_ceil(m).max(1),
+    let floor = match (config.max_request_parts, config.max_budget_floor) {
+        (0, _) => 1,
+        (m, 0) => longest.div_ceil(m).max(1),
+        (m, cap) => longest.div_ceil(m).min(cap).max(1),
     };
     let budget = aligned_budget(line.div_ceil(num_parts).max(floor), &tiles, overhead);
 
