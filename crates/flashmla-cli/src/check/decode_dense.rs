@@ -437,5 +437,18 @@ pub fn cases() -> Vec<Case> {
         quick: true,
         run: Box::new(move |gpu, _tuning, seed| run_invariance(gpu, &inv, seed)),
     });
+    // The same with chunks of 8 line units: request 0 (40 key tiles) is split over six parts, so its combine runs, in
+    // a batch of 1 (a small grid) as in a batch of 41, over more parts than a row has warps.
+    let mut inv_split = base(spec(1, 2, 128, 1, 64, vec![2500]));
+    inv_split.options = DecodeOptions {
+        batch_invariant: true,
+        chunk_tiles: Some(8),
+        ..DecodeOptions::default()
+    };
+    cases.push(Case {
+        name: "decode_dense/bf16/batch_invariance_split".into(),
+        quick: true,
+        run: Box::new(move |gpu, _tuning, seed| run_invariance(gpu, &inv_split, seed)),
+    });
     cases
 }

@@ -464,5 +464,18 @@ pub fn cases() -> Vec<Case> {
         quick: true,
         run: Box::new(move |gpu, _tuning, seed| run_invariance(gpu, &inv, seed)),
     });
+    // Chunks of 8 line units: each query's 32 key tiles are split over five parts, so the combine runs at every batch
+    // size, over more parts than a row has warps.
+    let mut inv_split = base((1, 2, 128), cache(KvFormat::V32, 64, 64, 2048));
+    inv_split.options = DecodeOptions {
+        batch_invariant: true,
+        chunk_tiles: Some(8),
+        ..DecodeOptions::default()
+    };
+    cases.push(Case {
+        name: "decode_sparse/v32/batch_invariance_split".into(),
+        quick: true,
+        run: Box::new(move |gpu, _tuning, seed| run_invariance(gpu, &inv_split, seed)),
+    });
     cases
 }

@@ -328,11 +328,18 @@ pub fn combine_kernel_for(dtype: DType) -> &'static str {
 /// CTAs of a row tile (`ceil(tile rows / rows per CTA)`). A row's warps walk its parts side by side: a request split
 /// over many parts is merged in a fraction of the time (H100, one request of 131072 keys among 127 of 1024, h_q 16:
 /// 136.8 -> 129.3 us for the whole step); a CTA of a request that was not split returns at once, and fewer of those
-/// cost less.
-fn combine_launch(kernel: &'static str, tiles: usize, rows: usize) -> (&'static str, u32) {
+/// cost less. `batch_invariant`: the choice depends on the rows alone, never on the batch, since the warps of a row
+/// add its parts in a different order.
+fn combine_launch(
+    kernel: &'static str,
+    tiles: usize,
+    rows: usize,
+    batch_invariant: bool,
+) -> (&'static str, u32) {
     let f16 = kernel == kernels::COMBINE_F16;
     let tile_rows = rows.min(ROWS_PER_CTA);
-    let warps_per_row = if tiles * 8 <= COMBINE4_MAX_CTAS || tile_rows <= 16 {
+    let small_batch = !batch_invariant && tiles * 8 <= COMBINE4_MAX_CTAS;
+    let warps_per_row = if small_batch || tile_rows <= 16 {
         4
     } else if tile_rows <= 32 {
         2
@@ -719,6 +726,7 @@ impl DecodePlan {
             combine_kernel,
             params.batch as usize * geometry.head_tiles,
             params.rows.max(1) as usize,
+            geometry.fixed_budget > 0,
         );
         let combine = LaunchConfig {
             grid: (params.batch as u32, geometry.head_tiles as u32, row_groups),
@@ -1078,13 +1086,25 @@ mod tests {
     fn a_row_gets_more_combine_warps_where_its_tile_has_few_rows() {
         use kernels::*;
         // b 128: 16 rows per tile (h_q 16) take four warps a row, 32 rows (s_q 2) two, 64 one: 8 CTAs per tile.
-        assert_eq!(combine_launch(COMBINE_BF16, 128, 16), (COMBINE4_BF16, 8));
-        assert_eq!(combine_launch(COMBINE_F16, 128, 32), (COMBINE2_F16, 8));
-        assert_eq!(combine_launch(COMBINE_BF16, 256, 128), (COMBINE_BF16, 8));
-        assert_eq!(combine_launch(COMBINE_F16, 128, 5), (COMBINE4_F16, 3));
+        let launch = |kernel, tiles, rows| combine_launch(kernel, tiles, rows, false);
+        assert_eq!(launch(COMBINE_BF16, 128, 16), (COMBINE4_BF16, 8));
+        assert_eq!(launch(COMBINE_F16, 128, 32), (COMBINE2_F16, 8));
+        assert_eq!(launch(COMBINE_BF16, 256, 128), (COMBINE_BF16, 8));
+        assert_eq!(launch(COMBINE_F16, 128, 5), (COMBINE4_F16, 3));
         // A small batch: four warps a row at any row count.
-        assert_eq!(combine_launch(COMBINE_BF16, 16, 64), (COMBINE4_BF16, 32));
-        assert_eq!(combine_launch(COMBINE_BF16, 2, 128), (COMBINE4_BF16, 32));
+        assert_eq!(launch(COMBINE_BF16, 16, 64), (COMBINE4_BF16, 32));
+        assert_eq!(launch(COMBINE_BF16, 2, 128), (COMBINE4_BF16, 32));
+        // Batch-invariant: the rows decide, whatever the batch (a row's warps sum its parts in another order).
+        for tiles in [2, 16, 256] {
+            assert_eq!(
+                combine_launch(COMBINE_BF16, tiles, 128, true),
+                (COMBINE_BF16, 8)
+            );
+            assert_eq!(
+                combine_launch(COMBINE_F16, tiles, 16, true),
+                (COMBINE4_F16, 8)
+            );
+        }
     }
     #[test]
     fn geometry_worked_example() {
