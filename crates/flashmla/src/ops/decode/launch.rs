@@ -324,8 +324,8 @@ pub fn combine_kernel_for(dtype: DType) -> &'static str {
 
 /// The combine launch for a one-warp combine kernel of [`combine_kernel_for`]: the kernel with as many warps per row
 /// as keep a row tile's CTAs at most 8 (four warps for up to 16 rows per tile, two for up to 32; four whatever the
-/// rows for a small batch, `tiles * 8 <= COMBINE4_MAX_CTAS` with `tiles = batch * head_tiles`), and its grid z, the
-/// CTAs of a row tile (`ceil(tile rows / rows per CTA)`). A row's warps walk its parts side by side: a request split
+/// rows for a small batch, whose one-warp grid, 8 CTAs per row tile of `tiles = batch * head_tiles`, has at most
+/// [`COMBINE4_MAX_CTAS`]), and its grid z, the CTAs of a row tile (`ceil(tile rows / rows per CTA)`). A row's warps walk its parts side by side: a request split
 /// over many parts is merged in a fraction of the time (H100, one request of 131072 keys among 127 of 1024, h_q 16:
 /// 136.8 -> 129.3 us for the whole step); a CTA of a request that was not split returns at once, and fewer of those
 /// cost less. `batch_invariant`: the choice depends on the rows alone, never on the batch, since the warps of a row
@@ -338,7 +338,9 @@ fn combine_launch(
 ) -> (&'static str, u32) {
     let f16 = kernel == kernels::COMBINE_F16;
     let tile_rows = rows.min(ROWS_PER_CTA);
-    let small_batch = !batch_invariant && tiles * 8 <= COMBINE4_MAX_CTAS;
+    // The one-warp combine's CTAs for this batch: 8 per row tile of 64 rows.
+    let one_warp_ctas = tiles * (COMBINE_THREADS as usize / 32);
+    let small_batch = !batch_invariant && one_warp_ctas <= COMBINE4_MAX_CTAS;
     let warps_per_row = if small_batch || tile_rows <= 16 {
         4
     } else if tile_rows <= 32 {
