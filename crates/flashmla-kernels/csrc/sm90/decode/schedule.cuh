@@ -8,8 +8,9 @@
 // lse = +inf) by the part holding its unit S_b + overhead - 1.
 //   balanced (fixed_budget == 0): budget = ceil(L / grid_parts), so the grid's parts share the work evenly, but at
 //     least min(ceil(longest segment / max_request_parts), max_budget_floor) (a lone long request is not cut into
-//     more partials than pay off, until its parts are long enough that more parallel tiles pay); when every request has the same segment s and rounding the budget up to a multiple of s costs at most
-//     1/16 more, the budget is rounded up (whole requests per part, none split);
+//     more partials than pay off, until its parts are long enough that more parallel tiles pay); when every request
+//     has the same segment s and rounding the budget up to a multiple of s costs at most 1/16 more, the budget is
+//     rounded up (whole requests per part, none split);
 //   batch-invariant (fixed_budget > 0): every request's segment is rounded up to a multiple of the fixed budget,
 //     so its chunk boundaries depend only on its own length, never on the rest of the batch.
 // A request whose tiles span parts f_b < l_b is "split": each of its chunks writes a normalised f32 partial to slot

@@ -325,11 +325,11 @@ pub fn combine_kernel_for(dtype: DType) -> &'static str {
 /// The combine launch for a one-warp combine kernel of [`combine_kernel_for`]: the kernel with as many warps per row
 /// as keep a row tile's CTAs at most 8 (four warps for up to 16 rows per tile, two for up to 32; four whatever the
 /// rows for a small batch, whose one-warp grid, 8 CTAs per row tile of `tiles = batch * head_tiles`, has at most
-/// [`COMBINE4_MAX_CTAS`]), and its grid z, the CTAs of a row tile (`ceil(tile rows / rows per CTA)`). A row's warps walk its parts side by side: a request split
-/// over many parts is merged in a fraction of the time (H100, one request of 131072 keys among 127 of 1024, h_q 16:
-/// 136.8 -> 129.3 us for the whole step); a CTA of a request that was not split returns at once, and fewer of those
-/// cost less. `batch_invariant`: the choice depends on the rows alone, never on the batch, since the warps of a row
-/// add its parts in a different order.
+/// [`COMBINE4_MAX_CTAS`]), and its grid z, the CTAs of a row tile (`ceil(tile rows / rows per CTA)`). A row's warps
+/// walk its parts side by side: a request split over many parts is merged in a fraction of the time (H100, one
+/// request of 131072 keys among 127 of 1024, h_q 16: 136.8 -> 129.3 us for the whole step); a CTA of a request that
+/// was not split returns at once, and fewer of those cost less. `batch_invariant`: the choice depends on the rows
+/// alone, never on the batch, since the warps of a row add its parts in a different order.
 fn combine_launch(
     kernel: &'static str,
     tiles: usize,

@@ -143,8 +143,9 @@ pub fn aligned_budget(budget: usize, tiles: &[usize], overhead: usize) -> usize 
 ///    `S_b = sum_{c < b} (overhead + tiles_c)` and its tile `k` sits at `S_b + overhead + k`. The line has
 ///    length `L = S_batch`.
 /// 3. Cut the line into pieces of `budget = max(ceil(L / num_parts), floor)` units, `floor =
-///    min(ceil(max_b segment_b / max_request_parts), max_budget_floor)` ([`aligned_budget`] may round it up to whole requests for a uniform batch): tile `k` of request `b`
-///    goes to part `(S_b + overhead + k) / budget`; a request's consecutive tiles in one part form a chunk.
+///    min(ceil(max_b segment_b / max_request_parts), max_budget_floor)` (`aligned_budget` may round it up to whole
+///    requests for a uniform batch): tile `k` of request `b` goes to part `(S_b + overhead + k) / budget`; a
+///    request's consecutive tiles in one part form a chunk.
 ///    A request without keys gets one empty chunk in the part of its last overhead unit,
 ///    `(S_b + overhead - 1) / budget`.
 ///
