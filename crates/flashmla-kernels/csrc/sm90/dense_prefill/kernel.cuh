@@ -1,9 +1,10 @@
 // Dense varlen prefill forward for sm_90a (docs/spec.md section 5; design in docs/dense-prefill.md).
 //
 // One CTA = 128 query rows of one (sequence, query head); 3 warpgroups:
-//   Producer:  loads the Q tile once, then the sequence's K and V tiles (128 keys each) into a 2-stage ring with
-//              cp.async (16-byte chunks placed straight into the 128B-swizzled layout; rows past the sequence are
-//              zero-filled without being read). K and V of a stage complete and are released separately.
+//   Producer:  loads the Q tile once, then the sequence's K and V tiles (128 keys each) into a 2-stage ring: by TMA
+//              where a tile lies wholly inside the sequence, else with cp.async (16-byte chunks placed straight into
+//              the 128B-swizzled layout; rows past the sequence zero-filled without being read), published after a
+//              proxy fence. K and V of a stage complete and are released separately.
 //   Consumers: consumer c owns rows 64 c .. 64 c + 63. Per tile: S = Q K^T (wgmma 64 x 128), the mask (causal
 //              diagonal and the sequence's last tile only), the online softmax, O += P V with P from registers.
 //              The epilogue writes out (staged through the consumer's own Q rows for 16-byte stores) and lse.
@@ -13,11 +14,13 @@
 #include <cstdint>
 
 #include "common/cp_async.cuh"
+#include "common/cp_async_group.cuh"
 #include "common/mbarrier.cuh"
 #include "common/pipeline.cuh"
 #include "common/smem_access.cuh"
 #include "common/smem_layout.cuh"
 #include "common/softmax_tile.cuh"
+#include "common/tma.cuh"
 #include "common/wgmma.cuh"
 #include "sm90/dense_prefill/config.cuh"
 #include "sm90/dense_prefill/params.h"
@@ -74,30 +77,80 @@ __device__ __forceinline__ void copy_tile(uint32_t dst_base, const uint16_t* bas
     }
 }
 
+// Publishes the thread's copies, which it has waited for, on `full` (one of its 128 arrivals) after a proxy fence:
+// wgmma reads what cp.async wrote, and the consumers do not fence.
+__device__ __forceinline__ void publish_copies(uint64_t* full) {
+    fence_proxy_async_shared();
+    MBarrier::arrive(full);
+}
+
+// One tile of kSlabs 64-column slabs of 128 rows by TMA: thread 0 announces the bytes, issues a box per slab and
+// arrives for the warpgroup.
+template <int kSlabs>
+__device__ __forceinline__ void tma_tile(uint32_t dst, const TensorMapBytes* map, int head, int row0, uint64_t* full) {
+    constexpr int kSlabBytes = kTileN * kSw128RowBytes;
+    if (threadIdx.x != 0) return;
+    MBarrier::expect_tx(full, kSlabs * kSlabBytes);
+#pragma unroll
+    for (int slab = 0; slab < kSlabs; ++slab) {
+        tma_load_4d(dst + slab * kSlabBytes, map, slab * kSw128ColsBf16, head, row0, 0, smem_addr(full));
+    }
+    MBarrier::arrive(full, kWarpgroupThreads);
+}
+
+// With kFlagTma, Q and every K / V tile that lies wholly inside the sequence load by TMA; the sequence's last,
+// partial tile (its rows past s_k must be zeros: the rows after it belong to another sequence or to no tensor) and,
+// without the flag, every tile are copied with cp.async and published by the producer. All 128 threads wait for each
+// release, so that they keep in step with the ring's phases whichever path a tile takes.
 template <int kD>
 __device__ __forceinline__ void producer(const DensePrefillFwdParams& p, SmemPlan<kD>& sm, const TileWork& w,
                                          int n_tiles) {
     using C = Config<kD>;
     if (n_tiles == 0) return;  // the consumers wait for nothing
+    const bool tma = (p.flags & kFlagTma) != 0;
     const Sw128CopyThread ct = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
     const uint16_t* dummy = p.q;  // source of zero-filled copies: never read, but inside a tensor anyway
+    const int kv_head = w.head / p.h_per_k;
 
-    const uint16_t* q = p.q + static_cast<int64_t>(w.q0) * p.q_stride_t + static_cast<int64_t>(w.head) * p.q_stride_h;
-    copy_tile<C::kDSlabs>(smem_addr(sm.q), q, p.q_stride_t, 0, w.rows, ct, dummy);
-    // The thread's arrival completes once all its copies so far landed (.noinc: one of the 128 expected).
-    MBarrier::arrive_on_cp_async_noinc(&sm.q_full);
+    if (tma) {
+        if (threadIdx.x == 0) {
+            tma_prefetch_map(&p.k_tmap);
+            tma_prefetch_map(&p.v_tmap);
+        }
+        // Rows past the sequence's queries are other rows of q or zeros: a row's scores, softmax and output involve
+        // no other row, and the epilogue writes only the tile's own rows.
+        tma_tile<C::kDSlabs>(smem_addr(sm.q), &p.q_tmap, w.head, w.q0, &sm.q_full);
+    } else {
+        const uint16_t* q =
+            p.q + static_cast<int64_t>(w.q0) * p.q_stride_t + static_cast<int64_t>(w.head) * p.q_stride_h;
+        copy_tile<C::kDSlabs>(smem_addr(sm.q), q, p.q_stride_t, 0, w.rows, ct, dummy);
+        cp_async_commit_group();
+        cp_async_wait_group<0>();
+        publish_copies(&sm.q_full);
+    }
 
-    const int64_t kv_head = w.head / p.h_per_k;
     const uint16_t* k = p.k + static_cast<int64_t>(w.k0) * p.k_stride_t + kv_head * p.k_stride_h;
     const uint16_t* v = p.v + static_cast<int64_t>(w.k0) * p.v_stride_t + kv_head * p.v_stride_h;
     for (int i = 0; i < n_tiles; ++i) {
         const Ring pos = Ring::of(i);
-        MBarrier::wait(&sm.k_empty[pos.stage], pos.empty_parity);
-        copy_tile<C::kDSlabs>(smem_addr(sm.k[pos.stage]), k, p.k_stride_t, i * kTileN, w.s_k, ct, dummy);
-        MBarrier::arrive_on_cp_async_noinc(&sm.k_full[pos.stage]);
-        MBarrier::wait(&sm.v_empty[pos.stage], pos.empty_parity);
-        copy_tile<C::kDvSlabs>(smem_addr(sm.v[pos.stage]), v, p.v_stride_t, i * kTileN, w.s_k, ct, dummy);
-        MBarrier::arrive_on_cp_async_noinc(&sm.v_full[pos.stage]);
+        const int row0 = i * kTileN;
+        if (tma && row0 + kTileN <= w.s_k) {
+            MBarrier::wait(&sm.k_empty[pos.stage], pos.empty_parity);
+            tma_tile<C::kDSlabs>(smem_addr(sm.k[pos.stage]), &p.k_tmap, kv_head, w.k0 + row0, &sm.k_full[pos.stage]);
+            MBarrier::wait(&sm.v_empty[pos.stage], pos.empty_parity);
+            tma_tile<C::kDvSlabs>(smem_addr(sm.v[pos.stage]), &p.v_tmap, kv_head, w.k0 + row0, &sm.v_full[pos.stage]);
+        } else {
+            MBarrier::wait(&sm.k_empty[pos.stage], pos.empty_parity);
+            copy_tile<C::kDSlabs>(smem_addr(sm.k[pos.stage]), k, p.k_stride_t, row0, w.s_k, ct, dummy);
+            cp_async_commit_group();
+            MBarrier::wait(&sm.v_empty[pos.stage], pos.empty_parity);
+            copy_tile<C::kDvSlabs>(smem_addr(sm.v[pos.stage]), v, p.v_stride_t, row0, w.s_k, ct, dummy);
+            cp_async_commit_group();
+            cp_async_wait_group<1>();
+            publish_copies(&sm.k_full[pos.stage]);
+            cp_async_wait_group<0>();
+            publish_copies(&sm.v_full[pos.stage]);
+        }
     }
 }
 
@@ -207,8 +260,7 @@ template <int kD, class E>
 __device__ __forceinline__ void issue_qk(SmemPlan<kD>& sm, uint64_t desc_q, int i, float (&s)[kSRegs]) {
     using C = Config<kD>;
     const Ring pos = Ring::of(i);
-    MBarrier::wait(&sm.k_full[pos.stage], pos.full_parity);
-    fence_proxy_async_shared();  // cp.async (generic proxy) wrote the tile; wgmma reads it (async proxy)
+    MBarrier::wait(&sm.k_full[pos.stage], pos.full_parity);  // TMA, or cp.async published after a proxy fence
     const uint64_t desc_k = make_wgmma_desc_sw128(smem_addr(sm.k[pos.stage]), kUnusedLbo, kSw128AtomBytes);
     wgmma_fence();  // s was last written by ordinary instructions (the softmax)
 #pragma unroll
@@ -226,7 +278,6 @@ __device__ __forceinline__ void issue_pv(SmemPlan<kD>& sm, int i, const uint32_t
     using C = Config<kD>;
     const Ring pos = Ring::of(i);
     MBarrier::wait(&sm.v_full[pos.stage], pos.full_parity);
-    fence_proxy_async_shared();
     const uint32_t v_addr = smem_addr(sm.v[pos.stage]);
     wgmma_fence();  // o (rescale) and pa were written by ordinary instructions
 #pragma unroll

@@ -10,12 +10,20 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/tensor_map.h"
+
 namespace flashmla::dense_prefill {
 
 // `flags` bits.
 inline constexpr uint32_t kFlagCausal = 1u << 0;  // bottom-right causal mask
+inline constexpr uint32_t kFlagTma = 1u << 1;     // forward: q_tmap, k_tmap and v_tmap describe q, k and v
 
 struct DensePrefillFwdParams {
+    // kFlagTma: rank-4 tiled maps (128B swizzle) of q, k and v, dims (d or d_v, heads, total rows, 1), boxes of one
+    // 64-column slab of 128 rows of one head; the tiles that lie wholly inside their sequence load by TMA.
+    TensorMapBytes q_tmap;
+    TensorMapBytes k_tmap;
+    TensorMapBytes v_tmap;
     const uint16_t* q;             // [total_q, h_q, d] bf16/f16; strides (q_stride_t, q_stride_h, 1)
     const uint16_t* k;             // [total_k, h_k, d]; strides (k_stride_t, k_stride_h, 1)
     const uint16_t* v;             // [total_k, h_k, d_v]; strides (v_stride_t, v_stride_h, 1)
@@ -42,6 +50,7 @@ struct DensePrefillFwdParams {
     int32_t m_tiles;               // upper bound on the 128-row query tiles of all sequences: ceil(total_q / 128) + batch
     uint32_t flags;                // kFlag* bits
     float sm_scale_log2;           // softmax_scale * log2(e)
+    int32_t tail[8];               // 0; pads the struct to its 64-byte alignment without implicit padding
 };
 
 // The backward (bwd.cuh). Same conventions as the forward; `lse` and `delta` are [h_q, total_q] f32 with rows

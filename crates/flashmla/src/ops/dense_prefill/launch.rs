@@ -13,7 +13,9 @@
 //! counts and the grid fit the kernel's 32-bit counters.
 
 use super::{DensePrefillArgs, DensePrefillDims, DensePrefillOutput};
-use crate::cuda::{device_params, DeviceParams, Gpu, LaunchConfig};
+use crate::cuda::{
+    device_params, encode_tiled_u16_sw128, DeviceParams, Gpu, LaunchConfig, TensorMapBytes,
+};
 use crate::error::{Error, Result};
 use crate::ops::layout::{
     expect_element_aligned, expect_offsets_fit_i64, expect_rows_16b, stride_param,
@@ -33,6 +35,13 @@ pub const SMEM_BYTES_D192: u32 = 215_040;
 pub const SMEM_BYTES_D128: u32 = 165_888;
 /// `flags` bit: bottom-right causal mask (`kFlagCausal` in params.h).
 pub const FLAG_CAUSAL: u32 = 1;
+/// `flags` bit of the forward: `q_tmap`, `k_tmap` and `v_tmap` describe q, k and v; whole tiles load by TMA
+/// (`kFlagTma`).
+pub const FLAG_TMA: u32 = 2;
+/// Rows of one TMA box (`kTileM` = `kTileN`): a query or key tile.
+const TMA_BOX_ROWS: u32 = 128;
+/// Columns of one TMA box: a 128-byte slab of 16-bit values (the 128B swizzle's width).
+const TMA_BOX_COLS: u32 = 64;
 /// Largest `blockIdx.x` + 1 the driver accepts.
 const MAX_GRID_X: usize = i32::MAX as usize;
 /// log2(e): the kernel keeps logits in base 2, so the host folds it into the scale.
@@ -45,6 +54,13 @@ device_params! {
     /// contiguous and have no stride field.
     #[derive(Debug, Clone, Copy, PartialEq)]
     pub struct DensePrefillFwdParams {
+        /// [`FLAG_TMA`]: the TMA map of `q` (dims `d, h_q, total_q, 1`, boxes of 64 columns x 128 rows of one
+        /// head); zeros otherwise.
+        pub q_tmap: TensorMapBytes,
+        /// [`FLAG_TMA`]: the TMA map of `k` (as `q_tmap`).
+        pub k_tmap: TensorMapBytes,
+        /// [`FLAG_TMA`]: the TMA map of `v` (as `q_tmap`, `d_v` columns).
+        pub v_tmap: TensorMapBytes,
         /// `[total_q, h_q, d]`, strides `(q_stride_t, q_stride_h, 1)`.
         pub q: u64,
         /// `[total_k, h_k, d]`, strides `(k_stride_t, k_stride_h, 1)`.
@@ -93,6 +109,8 @@ device_params! {
         pub flags: u32,
         /// `softmax_scale * log2(e)`.
         pub sm_scale_log2: f32,
+        /// Zeros: pad the struct to its 64-byte alignment (the maps) without implicit padding.
+        pub tail: [i32; 8],
     }
 }
 
@@ -450,6 +468,9 @@ pub fn lower(
             )
         })?;
     let params = DensePrefillFwdParams {
+        q_tmap: TensorMapBytes::default(),
+        k_tmap: TensorMapBytes::default(),
+        v_tmap: TensorMapBytes::default(),
         q: args.q.ptr(),
         k: args.k.ptr(),
         v: args.v.ptr(),
@@ -474,6 +495,7 @@ pub fn lower(
         m_tiles: to_i32("ceil(total_q / 128) + b", m_tiles)?,
         flags: if dims.causal { FLAG_CAUSAL } else { 0 },
         sm_scale_log2,
+        tail: [0; 8],
     };
     let cfg = LaunchConfig {
         grid: (ctas as u32, 1, 1),
@@ -494,9 +516,17 @@ pub(crate) fn launch(
     out: &DensePrefillOutput<DeviceView>,
 ) -> Result<()> {
     expect_location("q", args.q, Location::Cuda(gpu.ordinal()))?;
-    let Some((name, cfg, params)) = lower(dims, args, out)? else {
+    let Some((name, cfg, mut params)) = lower(dims, args, out)? else {
         return Ok(());
     };
+    if let (Some(q), Some(k), Some(v)) = (
+        tile_tensor_map(args.q),
+        tile_tensor_map(args.k),
+        tile_tensor_map(args.v),
+    ) {
+        (params.q_tmap, params.k_tmap, params.v_tmap) = (q, k, v);
+        params.flags |= FLAG_TMA;
+    }
     let kernel = gpu.kernel(FAMILY, name)?;
     // SAFETY: `DensePrefillFwdParams` mirrors the kernel's parameter struct (checked at compile time). `validate` /
     // `validate_output` established the shapes and dtypes the params describe and that every tensor lives on this
@@ -505,6 +535,44 @@ pub(crate) fn launch(
     // lse rows inside the views (heads < h_q, h_k), which by the DeviceView contract are valid, live and do not
     // alias outputs with inputs.
     unsafe { gpu.launch(&kernel, &cfg, &params) }
+}
+
+/// The TMA map of a `[rows, heads, cols]` tensor for the forward's tiles, or `None` where every tile is copied with
+/// cp.async instead: strides the TMA unit cannot take (zero, as in a view broadcast over heads, not multiples of 16
+/// bytes, or beyond 2^40 bytes) or a map the driver refuses.
+fn tile_tensor_map(t: &DeviceView) -> Option<TensorMapBytes> {
+    let (dims, strides, box_dims) = tile_map_args(t)?;
+    encode_tiled_u16_sw128(t.ptr(), dims, strides, box_dims).ok()
+}
+
+/// What [`tile_tensor_map`] encodes: dims `(cols, heads, rows, 1)`, byte strides of the head, row and (unit) outer
+/// dimension, boxes of one 64-column slab of 128 rows of one head; `None` where the TMA path does not apply.
+fn tile_map_args(t: &DeviceView) -> Option<([u64; 4], [u64; 3], [u32; 4])> {
+    const MAX_STRIDE_BYTES: u64 = 1 << 40;
+    let (shape, strides) = (t.shape(), t.strides());
+    if shape.len() != 3 || strides.len() != 3 {
+        return None;
+    }
+    let elem = t.dtype().size_bytes() as u64;
+    let stride_bytes = |i: usize| -> Option<u64> {
+        let s = u64::try_from(strides[i]).ok()?.checked_mul(elem)?;
+        (s > 0 && s % 16 == 0 && s < MAX_STRIDE_BYTES).then_some(s)
+    };
+    let row = stride_bytes(0)?;
+    // A single head's stride is never followed: any valid value will do.
+    let head = if shape[1] == 1 {
+        stride_bytes(1).unwrap_or(row)
+    } else {
+        stride_bytes(1)?
+    };
+    let outer = row
+        .checked_mul(shape[0] as u64)
+        .filter(|&b| b > 0 && b < MAX_STRIDE_BYTES)?;
+    let dims = [shape[2] as u64, shape[1] as u64, shape[0] as u64, 1];
+    if dims.iter().any(|&d| d == 0 || d > u32::MAX as u64) {
+        return None;
+    }
+    Some((dims, [head, row, outer], [TMA_BOX_COLS, 1, TMA_BOX_ROWS, 1]))
 }
 
 /// One launch of the backward: kernel, geometry, parameters.
@@ -798,6 +866,22 @@ mod tests {
         v[0] = fake_view(BASE + 2, DType::Bf16, &[10, 2, 128], None);
         let err = lower_for(&v, false).unwrap_err().to_string();
         assert!(err.contains("`q`"), "{err}");
+    }
+
+    #[test]
+    fn tma_maps_cover_strided_rows_and_skip_broadcast_heads() {
+        // Packed [rows, heads, cols]: head stride 384 bytes, row stride 4 heads.
+        let (dims, strides, boxes) =
+            tile_map_args(&fake_view(BASE, DType::Bf16, &[1000, 4, 192], None)).unwrap();
+        assert_eq!(dims, [192, 4, 1000, 1]);
+        assert_eq!(strides, [384, 1536, 1_536_000]);
+        assert_eq!(boxes, [64, 1, 128, 1]);
+        // Rows padded by 128 columns, one head: that head's stride is taken from the rows.
+        let padded = fake_view(BASE, DType::Bf16, &[7, 1, 128], Some(&[256, 256, 1]));
+        assert_eq!(tile_map_args(&padded).unwrap().1, [512, 512, 3584]);
+        // K broadcast over its heads (stride 0) is copied with cp.async.
+        let broadcast = fake_view(BASE, DType::Bf16, &[7, 4, 128], Some(&[128, 0, 1]));
+        assert_eq!(tile_map_args(&broadcast), None);
     }
 
     /// The backward's launches for views `v` (the forward's), with gradients and a workspace of their shapes.
