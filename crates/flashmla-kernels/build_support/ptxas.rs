@@ -23,10 +23,13 @@ pub const KNOWN_SPILLS: &[(&str, u64, u64)] = &[
     ("decode_split_fp8_model1", 32, 32),
     ("decode_split_fp8_v32_pair", 32, 32),
     ("decode_split_fp8_model1_pair", 40, 40),
-    // The fused dense backward at d 192 (dK 96 + dV 64 accumulator registers of its 232): a few loop-invariant
-    // values of the tile walk. Its MMAs are not serialised.
+    // The fused dense backward (dK 96 + dV 64 accumulator registers of its 240 at d 192): a few loop-invariant
+    // values of the tile walk; at d 128 since its consumers stopped fencing each tile (TMA tiles). Its MMAs are not
+    // serialised.
     ("dense_prefill_bwd_fused_d192_bf16", 28, 36),
     ("dense_prefill_bwd_fused_d192_f16", 28, 36),
+    ("dense_prefill_bwd_fused_d128_bf16", 8, 24),
+    ("dense_prefill_bwd_fused_d128_f16", 8, 24),
 ];
 
 /// Markers of ptxas lines that carry known information wherever they appear: the injected `warpgroup.arrive`

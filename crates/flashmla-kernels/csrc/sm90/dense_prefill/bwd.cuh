@@ -17,9 +17,11 @@
 //          written at the end. While one consumer forms dS the other's MMAs keep the tensor cores busy.
 //   dK/dV: one CTA per 64 keys of one (sequence, key head); streams 64-row tiles of Q and dO of every query head of
 //          the group. S^T = K Q^T and dP^T = V dO^T, P^T and dS^T as above, dV += P^T dO and dK += dS^T Q.
-// Each CTA has a producer warpgroup (cp.async into a 2-stage ring, the CTA's own rows loaded once). Masked and padded
-// entries get P = 0: a padded row of a streamed tile is zero-filled (its P may be nonzero but multiplies zero dO and
-// zero dP, so it adds nothing); the fused kernel also masks keys past the sequence, whose dS feeds dQ.
+// Each CTA has a producer warpgroup (a 2-stage ring, the CTA's own rows loaded once): with kFlagTma, whole 64-row
+// tiles and whole own rows by TMA, else (the sequence's partial tiles, or no maps) cp.async published after a proxy
+// fence, so the consumers never fence. Masked and padded entries get P = 0: a padded row of a streamed tile is
+// zero-filled (its P may be nonzero but multiplies zero dO and zero dP, so it adds nothing); the fused kernel also
+// masks keys past the sequence, whose dS feeds dQ.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -27,6 +29,7 @@
 #include <cstdint>
 
 #include "common/cp_async.cuh"
+#include "common/cp_async_group.cuh"
 #include "common/mbarrier.cuh"
 #include "common/pipeline.cuh"
 #include "common/smem_access.cuh"
@@ -263,24 +266,50 @@ __device__ __forceinline__ void dq_kernel(const DensePrefillBwdParams& p, uint8_
     if (wg == 0) {  // producer
         setmaxnreg_dec<kDqProducerRegs>();
         if (n_tiles == 0) return;
+        const bool tma = (p.flags & kFlagTma) != 0;
         const Sw128CopyThread ct = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
         const uint16_t* dummy = p.q;
-        const uint16_t* q = p.q + q0 * p.q_stride_t + w.head * p.q_stride_h;
-        const uint16_t* d_out = p.d_out + q0 * p.d_out_stride_t + w.head * p.d_out_stride_h;
+        if (tma && rows == kDqRows) {  // the CTA's rows by TMA
+            if (threadIdx.x == 0) {
+                MBarrier::expect_tx(&sm.own_full, kDqConsumers * (kDSlabs + 2) * kSlab64);
 #pragma unroll
-        for (int c = 0; c < kDqConsumers; ++c) {
-            copy_tile<kDSlabs, kRows>(smem_addr(sm.q[c]), q, p.q_stride_t, c * kRows, rows, ct, dummy);
-            copy_tile<2, kRows>(smem_addr(sm.d_out[c]), d_out, p.d_out_stride_t, c * kRows, rows, ct, dummy);
+                for (int c = 0; c < kDqConsumers; ++c) {
+                    tma_slabs<kDSlabs, kRows>(smem_addr(sm.q[c]), &p.q_tmap, w.head, q0 + c * kRows, &sm.own_full);
+                    tma_slabs<2, kRows>(smem_addr(sm.d_out[c]), &p.d_out_tmap, w.head, q0 + c * kRows,
+                                        &sm.own_full);
+                }
+                MBarrier::arrive(&sm.own_full, kWarpgroupThreads);
+            }
+        } else {
+            const uint16_t* q = p.q + q0 * p.q_stride_t + w.head * p.q_stride_h;
+            const uint16_t* d_out = p.d_out + q0 * p.d_out_stride_t + w.head * p.d_out_stride_h;
+#pragma unroll
+            for (int c = 0; c < kDqConsumers; ++c) {
+                copy_tile<kDSlabs, kRows>(smem_addr(sm.q[c]), q, p.q_stride_t, c * kRows, rows, ct, dummy);
+                copy_tile<2, kRows>(smem_addr(sm.d_out[c]), d_out, p.d_out_stride_t, c * kRows, rows, ct, dummy);
+            }
+            publish_landed(&sm.own_full);
         }
-        MBarrier::arrive_on_cp_async_noinc(&sm.own_full);
         const uint16_t* k = p.k + static_cast<int64_t>(k0) * p.k_stride_t + kv_head * p.k_stride_h;
         const uint16_t* v = p.v + static_cast<int64_t>(k0) * p.v_stride_t + kv_head * p.v_stride_h;
         for (int i = 0; i < n_tiles; ++i) {
             const RingPos<kStages> pos = RingPos<kStages>::of(i);
             MBarrier::wait(&sm.empty[pos.stage], pos.empty_parity);
-            copy_tile<kDSlabs, kKeyTile>(smem_addr(sm.k[pos.stage]), k, p.k_stride_t, i * kKeyTile, s_k, ct, dummy);
-            copy_tile<2, kKeyTile>(smem_addr(sm.v[pos.stage]), v, p.v_stride_t, i * kKeyTile, s_k, ct, dummy);
-            MBarrier::arrive_on_cp_async_noinc(&sm.full[pos.stage]);
+            if (tma && (i + 1) * kKeyTile <= s_k) {  // a whole key tile by TMA
+                if (threadIdx.x == 0) {
+                    uint64_t* full = &sm.full[pos.stage];
+                    MBarrier::expect_tx(full, (kDSlabs + 2) * kSlab64);
+                    tma_slabs<kDSlabs, kKeyTile>(smem_addr(sm.k[pos.stage]), &p.k_tmap, kv_head, k0 + i * kKeyTile,
+                                                 full);
+                    tma_slabs<2, kKeyTile>(smem_addr(sm.v[pos.stage]), &p.v_tmap, kv_head, k0 + i * kKeyTile, full);
+                    MBarrier::arrive(full, kWarpgroupThreads);
+                }
+            } else {  // the sequence's partial last tile (rows past it zero-filled), or no maps
+                copy_tile<kDSlabs, kKeyTile>(smem_addr(sm.k[pos.stage]), k, p.k_stride_t, i * kKeyTile, s_k, ct,
+                                             dummy);
+                copy_tile<2, kKeyTile>(smem_addr(sm.v[pos.stage]), v, p.v_stride_t, i * kKeyTile, s_k, ct, dummy);
+                publish_landed(&sm.full[pos.stage]);
+            }
         }
         return;
     }
@@ -314,8 +343,7 @@ __device__ __forceinline__ void dq_kernel(const DensePrefillBwdParams& p, uint8_
     const uint64_t desc_do = make_wgmma_desc_sw128(smem_addr(sm.d_out[c]), kUnusedLbo, kSw128AtomBytes);
     for (int i = 0; i < n_tiles; ++i) {
         const RingPos<kStages> pos = RingPos<kStages>::of(i);
-        MBarrier::wait(&sm.full[pos.stage], pos.full_parity);
-        fence_proxy_async_shared();
+        MBarrier::wait(&sm.full[pos.stage], pos.full_parity);  // TMA, or cp.async published after a proxy fence
         const uint32_t k_addr = smem_addr(sm.k[pos.stage]);
         const uint64_t desc_k = make_wgmma_desc_sw128(k_addr, kUnusedLbo, kSw128AtomBytes);
         const uint64_t desc_v = make_wgmma_desc_sw128(smem_addr(sm.v[pos.stage]), kUnusedLbo, kSw128AtomBytes);
@@ -369,31 +397,50 @@ __device__ __forceinline__ void stream_query_tiles(const DensePrefillBwdParams& 
                                                    int s_q, int m_first, int m_count, int n_iter,
                                                    const Sw128CopyThread& ct) {
     const uint16_t* dummy = p.q;
-        for (int it = 0; it < n_iter; ++it) {
-            const int head = kv_head * p.h_per_k + it / m_count;
-            const int m0 = (m_first + it % m_count) * kQ;
-            const RingPos<kStages> pos = RingPos<kStages>::of(it);
-            MBarrier::wait(&sm.empty[pos.stage], pos.empty_parity);
-            const int64_t row0 = static_cast<int64_t>(q0) + m0;
-            copy_tile<kDSlabs, kQ>(smem_addr(sm.q[pos.stage]), p.q + row0 * p.q_stride_t + head * p.q_stride_h,
-                                           p.q_stride_t, 0, s_q - m0, ct, dummy);
-            copy_tile<2, kQ>(smem_addr(sm.d_out[pos.stage]),
-                                     p.d_out + row0 * p.d_out_stride_t + head * p.d_out_stride_h, p.d_out_stride_t, 0,
-                                     s_q - m0, ct, dummy);
-            const int tid = static_cast<int>(threadIdx.x);
-            if (tid < 2 * kQ) {  // threads 0..kQ-1: lse, kQ..2kQ-1: delta; rows past the sequence read 0
-                const int rr = tid % kQ;
-                const bool ok = m0 + rr < s_q;
-                if (tid < kQ) {
-                    const float* src = ok ? p.lse + head * p.lse_stride_h + row0 + rr : p.lse;
-                    cp_async_4_zfill(smem_addr(&sm.lse[pos.stage][rr]), src, ok);
-                } else {
-                    const float* src = ok ? p.delta + head * p.delta_stride_h + row0 + rr : p.delta;
-                    cp_async_4_zfill(smem_addr(&sm.delta[pos.stage][rr]), src, ok);
-                }
+    const bool tma = (p.flags & kFlagTma) != 0;
+    for (int it = 0; it < n_iter; ++it) {
+        const int head = kv_head * p.h_per_k + it / m_count;
+        const int m0 = (m_first + it % m_count) * kQ;
+        const RingPos<kStages> pos = RingPos<kStages>::of(it);
+        uint64_t* full = &sm.full[pos.stage];
+        MBarrier::wait(&sm.empty[pos.stage], pos.empty_parity);
+        const int64_t row0 = static_cast<int64_t>(q0) + m0;
+        // A whole tile's Q and d_out by TMA (thread 0 announces their bytes before its own arrival below can
+        // complete the phase); a partial one (rows past the sequence zero-filled) or, without maps, every one with
+        // cp.async, published after a proxy fence.
+        const bool whole = tma && m0 + kQ <= s_q;
+        if (whole) {
+            if (threadIdx.x == 0) {
+                MBarrier::expect_tx(full, (kDSlabs + 2) * kQ * kSw128RowBytes);
+                tma_slabs<kDSlabs, kQ>(smem_addr(sm.q[pos.stage]), &p.q_tmap, head, static_cast<int>(row0), full);
+                tma_slabs<2, kQ>(smem_addr(sm.d_out[pos.stage]), &p.d_out_tmap, head, static_cast<int>(row0), full);
             }
-            MBarrier::arrive_on_cp_async_noinc(&sm.full[pos.stage]);
+        } else {
+            copy_tile<kDSlabs, kQ>(smem_addr(sm.q[pos.stage]), p.q + row0 * p.q_stride_t + head * p.q_stride_h,
+                                   p.q_stride_t, 0, s_q - m0, ct, dummy);
+            copy_tile<2, kQ>(smem_addr(sm.d_out[pos.stage]),
+                             p.d_out + row0 * p.d_out_stride_t + head * p.d_out_stride_h, p.d_out_stride_t, 0,
+                             s_q - m0, ct, dummy);
         }
+        const int tid = static_cast<int>(threadIdx.x);
+        if (tid < 2 * kQ) {  // threads 0..kQ-1: lse, kQ..2kQ-1: delta; rows past the sequence read 0
+            const int rr = tid % kQ;
+            const bool ok = m0 + rr < s_q;
+            if (tid < kQ) {
+                const float* src = ok ? p.lse + head * p.lse_stride_h + row0 + rr : p.lse;
+                cp_async_4_zfill(smem_addr(&sm.lse[pos.stage][rr]), src, ok);
+            } else {
+                const float* src = ok ? p.delta + head * p.delta_stride_h + row0 + rr : p.delta;
+                cp_async_4_zfill(smem_addr(&sm.delta[pos.stage][rr]), src, ok);
+            }
+        }
+        // lse and delta are read with ordinary loads: their copies need no proxy fence.
+        if (whole) {
+            MBarrier::arrive_on_cp_async_noinc(full);
+        } else {
+            publish_landed(full);
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -426,11 +473,20 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
         if (n_iter == 0) return;
         const Sw128CopyThread ct = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
         const uint16_t* dummy = p.q;
-        copy_tile<kDSlabs, kRows>(smem_addr(sm.k), p.k + k0 * p.k_stride_t + w.head * p.k_stride_h, p.k_stride_t, 0,
-                                  keys, ct, dummy);
-        copy_tile<2, kRows>(smem_addr(sm.v), p.v + k0 * p.v_stride_t + w.head * p.v_stride_h, p.v_stride_t, 0, keys,
-                            ct, dummy);
-        MBarrier::arrive_on_cp_async_noinc(&sm.own_full);
+        if ((p.flags & kFlagTma) != 0 && keys == kRows) {  // the CTA's keys by TMA
+            if (threadIdx.x == 0) {
+                MBarrier::expect_tx(&sm.own_full, (kDSlabs + 2) * kSlab64);
+                tma_slabs<kDSlabs, kRows>(smem_addr(sm.k), &p.k_tmap, w.head, k0, &sm.own_full);
+                tma_slabs<2, kRows>(smem_addr(sm.v), &p.v_tmap, w.head, k0, &sm.own_full);
+                MBarrier::arrive(&sm.own_full, kWarpgroupThreads);
+            }
+        } else {
+            copy_tile<kDSlabs, kRows>(smem_addr(sm.k), p.k + k0 * p.k_stride_t + w.head * p.k_stride_h, p.k_stride_t,
+                                      0, keys, ct, dummy);
+            copy_tile<2, kRows>(smem_addr(sm.v), p.v + k0 * p.v_stride_t + w.head * p.v_stride_h, p.v_stride_t, 0,
+                                keys, ct, dummy);
+            publish_landed(&sm.own_full);
+        }
         stream_query_tiles<kDSlabs, kQ>(p, sm, w.head, q0, s_q, m_first, m_count, n_iter, ct);
         return;
     }
@@ -450,8 +506,7 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
     for (int it = 0; it < n_iter; ++it) {
         const int m0 = (m_first + it % m_count) * kQ;
         const RingPos<kStages> pos = RingPos<kStages>::of(it);
-        MBarrier::wait(&sm.full[pos.stage], pos.full_parity);
-        fence_proxy_async_shared();
+        MBarrier::wait(&sm.full[pos.stage], pos.full_parity);  // TMA, or cp.async published after a proxy fence
         const uint32_t q_addr = smem_addr(sm.q[pos.stage]);
         const uint32_t do_addr = smem_addr(sm.d_out[pos.stage]);
         const uint64_t desc_q = make_wgmma_desc_sw128(q_addr, kUnusedLbo, kSw128AtomBytes);
@@ -701,12 +756,24 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
         const uint16_t* dummy = p.q;
         const uint16_t* k = p.k + k0 * p.k_stride_t + w.head * p.k_stride_h;
         const uint16_t* v = p.v + k0 * p.v_stride_t + w.head * p.v_stride_h;
+        if ((p.flags & kFlagTma) != 0 && keys == kFusedKeys) {  // the CTA's keys by TMA
+            if (threadIdx.x == 0) {
+                MBarrier::expect_tx(&sm.own_full, kFusedConsumers * (kDSlabs + 2) * kSlab64);
 #pragma unroll
-        for (int c = 0; c < kFusedConsumers; ++c) {
-            copy_tile<kDSlabs, kRows>(smem_addr(sm.k[c]), k, p.k_stride_t, c * kRows, keys, ct, dummy);
-            copy_tile<2, kRows>(smem_addr(sm.v[c]), v, p.v_stride_t, c * kRows, keys, ct, dummy);
+                for (int c = 0; c < kFusedConsumers; ++c) {
+                    tma_slabs<kDSlabs, kRows>(smem_addr(sm.k[c]), &p.k_tmap, w.head, k0 + c * kRows, &sm.own_full);
+                    tma_slabs<2, kRows>(smem_addr(sm.v[c]), &p.v_tmap, w.head, k0 + c * kRows, &sm.own_full);
+                }
+                MBarrier::arrive(&sm.own_full, kWarpgroupThreads);
+            }
+        } else {
+#pragma unroll
+            for (int c = 0; c < kFusedConsumers; ++c) {
+                copy_tile<kDSlabs, kRows>(smem_addr(sm.k[c]), k, p.k_stride_t, c * kRows, keys, ct, dummy);
+                copy_tile<2, kRows>(smem_addr(sm.v[c]), v, p.v_stride_t, c * kRows, keys, ct, dummy);
+            }
+            publish_landed(&sm.own_full);
         }
-        MBarrier::arrive_on_cp_async_noinc(&sm.own_full);
         stream_query_tiles<kDSlabs, kQ>(p, sm, w.head, q0, s_q, m_first, m_count, n_iter, ct);
         return;
     }
@@ -732,8 +799,7 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
         const int head = w.head * p.h_per_k + it / m_count;
         const int m0 = (m_first + it % m_count) * kQ;
         const RingPos<kStages> pos = RingPos<kStages>::of(it);
-        MBarrier::wait(&sm.full[pos.stage], pos.full_parity);
-        fence_proxy_async_shared();
+        MBarrier::wait(&sm.full[pos.stage], pos.full_parity);  // TMA, or cp.async published after a proxy fence
         const uint32_t q_addr = smem_addr(sm.q[pos.stage]);
         const uint32_t do_addr = smem_addr(sm.d_out[pos.stage]);
         const uint64_t desc_q = make_wgmma_desc_sw128(q_addr, kUnusedLbo, kSw128AtomBytes);

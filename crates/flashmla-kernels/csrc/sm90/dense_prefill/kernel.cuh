@@ -84,17 +84,31 @@ __device__ __forceinline__ void publish_copies(uint64_t* full) {
     MBarrier::arrive(full);
 }
 
-// One tile of kSlabs 64-column slabs of 128 rows by TMA: thread 0 announces the bytes, issues a box per slab and
-// arrives for the warpgroup.
-template <int kSlabs>
-__device__ __forceinline__ void tma_tile(uint32_t dst, const TensorMapBytes* map, int head, int row0, uint64_t* full) {
-    constexpr int kSlabBytes = kTileN * kSw128RowBytes;
-    if (threadIdx.x != 0) return;
-    MBarrier::expect_tx(full, kSlabs * kSlabBytes);
+// Waits for all of the thread's copies so far, then publishes them (publish_copies).
+__device__ __forceinline__ void publish_landed(uint64_t* full) {
+    cp_async_commit_group();
+    cp_async_wait_group<0>();
+    publish_copies(full);
+}
+
+// Issues the TMA boxes of kSlabs 64-column slabs of kRows rows of one head (map rows row0 ..), completing their
+// bytes on `full`; the caller announced them (expect_tx). One thread issues them.
+template <int kSlabs, int kRows>
+__device__ __forceinline__ void tma_slabs(uint32_t dst, const TensorMapBytes* map, int head, int row0, uint64_t* full) {
+    constexpr int kSlabBytes = kRows * kSw128RowBytes;
 #pragma unroll
     for (int slab = 0; slab < kSlabs; ++slab) {
         tma_load_4d(dst + slab * kSlabBytes, map, slab * kSw128ColsBf16, head, row0, 0, smem_addr(full));
     }
+}
+
+// One tile of kSlabs slabs of 128 rows by TMA: thread 0 announces the bytes, issues the boxes and arrives for the
+// warpgroup.
+template <int kSlabs>
+__device__ __forceinline__ void tma_tile(uint32_t dst, const TensorMapBytes* map, int head, int row0, uint64_t* full) {
+    if (threadIdx.x != 0) return;
+    MBarrier::expect_tx(full, kSlabs * kTileN * kSw128RowBytes);
+    tma_slabs<kSlabs, kTileN>(dst, map, head, row0, full);
     MBarrier::arrive(full, kWarpgroupThreads);
 }
 
@@ -124,9 +138,7 @@ __device__ __forceinline__ void producer(const DensePrefillFwdParams& p, SmemPla
         const uint16_t* q =
             p.q + static_cast<int64_t>(w.q0) * p.q_stride_t + static_cast<int64_t>(w.head) * p.q_stride_h;
         copy_tile<C::kDSlabs>(smem_addr(sm.q), q, p.q_stride_t, 0, w.rows, ct, dummy);
-        cp_async_commit_group();
-        cp_async_wait_group<0>();
-        publish_copies(&sm.q_full);
+        publish_landed(&sm.q_full);
     }
 
     const uint16_t* k = p.k + static_cast<int64_t>(w.k0) * p.k_stride_t + kv_head * p.k_stride_h;

@@ -16,7 +16,7 @@ namespace flashmla::dense_prefill {
 
 // `flags` bits.
 inline constexpr uint32_t kFlagCausal = 1u << 0;  // bottom-right causal mask
-inline constexpr uint32_t kFlagTma = 1u << 1;     // forward: q_tmap, k_tmap and v_tmap describe q, k and v
+inline constexpr uint32_t kFlagTma = 1u << 1;     // the tensor maps describe their tensors (q, k, v; d_out)
 
 struct DensePrefillFwdParams {
     // kFlagTma: rank-4 tiled maps (128B swizzle) of q, k and v, dims (d or d_v, heads, total rows, 1), boxes of one
@@ -58,6 +58,11 @@ struct DensePrefillFwdParams {
 // into `dq_accum` with f32 atomics; a conversion of dQ) and the deterministic one (delta, dQ, dK / dV: no atomics,
 // each kernel owns the rows it writes; `dq_accum` is null).
 struct DensePrefillBwdParams {
+    // kFlagTma: maps of q, k, v and d_out as the forward's, with boxes of 64 rows (the backward's tiles).
+    TensorMapBytes q_tmap;
+    TensorMapBytes k_tmap;
+    TensorMapBytes v_tmap;
+    TensorMapBytes d_out_tmap;
     const uint16_t* q;             // [total_q, h_q, d]
     const uint16_t* k;             // [total_k, h_k, d]
     const uint16_t* v;             // [total_k, h_k, d_v]
@@ -99,10 +104,11 @@ struct DensePrefillBwdParams {
     int32_t h_per_k;
     int32_t q_tiles;               // ceil(total_q / 128) + batch: the dQ grid's 128-row tiles per query head
     int32_t k_tiles;               // the dK / dV grid's tiles per key head: ceil(total_k / 64) + batch (fused: / 128)
-    uint32_t flags;                // kFlagCausal
+    uint32_t flags;                // kFlagCausal, kFlagTma
     float sm_scale_log2;           // softmax_scale * log2(e)
     float sm_scale;                // softmax_scale
     int32_t d_qk;                  // d (192 or 128): the row width of dq_accum
+    int32_t tail[6];               // 0; pads the struct to its 64-byte alignment without implicit padding
 };
 
 }  // namespace flashmla::dense_prefill

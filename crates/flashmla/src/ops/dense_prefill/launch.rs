@@ -38,8 +38,10 @@ pub const FLAG_CAUSAL: u32 = 1;
 /// `flags` bit of the forward: `q_tmap`, `k_tmap` and `v_tmap` describe q, k and v; whole tiles load by TMA
 /// (`kFlagTma`).
 pub const FLAG_TMA: u32 = 2;
-/// Rows of one TMA box (`kTileM` = `kTileN`): a query or key tile.
+/// Rows of one TMA box of the forward (`kTileM` = `kTileN`): a query or key tile.
 const TMA_BOX_ROWS: u32 = 128;
+/// Rows of one TMA box of the backward: its streamed tiles and its CTAs' own rows come in 64-row pieces.
+const BWD_TMA_BOX_ROWS: u32 = 64;
 /// Columns of one TMA box: a 128-byte slab of 16-bit values (the 128B swizzle's width).
 const TMA_BOX_COLS: u32 = 64;
 /// Largest `blockIdx.x` + 1 the driver accepts.
@@ -119,6 +121,14 @@ device_params! {
     /// Mirror of `flashmla::dense_prefill::DensePrefillBwdParams` (params.h): the backward's three kernels.
     #[derive(Debug, Clone, Copy, PartialEq)]
     pub struct DensePrefillBwdParams {
+        /// [`FLAG_TMA`]: the TMA map of `q` (as the forward's, boxes of 64 rows); zeros otherwise.
+        pub q_tmap: TensorMapBytes,
+        /// [`FLAG_TMA`]: the TMA map of `k`.
+        pub k_tmap: TensorMapBytes,
+        /// [`FLAG_TMA`]: the TMA map of `v`.
+        pub v_tmap: TensorMapBytes,
+        /// [`FLAG_TMA`]: the TMA map of `d_out`.
+        pub d_out_tmap: TensorMapBytes,
         /// `[total_q, h_q, d]`.
         pub q: u64,
         /// `[total_k, h_k, d]`.
@@ -205,6 +215,8 @@ device_params! {
         pub sm_scale: f32,
         /// `d`: the row width of `dq_accum`.
         pub d_qk: i32,
+        /// Zeros: pad the struct to its 64-byte alignment (the maps) without implicit padding.
+        pub tail: [i32; 6],
     }
 }
 
@@ -520,9 +532,9 @@ pub(crate) fn launch(
         return Ok(());
     };
     if let (Some(q), Some(k), Some(v)) = (
-        tile_tensor_map(args.q),
-        tile_tensor_map(args.k),
-        tile_tensor_map(args.v),
+        tile_tensor_map(args.q, TMA_BOX_ROWS),
+        tile_tensor_map(args.k, TMA_BOX_ROWS),
+        tile_tensor_map(args.v, TMA_BOX_ROWS),
     ) {
         (params.q_tmap, params.k_tmap, params.v_tmap) = (q, k, v);
         params.flags |= FLAG_TMA;
@@ -537,17 +549,17 @@ pub(crate) fn launch(
     unsafe { gpu.launch(&kernel, &cfg, &params) }
 }
 
-/// The TMA map of a `[rows, heads, cols]` tensor for the forward's tiles, or `None` where every tile is copied with
+/// The TMA map of a `[rows, heads, cols]` tensor for tiles of `box_rows` rows, or `None` where every tile is copied with
 /// cp.async instead: strides the TMA unit cannot take (zero, as in a view broadcast over heads, not multiples of 16
 /// bytes, or beyond 2^40 bytes) or a map the driver refuses.
-fn tile_tensor_map(t: &DeviceView) -> Option<TensorMapBytes> {
-    let (dims, strides, box_dims) = tile_map_args(t)?;
+fn tile_tensor_map(t: &DeviceView, box_rows: u32) -> Option<TensorMapBytes> {
+    let (dims, strides, box_dims) = tile_map_args(t, box_rows)?;
     encode_tiled_u16_sw128(t.ptr(), dims, strides, box_dims).ok()
 }
 
 /// What [`tile_tensor_map`] encodes: dims `(cols, heads, rows, 1)`, byte strides of the head, row and (unit) outer
-/// dimension, boxes of one 64-column slab of 128 rows of one head; `None` where the TMA path does not apply.
-fn tile_map_args(t: &DeviceView) -> Option<([u64; 4], [u64; 3], [u32; 4])> {
+/// dimension, boxes of one 64-column slab of `box_rows` rows of one head; `None` where the TMA path does not apply.
+fn tile_map_args(t: &DeviceView, box_rows: u32) -> Option<([u64; 4], [u64; 3], [u32; 4])> {
     const MAX_STRIDE_BYTES: u64 = 1 << 40;
     let (shape, strides) = (t.shape(), t.strides());
     if shape.len() != 3 || strides.len() != 3 {
@@ -572,7 +584,7 @@ fn tile_map_args(t: &DeviceView) -> Option<([u64; 4], [u64; 3], [u32; 4])> {
     if dims.iter().any(|&d| d == 0 || d > u32::MAX as u64) {
         return None;
     }
-    Some((dims, [head, row, outer], [TMA_BOX_COLS, 1, TMA_BOX_ROWS, 1]))
+    Some((dims, [head, row, outer], [TMA_BOX_COLS, 1, box_rows, 1]))
 }
 
 /// One launch of the backward: kernel, geometry, parameters.
@@ -677,6 +689,10 @@ pub fn lower_bwd(
     );
     let convert_blocks = grid(q_tiles, dims.h_q, "dQ conversion")?;
     let params = DensePrefillBwdParams {
+        q_tmap: TensorMapBytes::default(),
+        k_tmap: TensorMapBytes::default(),
+        v_tmap: TensorMapBytes::default(),
+        d_out_tmap: TensorMapBytes::default(),
         q: fwd.q.ptr(),
         k: fwd.k.ptr(),
         v: fwd.v.ptr(),
@@ -720,6 +736,7 @@ pub fn lower_bwd(
         sm_scale_log2,
         sm_scale: dims.softmax_scale,
         d_qk: to_i32("d", dims.d)?,
+        tail: [0; 6],
     };
     let cfg = |grid: u32, block: u32, smem: u32| LaunchConfig {
         grid: (grid, 1, 1),
@@ -772,7 +789,22 @@ pub(crate) fn launch_bwd(
     options: &super::DensePrefillBwdOptions,
 ) -> Result<()> {
     expect_location("q", args.fwd.q, Location::Cuda(gpu.ordinal()))?;
-    for (name, cfg, params) in lower_bwd(dims, args, grads, workspace, options)? {
+    let maps = (
+        tile_tensor_map(args.fwd.q, BWD_TMA_BOX_ROWS),
+        tile_tensor_map(args.fwd.k, BWD_TMA_BOX_ROWS),
+        tile_tensor_map(args.fwd.v, BWD_TMA_BOX_ROWS),
+        tile_tensor_map(args.d_out, BWD_TMA_BOX_ROWS),
+    );
+    for (name, cfg, mut params) in lower_bwd(dims, args, grads, workspace, options)? {
+        if let (Some(q), Some(k), Some(v), Some(d_out)) = maps {
+            (
+                params.q_tmap,
+                params.k_tmap,
+                params.v_tmap,
+                params.d_out_tmap,
+            ) = (q, k, v, d_out);
+            params.flags |= FLAG_TMA;
+        }
         let kernel = gpu.kernel(FAMILY, name)?;
         // SAFETY: `DensePrefillBwdParams` mirrors the kernels' parameter struct (checked at compile time).
         // `validate_bwd` / `validate_grads` established the shapes and dtypes and that every tensor lives on this
@@ -872,16 +904,17 @@ mod tests {
     fn tma_maps_cover_strided_rows_and_skip_broadcast_heads() {
         // Packed [rows, heads, cols]: head stride 384 bytes, row stride 4 heads.
         let (dims, strides, boxes) =
-            tile_map_args(&fake_view(BASE, DType::Bf16, &[1000, 4, 192], None)).unwrap();
+            tile_map_args(&fake_view(BASE, DType::Bf16, &[1000, 4, 192], None), 128).unwrap();
         assert_eq!(dims, [192, 4, 1000, 1]);
         assert_eq!(strides, [384, 1536, 1_536_000]);
         assert_eq!(boxes, [64, 1, 128, 1]);
         // Rows padded by 128 columns, one head: that head's stride is taken from the rows.
         let padded = fake_view(BASE, DType::Bf16, &[7, 1, 128], Some(&[256, 256, 1]));
-        assert_eq!(tile_map_args(&padded).unwrap().1, [512, 512, 3584]);
+        let (_, strides, boxes) = tile_map_args(&padded, 64).unwrap();
+        assert_eq!((strides, boxes), ([512, 512, 3584], [64, 1, 64, 1]));
         // K broadcast over its heads (stride 0) is copied with cp.async.
         let broadcast = fake_view(BASE, DType::Bf16, &[7, 4, 128], Some(&[128, 0, 1]));
-        assert_eq!(tile_map_args(&broadcast), None);
+        assert_eq!(tile_map_args(&broadcast, 128), None);
     }
 
     /// The backward's launches for views `v` (the forward's), with gradients and a workspace of their shapes.
