@@ -30,8 +30,8 @@ pub use memory::DeviceTensor;
 pub use module::{Kernel, KernelAttributes};
 pub(crate) use params::device_params;
 pub use params::{DeviceParams, FieldLayout};
-pub(crate) use tensor_map::encode_tiled_u16_sw128;
 pub use tensor_map::TensorMapBytes;
+pub(crate) use tensor_map::{encode_tiled_u16_sw128, encode_tiled_u16_sw128_uncached};
 
 /// The nvcc release line that built the embedded cubins (empty when the build found no nvcc).
 pub const NVCC_VERSION: &str = flashmla_kernels::NVCC_VERSION;

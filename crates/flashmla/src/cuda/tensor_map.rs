@@ -37,6 +37,17 @@ pub(crate) fn encode_tiled_u16_sw128(
     Ok(map)
 }
 
+/// [`encode_tiled_u16_sw128`] without the thread's cache of recent maps, for tensors a call is unlikely to see again
+/// (a prefill's activations): their maps would push out the ones that repeat every step (a decode cache per layer).
+pub(crate) fn encode_tiled_u16_sw128_uncached(
+    base: u64,
+    dims: [u64; 4],
+    strides_bytes: [u64; 3],
+    box_dims: [u32; 4],
+) -> Result<TensorMapBytes> {
+    encode_uncached(base, dims, strides_bytes, box_dims)
+}
+
 /// What a map is a function of: encoding the same arguments again gives the same bytes (the map holds the address,
 /// not the memory), so a reused entry is exact even if the memory behind it was freed and allocated again.
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -14,7 +14,7 @@
 
 use super::{DensePrefillArgs, DensePrefillDims, DensePrefillOutput};
 use crate::cuda::{
-    device_params, encode_tiled_u16_sw128, DeviceParams, Gpu, LaunchConfig, TensorMapBytes,
+    device_params, encode_tiled_u16_sw128_uncached, DeviceParams, Gpu, LaunchConfig, TensorMapBytes,
 };
 use crate::error::{Error, Result};
 use crate::ops::layout::{
@@ -554,7 +554,8 @@ pub(crate) fn launch(
 /// bytes, or beyond 2^40 bytes) or a map the driver refuses.
 fn tile_tensor_map(t: &DeviceView, box_rows: u32) -> Option<TensorMapBytes> {
     let (dims, strides, box_dims) = tile_map_args(t, box_rows)?;
-    encode_tiled_u16_sw128(t.ptr(), dims, strides, box_dims).ok()
+    // Prefill inputs are activations, new every call: their maps skip the cache of recent maps.
+    encode_tiled_u16_sw128_uncached(t.ptr(), dims, strides, box_dims).ok()
 }
 
 /// What [`tile_tensor_map`] encodes: dims `(cols, heads, rows, 1)`, byte strides of the head, row and (unit) outer
