@@ -143,6 +143,29 @@ def test_cuda_forward_matches_reference(causal, dims, dtype):
 
 
 @needs_cuda
+def test_cuda_heads_broadcast_by_stride_zero():
+    """K and V broadcast over their heads (stride 0: no TMA map, every tile copied with cp.async) give the results of
+    the same values laid out contiguously, forward and backward."""
+    lens = [(200, 300), (0, 5), (129, 129)]
+    q, k, v, cu_q, cu_k = _case(lens, h_q=8, h_k=1, seed=12)
+    d_out = torch.randn(q.shape[0], 8, 128, generator=torch.Generator().manual_seed(13)).to(q.dtype).cuda()
+    cu_q, cu_k = cu_q.cuda(), cu_k.cuda()
+
+    def run(k4, v4):
+        leaves = [t.requires_grad_(True) for t in (q.cuda().clone(), k4, v4)]
+        out, lse = flashmla.dense_prefill(*leaves, cu_q, cu_k, causal=True)
+        out.backward(d_out)
+        return [out.detach(), lse] + [t.grad for t in leaves]
+
+    kb, vb = (t.cuda().expand(-1, 4, -1) for t in (k, v))
+    assert kb.stride(1) == 0
+    dense = run(kb.contiguous(), vb.contiguous())
+    broadcast = run(kb.detach().requires_grad_(True), vb.detach().requires_grad_(True))
+    for got, want in zip(broadcast, dense):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=3e-2)
+
+
+@needs_cuda
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dims", [(192, 128), (128, 128)])
 def test_cuda_backward_matches_the_cpu_op(causal, dims):
