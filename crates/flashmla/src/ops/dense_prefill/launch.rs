@@ -35,7 +35,7 @@ pub const SMEM_BYTES_D192: u32 = 215_040;
 pub const SMEM_BYTES_D128: u32 = 165_888;
 /// `flags` bit: bottom-right causal mask (`kFlagCausal` in params.h).
 pub const FLAG_CAUSAL: u32 = 1;
-/// `flags` bit of the forward: `q_tmap`, `k_tmap` and `v_tmap` describe q, k and v; whole tiles load by TMA
+/// `flags` bit: the parameters' TMA maps describe q, k and v (and d_out in the backward); whole tiles load by TMA
 /// (`kFlagTma`).
 pub const FLAG_TMA: u32 = 2;
 /// Rows of one TMA box of the forward (`kTileM` = `kTileN`): a query or key tile.
@@ -545,7 +545,8 @@ pub(crate) fn launch(
     // device; `lower` checked alignment, contiguity of the offsets and that every offset fits i64. The kernel
     // clamps every offset it reads into [0, total_q] / [0, total_k], so it reads q / k / v rows and writes out /
     // lse rows inside the views (heads < h_q, h_k), which by the DeviceView contract are valid, live and do not
-    // alias outputs with inputs.
+    // alias outputs with inputs. The TMA maps' dims are the views' shapes and their strides the views' strides; the
+    // TMA unit reads nothing outside those dims (it fills zeros there).
     unsafe { gpu.launch(&kernel, &cfg, &params) }
 }
 
@@ -813,7 +814,8 @@ pub(crate) fn launch_bwd(
         // offset they read (work.cuh), read q / k / v / out / d_out / lse rows and write d_q / d_k / d_v rows inside
         // the views (heads < h_q, h_k), which by the DeviceView contract are valid, live and do not alias outputs
         // with inputs; delta and the dQ accumulator lie inside the contiguous workspace of bwd_workspace_shape
-        // (validate_grads), written by the first launch before the next ones read them (one stream).
+        // (validate_grads), written by the first launch before the next ones read them (one stream). The TMA maps
+        // describe the views' shapes and strides; the TMA unit reads nothing outside them.
         unsafe { gpu.launch(&kernel, &cfg, &params)? };
     }
     Ok(())
@@ -909,10 +911,13 @@ mod tests {
         assert_eq!(dims, [192, 4, 1000, 1]);
         assert_eq!(strides, [384, 1536, 1_536_000]);
         assert_eq!(boxes, [64, 1, 128, 1]);
-        // Rows padded by 128 columns, one head: that head's stride is taken from the rows.
+        // Rows padded by 128 columns, one head.
         let padded = fake_view(BASE, DType::Bf16, &[7, 1, 128], Some(&[256, 256, 1]));
         let (_, strides, boxes) = tile_map_args(&padded, 64).unwrap();
         assert_eq!((strides, boxes), ([512, 512, 3584], [64, 1, 64, 1]));
+        // A single head with a head stride of 0: never followed, so the row stride stands in for it.
+        let single = fake_view(BASE, DType::Bf16, &[7, 1, 128], Some(&[128, 0, 1]));
+        assert_eq!(tile_map_args(&single, 64).unwrap().1, [256, 256, 1792]);
         // K broadcast over its heads (stride 0) is copied with cp.async.
         let broadcast = fake_view(BASE, DType::Bf16, &[7, 4, 128], Some(&[128, 0, 1]));
         assert_eq!(tile_map_args(&broadcast, 128), None);
