@@ -5,6 +5,9 @@
 
 #include <cstdint>
 
+#include "common/mbarrier.cuh"
+#include "common/pipeline.cuh"
+
 namespace flashmla {
 
 // Closes this thread's outstanding cp.async copies into one group.
@@ -32,6 +35,21 @@ __device__ __forceinline__ void cp_async_wait_group_n(int pending) {
         case 9: cp_async_wait_group<9>(); break;
         default: cp_async_wait_group<0>(); break;  // waiting for everything is always correct
     }
+}
+
+// Publishes what the thread wrote to shared memory through the generic proxy (st.shared, or cp.async copies it has
+// waited for) on mbarrier `full`: a proxy fence, then one arrival, so that readers through the async proxy (wgmma,
+// bulk copies) need no fence of their own after waiting on `full`.
+__device__ __forceinline__ void publish_generic_writes(uint64_t* full) {
+    fence_proxy_async_shared();
+    MBarrier::arrive(full);
+}
+
+// Waits until at most `pending` of the thread's most recent cp.async groups are in flight, then publishes the copies
+// that landed (publish_generic_writes).
+__device__ __forceinline__ void publish_landed_copies(uint64_t* full, int pending) {
+    cp_async_wait_group_n(pending);
+    publish_generic_writes(full);
 }
 
 }  // namespace flashmla

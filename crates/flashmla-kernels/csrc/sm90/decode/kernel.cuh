@@ -177,12 +177,12 @@ __device__ __forceinline__ void gather_tile(const DecodeParams& p, SmemPlan<kDqk
     if constexpr (kFenced) {
         if constexpr (C::kRopeSlabs > 0) {
             cp_async_wait_group<2>();
-            publish_group(&sm.kv_full[pos.stage][kGroupRope]);
+            publish_generic_writes(&sm.kv_full[pos.stage][kGroupRope]);
         }
         cp_async_wait_group<1>();
-        publish_group(&sm.kv_full[pos.stage][kGroupLeft]);
+        publish_generic_writes(&sm.kv_full[pos.stage][kGroupLeft]);
         cp_async_wait_group<0>();
-        publish_group(&sm.kv_full[pos.stage][kGroupRight]);
+        publish_generic_writes(&sm.kv_full[pos.stage][kGroupRight]);
     }
 }
 
@@ -299,7 +299,7 @@ __device__ __forceinline__ void producer_sparse(const DecodeParams& p, SmemPlan<
                 MBarrier::arrive(&sm.kv_full[pos.stage][kGroupLeft]);
                 cp_async_wait_group<0>();
                 dequant_slabs<kDqk, kSlabsPerHalf, kNopeSlabs>(stage, lane, scales);
-                publish_group(&sm.kv_full[pos.stage][kGroupRight]);
+                publish_generic_writes(&sm.kv_full[pos.stage][kGroupRight]);
             }
         });
     }

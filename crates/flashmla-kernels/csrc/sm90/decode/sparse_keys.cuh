@@ -260,10 +260,4 @@ __device__ __forceinline__ void dequant_slabs_split(uint32_t stage_addr, uint32_
     }
 }
 
-// Generic-proxy stores of a column group are done: make them visible to wgmma (async proxy) and arrive.
-__device__ __forceinline__ void publish_group(uint64_t* full) {
-    fence_proxy_async_shared();
-    MBarrier::arrive(full);
-}
-
 }  // namespace flashmla::decode

@@ -77,18 +77,11 @@ __device__ __forceinline__ void copy_tile(uint32_t dst_base, const uint16_t* bas
     }
 }
 
-// Publishes the thread's copies, which it has waited for, on `full` (one of its 128 arrivals) after a proxy fence:
-// wgmma reads what cp.async wrote, and the consumers do not fence.
-__device__ __forceinline__ void publish_copies(uint64_t* full) {
-    fence_proxy_async_shared();
-    MBarrier::arrive(full);
-}
-
-// Waits for all of the thread's copies so far, then publishes them (publish_copies).
+// Closes the thread's copies so far into a group and publishes them once they landed (one of the barrier's 128
+// arrivals, after a proxy fence: the consumers do not fence).
 __device__ __forceinline__ void publish_landed(uint64_t* full) {
     cp_async_commit_group();
-    cp_async_wait_group<0>();
-    publish_copies(full);
+    publish_landed_copies(full, 0);
 }
 
 // Issues the TMA boxes of kSlabs 64-column slabs of kRows rows of one head (map rows row0 ..), completing their
@@ -158,10 +151,8 @@ __device__ __forceinline__ void producer(const DensePrefillFwdParams& p, SmemPla
             MBarrier::wait(&sm.v_empty[pos.stage], pos.empty_parity);
             copy_tile<C::kDvSlabs>(smem_addr(sm.v[pos.stage]), v, p.v_stride_t, row0, w.s_k, ct, dummy);
             cp_async_commit_group();
-            cp_async_wait_group<1>();
-            publish_copies(&sm.k_full[pos.stage]);
-            cp_async_wait_group<0>();
-            publish_copies(&sm.v_full[pos.stage]);
+            publish_landed_copies(&sm.k_full[pos.stage], 1);
+            publish_landed_copies(&sm.v_full[pos.stage], 0);
         }
     }
 }

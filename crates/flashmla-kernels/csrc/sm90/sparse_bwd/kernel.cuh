@@ -249,13 +249,6 @@ __device__ __forceinline__ void issue_kv_slab(uint32_t kv_base, const uint16_t* 
     cp_async_commit_group();
 }
 
-// Waits until this thread's copies of the group `pending` groups before the newest landed, fences them for the async
-// proxy (the consumers' wgmma) and arrives on `bar` (release: also publishes row_idx).
-__device__ __forceinline__ void publish_group(uint64_t* bar, int pending) {
-    cp_async_wait_group_n(pending);
-    fence_proxy_async_shared();
-    MBarrier::arrive(bar);
-}
 
 // The producer's tile loop: gathers the w.n_tiles KV tiles whose indices come from load_tile_indices (index order)
 // or scan_bucket_tile (kBucketed); `idx_next` holds tile 0's on entry. Indices of tile i + 1 are loaded while tile i
@@ -298,10 +291,11 @@ __device__ __forceinline__ void producer_tiles(const SparseBwdParams& p, SmemPla
         }
 #pragma unroll
         for (int slab = 0; slab < kEarly; ++slab) issue_kv_slab<kDqk>(kv_base, src, ok, slab);
-        // Q / dO are the group before this tile's kEarly slab groups (tile 0 only).
-        if (i == 0) publish_group(&sm.qdo_full, kEarly);
+        // Q / dO are the group before this tile's kEarly slab groups (tile 0 only). Each arrival is a release: it also
+        // publishes row_idx.
+        if (i == 0) publish_landed_copies(&sm.qdo_full, kEarly);
 #pragma unroll
-        for (int slab = 0; slab < kEarly; ++slab) publish_group(&sm.kv_full[slab], kEarly - 1 - slab);
+        for (int slab = 0; slab < kEarly; ++slab) publish_landed_copies(&sm.kv_full[slab], kEarly - 1 - slab);
         if constexpr (kLate > 0) {
             // The late slabs hold the exchange / staging slots until every consumer thread finished the last chunk of
             // the previous tile (x_drained completes once per tile; tile 0 passes at once).
@@ -310,7 +304,7 @@ __device__ __forceinline__ void producer_tiles(const SparseBwdParams& p, SmemPla
             for (int slab = kEarly; slab < C::kDqkSlabs; ++slab) issue_kv_slab<kDqk>(kv_base, src, ok, slab);
 #pragma unroll
             for (int slab = kEarly; slab < C::kDqkSlabs; ++slab) {
-                publish_group(&sm.kv_full[slab], C::kDqkSlabs - 1 - slab);
+                publish_landed_copies(&sm.kv_full[slab], C::kDqkSlabs - 1 - slab);
             }
         }
         // Bucketed order: pick tile i + 1 once tile i is issued (its sources no longer need registers; the scan runs
@@ -364,7 +358,7 @@ __device__ __forceinline__ void producer(const SparseBwdParams& p, SmemPlan<kDqk
     }
     if (!has_tiles) {
         // A row without tiles: dO only, for consumer 1's delta (the epilogue stages d_q = 0 in the Q region).
-        publish_group(&sm.qdo_full, 0);
+        publish_landed_copies(&sm.qdo_full, 0);
         return;
     }
 
