@@ -10,9 +10,10 @@ Drop-in replacements for the FlashMLA Python API are in :mod:`flashmla.compat`; 
 :mod:`flashmla.reference`.
 
 Memory: each call allocates its outputs through torch. The CUDA decodes also need a workspace (the split-KV
-schedule and partial results): each CUDA stream keeps the largest one a decode has needed there and later decodes
-on that stream reuse it (they are ordered behind each other); a decode captured into a CUDA graph takes its own
-from the graph's pool. :func:`release_workspaces` gives the kept ones back to torch's caching allocator.
+schedule and partial results), and the dense prefill forward one word of it (its work counter): each CUDA stream
+keeps the largest one a call has needed there and later calls on that stream reuse it (they are ordered behind each
+other); a call captured into a CUDA graph takes its own from the graph's pool. :func:`release_workspaces` gives the
+kept ones back to torch's caching allocator.
 
 Errors: invalid arguments raise ``ValueError`` (``TypeError`` for a wrong dtype), valid requests this build
 cannot serve raise ``NotImplementedError`` naming the op, CUDA failures raise ``RuntimeError``, a CPU call that
@@ -95,9 +96,10 @@ def kernels_built() -> dict:
 
 
 def release_workspaces() -> int:
-    """Gives the decode workspaces kept per CUDA stream back to torch's caching allocator; returns their bytes.
+    """Gives the workspaces kept per CUDA stream (decodes, dense prefill) back to torch's caching allocator; returns
+    their bytes.
 
-    Later decodes allocate a new one as they need it. Call ``torch.cuda.empty_cache()`` afterwards to return the
+    Later calls allocate a new one as they need it. Call ``torch.cuda.empty_cache()`` afterwards to return the
     memory to the driver as well.
     """
     return _native.release_workspaces()

@@ -244,6 +244,42 @@ def test_cuda_forward_replays_in_a_cuda_graph_with_new_offsets():
 
 
 @needs_cuda
+def test_cuda_persistent_ctas_serve_many_items_on_two_streams():
+    """More work items (128-row tiles x heads) than SMs, so every CTA serves several; the same call queued on two
+    streams at once (each stream's own work counter) gives the reference on both."""
+    lens = [(600, 900), (250, 700), (700, 700)]
+    h_q, h_k = 64, 4
+    q, k, v, cu_q, cu_k = _case(lens, h_q=h_q, h_k=h_k, seed=14)
+    items = (math.ceil(q.shape[0] / 128) + len(lens)) * h_q
+    assert items > 4 * torch.cuda.get_device_properties(0).multi_processor_count
+    # Vectorised reference (every row sees a key: s_k >= s_q), float64.
+    ref_out = torch.empty(q.shape[0], h_q, v.shape[2], dtype=torch.float64)
+    ref_lse = torch.empty(h_q, q.shape[0], dtype=torch.float64)
+    for i in range(len(lens)):
+        q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        kk = k[k0:k1].double().repeat_interleave(h_q // h_k, dim=1)  # [s_k, h_q, d]
+        vv = v[k0:k1].double().repeat_interleave(h_q // h_k, dim=1)
+        s = torch.einsum("rhd,chd->hrc", q[q0:q1].double(), kk) * q.shape[2] ** -0.5
+        r = torch.arange(q1 - q0)[:, None]
+        c = torch.arange(k1 - k0)[None, :]
+        s = s.masked_fill(c > r + (k1 - k0) - (q1 - q0), -math.inf)
+        lse = torch.logsumexp(s, -1)
+        ref_lse[:, q0:q1] = lse
+        ref_out[q0:q1] = torch.einsum("hrc,chd->rhd", torch.exp(s - lse[..., None]), vv)
+    args = [t.cuda() for t in (q, k, v, cu_q, cu_k)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    results = []
+    with torch.no_grad():
+        for st in streams:
+            st.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(st):
+                results.append(flashmla.dense_prefill(*args, causal=True))
+    torch.cuda.synchronize()
+    for out, lse in results:
+        _close_to_reference(out, lse, ref_out, ref_lse)
+
+
+@needs_cuda
 def test_cuda_compat_and_compile():
     from flashmla import compat
 

@@ -1041,6 +1041,22 @@ pub fn dense_prefill_fwd<'py>(
         ],
         loc,
     )?;
+    // On CUDA the persistent CTAs' work counter lives in the stream's kept workspace (zeroed by the call).
+    let workspace = match &place {
+        Place::Cuda(gpu) => {
+            let capturing = guard("dense_prefill_fwd", || {
+                gpu.restoring_context(|| gpu.is_capturing())
+            })?;
+            Some(stream_workspace(
+                q,
+                gpu.ordinal(),
+                gpu.stream(),
+                capturing,
+                dense_prefill::launch::FWD_WORKSPACE_WORDS,
+            )?)
+        }
+        Place::Host => None,
+    };
     run(
         py,
         "dense_prefill_fwd",
@@ -1058,10 +1074,15 @@ pub fn dense_prefill_fwd<'py>(
                 out: out_d.to_device()?,
                 lse: lse_d.to_device()?,
             };
-            dense_prefill::dense_prefill_fwd_cuda(
+            let ws = match &workspace {
+                Some((_, ws)) => Some(ws.to_device()?),
+                None => None,
+            };
+            dense_prefill::dense_prefill_fwd_cuda_with(
                 gpu,
                 &d.map(&Desc::to_device)?.args(softmax_scale, causal),
                 &views,
+                ws.as_ref(),
             )
         },
     )?;
@@ -1306,7 +1327,7 @@ pub fn kv_dequantize<'py>(cache: &Tensor<'py>) -> PyResult<Tensor<'py>> {
 // ---------------------------------------------------------------------------------------------------------------
 // Build information
 
-/// Drops the decode workspaces kept per CUDA stream and returns the bytes they held (see
+/// Drops the workspaces kept per CUDA stream (decodes, dense prefill forward) and returns the bytes they held (see
 /// `crate::tensor::stream_workspace`).
 #[pyfunction]
 pub fn release_workspaces() -> usize {

@@ -500,7 +500,7 @@ fn host_bytes(data: &HostData) -> &[u8] {
     }
 }
 
-/// One decode workspace kept for a `(device, stream)`: the torch tensor, its length in f32 words, its address.
+/// One workspace kept for a `(device, stream)` (decodes, dense prefill forward): the torch tensor, its length in f32 words, its address.
 struct Kept {
     tensor: Py<PyAny>,
     words: usize,

@@ -230,6 +230,23 @@ impl Gpu {
         copy_to_host(&self.inner, v)
     }
 
+    /// Queues zeros into the first `words` 4-byte words at `ptr` on this device's stream (a kernel's counters in a
+    /// workspace; capturable into a CUDA graph).
+    ///
+    /// # Safety
+    /// `ptr .. ptr + 4 * words` must be device memory of this device that nothing reads or writes concurrently
+    /// with the stream's work, and `ptr` 4-byte aligned.
+    pub(crate) unsafe fn zero_words_async(&self, ptr: u64, words: usize) -> Result<()> {
+        if words == 0 {
+            return Ok(());
+        }
+        self.inner.bind()?;
+        // SAFETY: the caller owns the range (above); ordered on this stream.
+        check("cuMemsetD32Async", unsafe {
+            sys::cuMemsetD32Async(ptr, 0, words, self.inner.stream)
+        })
+    }
+
     /// `t` was allocated by this device.
     fn check_owner(&self, t: &DeviceTensor) -> Result<()> {
         if t.gpu.ordinal() != self.ordinal() {

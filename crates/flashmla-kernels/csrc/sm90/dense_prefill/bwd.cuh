@@ -127,7 +127,8 @@ template <int kTile, int kConsumers, class Plan>
 __device__ __forceinline__ void begin_cta(Plan& sm, int batch, const int32_t* cu, int total, int tiles,
                                           const int32_t* cu_other, int total_other) {
     if (threadIdx.x < 32) {
-        const SeqTile t = find_seq_tile<kTile>(cu, batch, total, tiles, static_cast<int>(threadIdx.x));
+        const SeqTile t = find_seq_tile<kTile>(cu, batch, total, tiles, static_cast<int>(blockIdx.x),
+                                                   static_cast<int>(threadIdx.x));
         int start = 0;
         int len = 0;
         if (t.found) other_range(cu_other, t.seq, total_other, start, len);
@@ -922,7 +923,8 @@ __device__ __forceinline__ void dq_convert_kernel(const DensePrefillBwdParams& p
     __shared__ SeqTile tile;
     const int t = static_cast<int>(threadIdx.x);
     if (t < 32) {
-        const SeqTile w = find_seq_tile<kRows>(p.cu_seqlens_q, p.batch, p.total_q, p.q_tiles, t);
+        const SeqTile w = find_seq_tile<kRows>(p.cu_seqlens_q, p.batch, p.total_q, p.q_tiles,
+                                                   static_cast<int>(blockIdx.x), t);
         if (t == 0) tile = w;
     }
     __syncthreads();

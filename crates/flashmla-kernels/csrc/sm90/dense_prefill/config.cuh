@@ -1,6 +1,7 @@
 // Tile sizes, warp roles and the shared-memory plan of the dense varlen prefill forward (docs/dense-prefill.md).
-// One CTA serves 128 query rows of one (sequence, head): two consumer warpgroups of 64 rows each stream the
-// sequence's keys in tiles of 128 through a 2-stage ring that one producer warpgroup fills.
+// A work item is 128 query rows of one (sequence, head): two consumer warpgroups of 64 rows each stream the
+// sequence's keys in tiles of 128 through a 2-stage ring that one producer warpgroup fills. A CTA serves items until
+// none is left.
 #pragma once
 
 #include <cstdint>
@@ -25,19 +26,21 @@ inline constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;  // 384
 enum class Role : int { Producer = 0, Consumer0 = 1, Consumer1 = 2 };
 
 // Register split after setmaxnreg (the pool is 3 x 168 per thread slot under __launch_bounds__(384, 1)). A consumer
-// holds S (64), O (64), the P fragments (32) and its softmax state.
+// holds S (64), O (64), the P fragments (32) and its softmax state. The producer's loop over work items keeps the
+// item and the ring position across its copies: at 72 registers ptxas spilled two values of the d 128 copy path;
+// 80 / 208 is spill-free and measured level with 72 / 216 (H100, 2 x 8K and 1 x 16K causal, builds alternating).
 inline constexpr uint32_t kRegsAtLaunch = (65536u / kThreads) & ~7u;  // 168
-inline constexpr uint32_t kProducerRegs = 72;
-inline constexpr uint32_t kConsumerRegs = 216;
+inline constexpr uint32_t kProducerRegs = 80;
+inline constexpr uint32_t kConsumerRegs = 208;
 static_assert(kProducerRegs + kConsumers * kConsumerRegs <= 3 * kRegsAtLaunch, "setmaxnreg pool of the CTA");
 
 // Producer copy geometry: 8 threads per 128-byte slab row, so 16 rows per pass of the warpgroup.
 inline constexpr int kRowsPerPass = kWarpgroupThreads / kSw128ChunksPerRow;  // 16
 static_assert(kTileM == kTileN, "Q and K/V tiles share the copy geometry");
 
-// Named barriers (id 0 is __syncthreads): each consumer's epilogue staging, among its own 128 threads; and the
-// consumers' turns to issue MMAs (Turn<c>: consumer c waits there until the other consumer has issued).
-enum class Bar : uint32_t { Staging0 = 1, Staging1 = 2, Turn0 = 3, Turn1 = 4 };
+// Named barriers (id 0 is __syncthreads): the consumers' turns to issue MMAs (Turn<c>: consumer c waits there until
+// the other consumer has issued); the producer's hand-off of its next work item among its own 128 threads.
+enum class Bar : uint32_t { Turn0 = 1, Turn1 = 2, NextWork = 3 };
 
 template <int kD>
 struct Config {
@@ -54,9 +57,9 @@ struct Config {
     static constexpr int kConsumerRowBytes = kRowsPerConsumer * kSw128RowBytes;  // 8 KB: a consumer's rows of a slab
 };
 
-// The CTA's work, found by warp 0 before the roles split (identical for every thread afterwards).
+// A work item: one 128-row query tile of one (sequence, head), found by the producer's warp 0.
 struct TileWork {
-    int32_t found;    // 0: the CTA's tile index is past the last tile (nothing to do)
+    int32_t found;    // 0: no item (the CTA has served its last one)
     int32_t q0;       // first query row of the tile (global row index)
     int32_t rows;     // query rows of the tile that exist (1..128)
     int32_t m0;       // first row of the tile inside its sequence
@@ -67,7 +70,7 @@ struct TileWork {
 };
 
 // The shared-memory plan, one per d. Operand tiles are 1024-byte aligned (the SW128 period).
-//   q  [slab][128 rows][128 B]         Q; consumer c's rows of slabs 0..1 stage its bf16 output at the end
+//   q  [slab][128 rows][128 B]         Q
 //   k  [stage][slab][128 rows][128 B]  K tiles (K-major B of S = Q K^T)
 //   v  [stage][slab][128 rows][128 B]  V tiles (MN-major B of O += P V)
 template <int kD>
@@ -76,12 +79,14 @@ struct SmemPlan {
     alignas(kSw128AtomBytes) uint8_t q[C::kQBytes];
     alignas(kSw128AtomBytes) uint8_t k[kStages][C::kKBytes];
     alignas(kSw128AtomBytes) uint8_t v[kStages][C::kVBytes];
-    uint64_t q_full;             // producer -> consumers: Q landed (128 cp.async-tracked arrivals)
-    uint64_t k_full[kStages];    // producer -> consumers: a K tile landed (same)
+    uint64_t q_full;             // producer -> consumers: `work` written and its Q landed (128 arrivals)
+    uint64_t q_empty;            // consumers -> producer: Q read for the last time (one arrival per consumer warp)
+    uint64_t k_full[kStages];    // producer -> consumers: a K tile landed (128 arrivals)
     uint64_t v_full[kStages];    // producer -> consumers: a V tile landed (same)
     uint64_t k_empty[kStages];   // consumers -> producer: a K tile released (one arrival per consumer warp)
     uint64_t v_empty[kStages];   // consumers -> producer: a V tile released (same)
-    TileWork work;
+    TileWork work;               // the item whose Q is in `q` (found = 0: the CTA is done)
+    TileWork next;               // the producer's next item, from its warp 0 to its other warps
 };
 
 // Dynamic shared memory a launch requests: the plan plus slack to round the base up to 1024 bytes.

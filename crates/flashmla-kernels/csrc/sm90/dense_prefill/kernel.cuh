@@ -1,13 +1,17 @@
 // Dense varlen prefill forward for sm_90a (docs/spec.md section 5; design in docs/dense-prefill.md).
 //
-// One CTA = 128 query rows of one (sequence, query head); 3 warpgroups:
-//   Producer:  loads the Q tile once, then the sequence's K and V tiles (128 keys each) into a 2-stage ring: by TMA
-//              where a tile lies wholly inside the sequence, else with cp.async (16-byte chunks placed straight into
-//              the 128B-swizzled layout; rows past the sequence zero-filled without being read), published after a
-//              proxy fence. K and V of a stage complete and are released separately.
+// Persistent CTAs, one per SM: each serves work items (128 query rows of one (sequence, query head)) taken from the
+// call's counter in the order of work.cuh, until none is left. 3 warpgroups:
+//   Producer:  per item, once the consumers have read the previous item's Q for the last time: publishes the item and
+//              loads its Q tile, then the sequence's K and V tiles (128 keys each) into a 2-stage ring that runs on
+//              across items: by TMA where a tile lies wholly inside the sequence, else with cp.async (16-byte chunks
+//              placed straight into the 128B-swizzled layout; rows past the sequence zero-filled without being read),
+//              published after a proxy fence. K and V of a stage complete and are released separately. It takes its
+//              next item while the consumers work on the current one.
 //   Consumers: consumer c owns rows 64 c .. 64 c + 63. Per tile: S = Q K^T (wgmma 64 x 128), the mask (causal
 //              diagonal and the sequence's last tile only), the online softmax, O += P V with P from registers.
-//              The epilogue writes out (staged through the consumer's own Q rows for 16-byte stores) and lse.
+//              Q is released after the last S; the epilogue writes out from registers (16-byte stores after a
+//              transpose inside each quad) and lse, while the next item's Q and first tiles load.
 // The two consumers run the same program on different rows, so one's softmax overlaps the other's MMAs.
 #pragma once
 
@@ -31,9 +35,9 @@ namespace flashmla::dense_prefill {
 using Ring = RingPos<kStages>;
 
 // ---------------------------------------------------------------------------------------------------------------
-// Work of the CTA: a 128-row query tile of one (sequence, head) (work.cuh: grid order, offsets).
-__device__ __forceinline__ TileWork find_work(const DensePrefillFwdParams& p, int lane) {
-    const SeqTile t = find_seq_tile<kTileM>(p.cu_seqlens_q, p.batch, p.total_q, p.m_tiles, lane);
+// Work item `linear`: a 128-row query tile of one (sequence, head) (work.cuh: order, offsets). Run by one warp.
+__device__ __forceinline__ TileWork find_work(const DensePrefillFwdParams& p, int linear, int lane) {
+    const SeqTile t = find_seq_tile<kTileM>(p.cu_seqlens_q, p.batch, p.total_q, p.m_tiles, linear, lane);
     TileWork w{};
     w.found = t.found;
     w.head = t.head;
@@ -47,11 +51,36 @@ __device__ __forceinline__ TileWork find_work(const DensePrefillFwdParams& p, in
     return w;
 }
 
-// Keys the CTA's rows can see: all of the sequence's, or under the bottom-right causal mask up to row
+// Key tiles the item's rows can see: all of the sequence's, or under the bottom-right causal mask up to row
 // (last row + s_k - s_q). 0 when no row sees any key.
-__device__ __forceinline__ int keys_seen(const DensePrefillFwdParams& p, const TileWork& w) {
-    if ((p.flags & kFlagCausal) == 0) return w.s_k;
-    return clamp_to(w.m0 + w.rows + (w.s_k - w.s_q), 0, w.s_k);
+__device__ __forceinline__ int key_tiles(const DensePrefillFwdParams& p, const TileWork& w) {
+    const int keys =
+        (p.flags & kFlagCausal) == 0 ? w.s_k : clamp_to(w.m0 + w.rows + (w.s_k - w.s_q), 0, w.s_k);
+    return (keys + kTileN - 1) / kTileN;
+}
+
+// The producer's next work item: its thread 0 takes indices from the call's counter until one names a tile (an
+// index past the last sequence's tiles names none: the order's tiles per head are a bound) or none is left, and
+// warp 0 finds the tile; the other warps read it from shared memory. found = 0 when the CTA is done.
+template <int kD>
+__device__ __forceinline__ TileWork next_work(const DensePrefillFwdParams& p, SmemPlan<kD>& sm) {
+    named_barrier_sync_unaligned(Bar::NextWork, kWarpgroupThreads);  // every warp read the previous one
+    if (threadIdx.x < 32) {
+        const int lane = static_cast<int>(threadIdx.x);
+        const uint32_t items = static_cast<uint32_t>(p.m_tiles) * static_cast<uint32_t>(p.h_q);
+        TileWork w{};
+        for (;;) {
+            uint32_t idx = 0;
+            if (lane == 0) idx = atomicAdd(p.tile_counter, 1u);
+            idx = __shfl_sync(kFullMask, idx, 0);
+            if (idx >= items) break;
+            w = find_work(p, static_cast<int>(idx), lane);
+            if (w.found) break;
+        }
+        if (lane == 0) sm.next = w;
+    }
+    named_barrier_sync_unaligned(Bar::NextWork, kWarpgroupThreads);
+    return sm.next;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -108,22 +137,23 @@ __device__ __forceinline__ void tma_tile(uint32_t dst, const TensorMapBytes* map
 // With kFlagTma, Q and every K / V tile that lies wholly inside the sequence load by TMA; the sequence's last,
 // partial tile (its rows past s_k must be zeros: the rows after it belong to another sequence or to no tensor) and,
 // without the flag, every tile are copied with cp.async and published by the producer. All 128 threads wait for each
-// release, so that they keep in step with the ring's phases whichever path a tile takes.
+// release, so that they keep in step with the ring's phases whichever path a tile takes. Thread 0 writes the item
+// to `sm.work` before its arrival on q_full.
 template <int kD>
-__device__ __forceinline__ void producer(const DensePrefillFwdParams& p, SmemPlan<kD>& sm, const TileWork& w,
-                                         int n_tiles) {
+__device__ __forceinline__ void load_item(const DensePrefillFwdParams& p, SmemPlan<kD>& sm, const TileWork& w,
+                                          int n_tiles, int first) {
     using C = Config<kD>;
-    if (n_tiles == 0) return;  // the consumers wait for nothing
     const bool tma = (p.flags & kFlagTma) != 0;
     const Sw128CopyThread ct = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
     const uint16_t* dummy = p.q;  // source of zero-filled copies: never read, but inside a tensor anyway
     const int kv_head = w.head / p.h_per_k;
 
+    if (threadIdx.x == 0) sm.work = w;
+    if (n_tiles == 0) {  // the consumers read no Q: they write the item's rows at once
+        if (threadIdx.x == 0) MBarrier::arrive(&sm.q_full, kWarpgroupThreads);
+        return;
+    }
     if (tma) {
-        if (threadIdx.x == 0) {
-            tma_prefetch_map(&p.k_tmap);
-            tma_prefetch_map(&p.v_tmap);
-        }
         // Rows past the sequence's queries are other rows of q or zeros: a row's scores, softmax and output involve
         // no other row, and the epilogue writes only the tile's own rows.
         tma_tile<C::kDSlabs>(smem_addr(sm.q), &p.q_tmap, w.head, w.q0, &sm.q_full);
@@ -137,7 +167,7 @@ __device__ __forceinline__ void producer(const DensePrefillFwdParams& p, SmemPla
     const uint16_t* k = p.k + static_cast<int64_t>(w.k0) * p.k_stride_t + kv_head * p.k_stride_h;
     const uint16_t* v = p.v + static_cast<int64_t>(w.k0) * p.v_stride_t + kv_head * p.v_stride_h;
     for (int i = 0; i < n_tiles; ++i) {
-        const Ring pos = Ring::of(i);
+        const Ring pos = Ring::of(first + i);
         const int row0 = i * kTileN;
         if (tma && row0 + kTileN <= w.s_k) {
             MBarrier::wait(&sm.k_empty[pos.stage], pos.empty_parity);
@@ -154,6 +184,33 @@ __device__ __forceinline__ void producer(const DensePrefillFwdParams& p, SmemPla
             publish_landed_copies(&sm.k_full[pos.stage], 1);
             publish_landed_copies(&sm.v_full[pos.stage], 0);
         }
+    }
+}
+
+// The producer's loop over the CTA's items. `first` is the ring position of an item's first key tile: the ring runs
+// on across items, so the next item's first tiles load while the consumers finish the current one.
+template <int kD>
+__device__ __forceinline__ void producer(const DensePrefillFwdParams& p, SmemPlan<kD>& sm) {
+    if ((p.flags & kFlagTma) != 0 && threadIdx.x == 0) {
+        tma_prefetch_map(&p.q_tmap);
+        tma_prefetch_map(&p.k_tmap);
+        tma_prefetch_map(&p.v_tmap);
+    }
+    TileWork w = next_work(p, sm);
+    int first = 0;
+    for (int item = 0;; ++item) {
+        if (item > 0) MBarrier::wait(&sm.q_empty, static_cast<uint32_t>((item - 1) & 1));
+        if (!w.found) {
+            if (threadIdx.x == 0) {
+                sm.work = w;
+                MBarrier::arrive(&sm.q_full, kWarpgroupThreads);
+            }
+            return;
+        }
+        const int n_tiles = key_tiles(p, w);
+        load_item<kD>(p, sm, w, n_tiles, first);
+        first += n_tiles;
+        w = next_work(p, sm);
     }
 }
 
@@ -210,14 +267,38 @@ __device__ __forceinline__ void tile_row_max(const float (&s)[kSRegs], float sca
     }
 }
 
-// The epilogue: O / l to E, staged in the consumer's own rows of Q slabs 0..1 (the SW128 layout: row r, column
-// chunk j at slab j / 8, chunk j % 8 of row r), then copied out with 16-byte stores; lse (natural log) per row.
-// Rows that saw no key get out 0 and lse +inf. Called after the consumer's last wgmma read of Q completed.
-template <int kD, class E>
-__device__ __forceinline__ void epilogue(const DensePrefillFwdParams& p, SmemPlan<kD>& sm, const TileWork& w,
-                                         int consumer, int t, const AccFrag& f, const RowState& st,
-                                         const float (&o)[kORegs]) {
-    using C = Config<kD>;
+// A 4 x 4 transpose of 32-bit words inside each quad of lanes: lane q's a[k] becomes lane k's a[q] (two rounds of
+// exchanges with the lane whose index differs in one bit, each swapping the two words whose index bit differs from
+// the lane's).
+__device__ __forceinline__ void quad_transpose(uint32_t (&a)[4], int quad) {
+    const bool odd = (quad & 1) != 0;
+    uint32_t x0 = __shfl_xor_sync(kFullMask, odd ? a[0] : a[1], 1);
+    uint32_t x1 = __shfl_xor_sync(kFullMask, odd ? a[2] : a[3], 1);
+    if (odd) {
+        a[0] = x0;
+        a[2] = x1;
+    } else {
+        a[1] = x0;
+        a[3] = x1;
+    }
+    const bool high = (quad & 2) != 0;
+    x0 = __shfl_xor_sync(kFullMask, high ? a[0] : a[2], 2);
+    x1 = __shfl_xor_sync(kFullMask, high ? a[1] : a[3], 2);
+    if (high) {
+        a[0] = x0;
+        a[1] = x1;
+    } else {
+        a[2] = x0;
+        a[3] = x1;
+    }
+}
+
+// The epilogue: O / l to E and lse (natural log) per row; rows that saw no key get out 0 and lse +inf. From
+// registers: a quad holds two columns of each n8 block of its two rows, so a transpose inside the quad over four
+// blocks gives each lane the eight columns of one block, stored as 16 bytes (out rows are 16-byte aligned).
+template <class E>
+__device__ __forceinline__ void epilogue(const DensePrefillFwdParams& p, const TileWork& w, int consumer,
+                                         const AccFrag& f, const RowState& st, const float (&o)[kORegs]) {
     const int rows[2] = {kRowsPerConsumer * consumer + f.row0, kRowsPerConsumer * consumer + f.row1()};
     float inv[2];
 #pragma unroll
@@ -229,29 +310,22 @@ __device__ __forceinline__ void epilogue(const DensePrefillFwdParams& p, SmemPla
             p.lse[static_cast<int64_t>(w.head) * p.lse_stride_h + w.q0 + rows[rr]] = lse;
         }
     }
-    const uint32_t q_addr = smem_addr(sm.q);
-#pragma unroll
-    for (int j = 0; j < kORegs / 4; ++j) {  // n8 block j: columns 8 j + 2 q, + 1
-        const int slab = j / kSw128ChunksPerRow;
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            const uint32_t addr = q_addr + slab * C::kSlabBytes +
-                                  sw128_chunk_offset(rows[rr], j % kSw128ChunksPerRow) + 4 * f.quad;
-            st_shared_u32(addr, pack_x2<E>(o[4 * j + 2 * rr] * inv[rr], o[4 * j + 2 * rr + 1] * inv[rr]));
-        }
-    }
-    named_barrier_sync_unaligned(consumer == 0 ? Bar::Staging0 : Bar::Staging1, kWarpgroupThreads);
-    constexpr int kChunksPerRow = kDv * 2 / 16;  // 16
     uint16_t* out = p.out + static_cast<int64_t>(w.q0) * p.out_stride_t + static_cast<int64_t>(w.head) * p.out_stride_h;
 #pragma unroll
-    for (int it = 0; it < kRowsPerConsumer * kChunksPerRow / kWarpgroupThreads; ++it) {
-        const int id = it * kWarpgroupThreads + t;
-        const int row = kRowsPerConsumer * consumer + id / kChunksPerRow;
-        const int chunk = id % kChunksPerRow;
-        if (row < w.rows) {
-            const uint4 val = ld_shared_v4(q_addr + (chunk / kSw128ChunksPerRow) * C::kSlabBytes +
-                                           sw128_chunk_offset(row, chunk % kSw128ChunksPerRow));
-            *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row) * p.out_stride_t + chunk * 8) = val;
+    for (int rr = 0; rr < 2; ++rr) {
+#pragma unroll
+        for (int g = 0; g < kORegs / 16; ++g) {  // n8 blocks 4 g .. 4 g + 3
+            uint32_t a[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int j = 4 * g + k;
+                a[k] = pack_x2<E>(o[4 * j + 2 * rr] * inv[rr], o[4 * j + 2 * rr + 1] * inv[rr]);
+            }
+            quad_transpose(a, f.quad);
+            if (rows[rr] < w.rows) {
+                *reinterpret_cast<uint4*>(out + static_cast<int64_t>(rows[rr]) * p.out_stride_t +
+                                          8 * (4 * g + f.quad)) = make_uint4(a[0], a[1], a[2], a[3]);
+            }
         }
     }
 }
@@ -356,9 +430,10 @@ struct Turns {
 // The consumer's loop, software-pipelined by one tile: iteration i queues QK(i) and PV(i - 1) back to back, waits
 // for QK(i) only, and runs the softmax of tile i while PV(i - 1) occupies the tensor cores. P(i) stays in f32 in S's
 // registers until PV(i - 1) has read the previous fragments; then O is rescaled for tile i and P(i) packed.
+// `first`: the ring position of the item's first key tile. Q is released after the last S.
 template <int kD, class E>
-__device__ __forceinline__ void consumer(const DensePrefillFwdParams& p, SmemPlan<kD>& sm, const TileWork& w,
-                                         int n_tiles, int consumer_idx) {
+__device__ __forceinline__ void consume_item(const DensePrefillFwdParams& p, SmemPlan<kD>& sm, const TileWork& w,
+                                             int n_tiles, int first, int consumer_idx) {
     using C = Config<kD>;
     const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * (1 + consumer_idx);
     const int lane = t % 32;
@@ -386,45 +461,62 @@ __device__ __forceinline__ void consumer(const DensePrefillFwdParams& p, SmemPla
 
     const uint64_t desc_q =
         make_wgmma_desc_sw128(smem_addr(sm.q) + consumer_idx * C::kConsumerRowBytes, kUnusedLbo, kSw128AtomBytes);
-    if (n_tiles > 0) {
+    if (n_tiles == 0) {
+        release_by_warp(&sm.q_empty, lane);
+    } else {
         const Turns turns{consumer_idx};
         if (consumer_idx == 1) turns.pass();  // consumer 0 issues first
-        MBarrier::wait(&sm.q_full, 0);
         float s[kSRegs];
         uint32_t pa[kPSteps][4];
         float alpha[2];
         // Prologue: tile 0's scores and P.
         turns.wait();
-        issue_qk<kD, E>(sm, desc_q, 0, s);
+        issue_qk<kD, E>(sm, desc_q, first, s);
         turns.pass();
         wgmma_wait<0>();
         wgmma_fence_regs(s);
-        release_by_warp(&sm.k_empty[0], lane);
+        release_by_warp(&sm.k_empty[Ring::of(first).stage], lane);
+        if (n_tiles == 1) release_by_warp(&sm.q_empty, lane);
         softmax_tile(s, 0, f, limit, mask_from, scale, st, alpha);  // O is zero: alpha needs no rescale
         to_frags<E>(s, pa);
         for (int i = 1; i < n_tiles; ++i) {
             turns.wait();
-            issue_qk<kD, E>(sm, desc_q, i, s);
-            issue_pv<kD, E>(sm, i - 1, pa, o);
+            issue_qk<kD, E>(sm, desc_q, first + i, s);
+            issue_pv<kD, E>(sm, first + i - 1, pa, o);
             turns.pass();
             wgmma_wait<1>();  // QK(i) done (groups retire in order); PV(i - 1) may still run
             wgmma_fence_regs(s);
-            release_by_warp(&sm.k_empty[Ring::of(i).stage], lane);
+            release_by_warp(&sm.k_empty[Ring::of(first + i).stage], lane);
+            if (i == n_tiles - 1) release_by_warp(&sm.q_empty, lane);
             softmax_tile(s, i, f, limit, mask_from, scale, st, alpha);
             wgmma_wait<0>();  // PV(i - 1) done: pa and V(i - 1) are free, O may be rescaled
             wgmma_fence_regs(o);
-            release_by_warp(&sm.v_empty[Ring::of(i - 1).stage], lane);
+            release_by_warp(&sm.v_empty[Ring::of(first + i - 1).stage], lane);
             scale_o(o, alpha);
             to_frags<E>(s, pa);
         }
         turns.wait();
-        issue_pv<kD, E>(sm, n_tiles - 1, pa, o);
+        issue_pv<kD, E>(sm, first + n_tiles - 1, pa, o);
         if (consumer_idx == 0) turns.pass();
         wgmma_wait<0>();
         wgmma_fence_regs(o);
-        release_by_warp(&sm.v_empty[Ring::of(n_tiles - 1).stage], lane);
+        release_by_warp(&sm.v_empty[Ring::of(first + n_tiles - 1).stage], lane);
     }
-    epilogue<kD, E>(p, sm, w, consumer_idx, t, f, st, o);
+    epilogue<E>(p, w, consumer_idx, f, st, o);
+}
+
+// The consumer's loop over the CTA's items, in the producer's order; it ends at the item with found = 0.
+template <int kD, class E>
+__device__ __forceinline__ void consumer(const DensePrefillFwdParams& p, SmemPlan<kD>& sm, int consumer_idx) {
+    int first = 0;
+    for (int item = 0;; ++item) {
+        MBarrier::wait(&sm.q_full, static_cast<uint32_t>(item & 1));
+        const TileWork w = sm.work;
+        if (!w.found) return;
+        const int n_tiles = key_tiles(p, w);
+        consume_item<kD, E>(p, sm, w, n_tiles, first, consumer_idx);
+        first += n_tiles;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -432,19 +524,14 @@ __device__ __forceinline__ void consumer(const DensePrefillFwdParams& p, SmemPla
 template <int kD, class E>
 __device__ __forceinline__ void dense_prefill_fwd(const DensePrefillFwdParams& p, uint8_t* smem) {
     using Plan = SmemPlan<kD>;
-    if (static_cast<int64_t>(blockIdx.x) >= static_cast<int64_t>(p.m_tiles) * p.h_q) return;
-
     const uint32_t raw = smem_addr(smem);
     const uint32_t pad = ((raw + kSw128AtomBytes - 1) & ~static_cast<uint32_t>(kSw128AtomBytes - 1)) - raw;
     if (pad + sizeof(Plan) > dynamic_smem_bytes()) __trap();  // launch asked for less than kSmemBytes<kD>
     Plan& sm = *reinterpret_cast<Plan*>(smem + pad);
 
-    if (threadIdx.x < 32) {
-        const TileWork w = find_work(p, static_cast<int>(threadIdx.x));
-        if (threadIdx.x == 0) sm.work = w;
-    }
-    if (threadIdx.x == 32) {
+    if (threadIdx.x == 0) {
         MBarrier::init(&sm.q_full, kWarpgroupThreads);
+        MBarrier::init(&sm.q_empty, kConsumers * kWarpsPerWarpgroup);
 #pragma unroll
         for (int st = 0; st < kStages; ++st) {
             MBarrier::init(&sm.k_full[st], kWarpgroupThreads);
@@ -454,18 +541,14 @@ __device__ __forceinline__ void dense_prefill_fwd(const DensePrefillFwdParams& p
         }
     }
     __syncthreads();
-    const TileWork w = sm.work;
-    if (!w.found) return;
-    const int n_keys = keys_seen(p, w);
-    const int n_tiles = (n_keys + kTileN - 1) / kTileN;
 
     const Role role = static_cast<Role>(threadIdx.x / kWarpgroupThreads);
     if (role == Role::Producer) {
         setmaxnreg_dec<kProducerRegs>();
-        producer<kD>(p, sm, w, n_tiles);
+        producer<kD>(p, sm);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
-        consumer<kD, E>(p, sm, w, n_tiles, role == Role::Consumer0 ? 0 : 1);
+        consumer<kD, E>(p, sm, role == Role::Consumer0 ? 0 : 1);
     }
 }
 

@@ -31,6 +31,7 @@ struct DensePrefillFwdParams {
     const int32_t* cu_seqlens_k;   // [batch + 1] i32, contiguous
     uint16_t* out;                 // [total_q, h_q, d_v]; strides (out_stride_t, out_stride_h, 1)
     float* lse;                    // [h_q, total_q] f32 (natural log); strides (lse_stride_h, 1)
+    uint32_t* tile_counter;        // the call's work counter, zero at launch: each CTA takes the items it serves
 
     int64_t q_stride_t;
     int64_t q_stride_h;
@@ -50,7 +51,7 @@ struct DensePrefillFwdParams {
     int32_t m_tiles;               // upper bound on the 128-row query tiles of all sequences: ceil(total_q / 128) + batch
     uint32_t flags;                // kFlag* bits
     float sm_scale_log2;           // softmax_scale * log2(e)
-    int32_t tail[8];               // 0; pads the struct to its 64-byte alignment without implicit padding
+    int32_t tail[6];               // 0; pads the struct to its 64-byte alignment without implicit padding
 };
 
 // The backward (bwd.cuh). Same conventions as the forward; `lse` and `delta` are [h_q, total_q] f32 with rows

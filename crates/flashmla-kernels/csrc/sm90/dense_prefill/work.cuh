@@ -1,6 +1,7 @@
-// Which sequence tile a CTA of the dense prefill kernels works on. Grid x enumerates (head, tile) pairs, head-major
-// and tile-minor, so the CTAs that run together share their heads' operands in L2; inside a head the tiles run last
-// first (under a causal mask the last tiles see the most keys, so the longest CTAs start first). Tile indices count
+// Which sequence tile a work item of the dense prefill kernels names. Items enumerate (head, tile) pairs, head-major
+// and tile-minor, so the items that run together share their heads' operands in L2; inside a head the tiles run last
+// first (under a causal mask the last tiles see the most keys, so the longest items start first). The backward's
+// kernels take item blockIdx.x; the forward's persistent CTAs take items from a counter in that order. Tile indices count
 // the kTile-row tiles of the sequences in order; warp 0 finds the sequence of its tile with a prefix scan over the
 // offsets, 32 sequences per step. The offsets are clamped into [0, total] and made non-decreasing on the way (a
 // running max), so sequences never overlap and all their tiles fit the grid's bound `tiles` = ceil(total / kTile) +
@@ -25,10 +26,10 @@ struct SeqTile {
     int t0;     // the tile's first row inside the sequence
 };
 
-// Run by all 32 lanes of one warp; the result is the same in every lane.
+// The tile of item `linear`. Run by all 32 lanes of one warp; the result is the same in every lane.
 template <int kTile>
-__device__ __forceinline__ SeqTile find_seq_tile(const int32_t* cu, int batch, int total, int tiles, int lane) {
-    const int linear = static_cast<int>(blockIdx.x);
+__device__ __forceinline__ SeqTile find_seq_tile(const int32_t* cu, int batch, int total, int tiles, int linear,
+                                                 int lane) {
     const int tile = tiles - 1 - linear % tiles;
     SeqTile w{};
     w.head = linear / tiles;

@@ -1,11 +1,12 @@
 //! GPU path of the dense varlen prefill forward: checks the limits of the sm_90a kernel
 //! (`csrc/sm90/dense_prefill/`, design in `docs/dense-prefill.md`), lowers validated arguments to its
-//! [`DensePrefillFwdParams`] and launches one CTA of 384 threads per (128-row query tile, query head): a producer
-//! warpgroup streaming K and V tiles of 128 keys and two consumer warpgroups of 64 query rows each.
+//! [`DensePrefillFwdParams`] and launches persistent CTAs of 384 threads, one per SM, that take work items
+//! (128-row query tile, query head) from a counter: a producer warpgroup streaming K and V tiles of 128 keys and two
+//! consumer warpgroups of 64 query rows each.
 //!
-//! The grid is sized from `total_q` and `b` alone (`ceil(total_q / 128) + b` tiles per head, an upper bound on the
-//! tiles of any sequences that partition `total_q` rows), so the launch needs no host copy of the offsets and no
-//! `max_seqlen`; each CTA finds its sequence on the device. Offsets that break the contract (not non-decreasing
+//! The items are counted from `total_q` and `b` alone (`ceil(total_q / 128) + b` tiles per head, an upper bound on
+//! the tiles of any sequences that partition `total_q` rows), so the launch needs no host copy of the offsets and no
+//! `max_seqlen`; the CTAs find each item's sequence on the device. Offsets that break the contract (not non-decreasing
 //! from 0 to the row counts) give unspecified values in the rows they misdescribe, never an access outside a tensor.
 //!
 //! Kernel limits checked here (beyond [`super::validate`]): `q`, `k`, `v` and `out` rows 16-byte aligned (rows move
@@ -44,8 +45,13 @@ const TMA_BOX_ROWS: u32 = 128;
 const BWD_TMA_BOX_ROWS: u32 = 64;
 /// Columns of one TMA box: a 128-byte slab of 16-bit values (the 128B swizzle's width).
 const TMA_BOX_COLS: u32 = 64;
-/// Largest `blockIdx.x` + 1 the driver accepts.
+/// Largest `blockIdx.x` + 1 the driver accepts (the backward's grids).
 const MAX_GRID_X: usize = i32::MAX as usize;
+/// Most work items of the forward (its counter and indices are 32-bit; the kernel takes at most one index past
+/// the last per CTA).
+const MAX_ITEMS: usize = i32::MAX as usize;
+/// 4-byte words of the forward's workspace: its work counter.
+pub const FWD_WORKSPACE_WORDS: usize = 1;
 /// log2(e): the kernel keeps logits in base 2, so the host folds it into the scale.
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
 
@@ -77,6 +83,8 @@ device_params! {
         pub out: u64,
         /// `[h_q, total_q]` f32, strides `(lse_stride_h, 1)`.
         pub lse: u64,
+        /// The call's work counter ([`FWD_WORKSPACE_WORDS`] u32 words), zeroed before the launch.
+        pub tile_counter: u64,
         /// Elements between `q` rows.
         pub q_stride_t: i64,
         /// Elements between `q` heads.
@@ -105,14 +113,14 @@ device_params! {
         pub h_q: i32,
         /// Query heads per key/value head.
         pub h_per_k: i32,
-        /// `ceil(total_q / 128) + b`: the grid's tiles per head.
+        /// `ceil(total_q / 128) + b`: the work items per head (a bound on the query tiles of any sequences).
         pub m_tiles: i32,
         /// `FLAG_*` bits.
         pub flags: u32,
         /// `softmax_scale * log2(e)`.
         pub sm_scale_log2: f32,
         /// Zeros: pad the struct to its 64-byte alignment (the maps) without implicit padding.
-        pub tail: [i32; 8],
+        pub tail: [i32; 6],
     }
 }
 
@@ -432,12 +440,14 @@ pub fn kernel_for(d: usize, dtype: DType) -> Result<(&'static str, u32)> {
     }
 }
 
-/// Checks the kernel's limits and builds its parameters and launch geometry (pure: no GPU needed). Returns `None`
-/// when there is nothing to launch (no query rows).
+/// Checks the kernel's limits and builds its parameters and launch geometry for a device of `sm_count` SMs (pure:
+/// no GPU needed; `tile_counter` is left 0 for [`launch`] to point at the workspace). Returns `None` when there is
+/// nothing to launch (no query rows).
 pub fn lower(
     dims: &DensePrefillDims,
     args: &DensePrefillArgs<'_, DeviceView>,
     out: &DensePrefillOutput<DeviceView>,
+    sm_count: usize,
 ) -> Result<Option<(&'static str, LaunchConfig, DensePrefillFwdParams)>> {
     let (kernel, smem) = kernel_for(dims.d, dims.dtype)?;
     expect_rows_16b(
@@ -467,18 +477,20 @@ pub fn lower(
         return Ok(None);
     }
     let m_tiles = dims.total_q.div_ceil(TILE_M) + dims.batch;
-    let ctas = m_tiles
+    let items = m_tiles
         .checked_mul(dims.h_q)
-        .filter(|&n| n <= MAX_GRID_X)
+        .filter(|&n| n <= MAX_ITEMS)
         .ok_or_else(|| {
             Error::invalid(
                 "q.shape",
                 format!(
-                    "(ceil(total_q / {TILE_M}) + b) * h_q <= {MAX_GRID_X} (one CTA per query tile and head)"
+                    "(ceil(total_q / {TILE_M}) + b) * h_q <= {MAX_ITEMS} (work items: query tiles times heads)"
                 ),
                 format!("total_q {}, b {}, h_q {}", dims.total_q, dims.batch, dims.h_q),
             )
         })?;
+    // One persistent CTA per SM (its shared memory allows no second), never more than there are items.
+    let ctas = items.min(sm_count.max(1));
     let params = DensePrefillFwdParams {
         q_tmap: TensorMapBytes::default(),
         k_tmap: TensorMapBytes::default(),
@@ -490,6 +502,7 @@ pub fn lower(
         cu_seqlens_k: args.cu_seqlens_k.ptr(),
         out: out.out.ptr(),
         lse: out.lse.ptr(),
+        tile_counter: 0,
         q_stride_t: stride_param("q", args.q, 0)?,
         q_stride_h: stride_param("q", args.q, 1)?,
         k_stride_t: stride_param("k", args.k, 0)?,
@@ -507,7 +520,7 @@ pub fn lower(
         m_tiles: to_i32("ceil(total_q / 128) + b", m_tiles)?,
         flags: if dims.causal { FLAG_CAUSAL } else { 0 },
         sm_scale_log2,
-        tail: [0; 8],
+        tail: [0; 6],
     };
     let cfg = LaunchConfig {
         grid: (ctas as u32, 1, 1),
@@ -520,17 +533,38 @@ pub fn lower(
 }
 
 /// Launches the forward on `gpu`'s stream for arguments that passed [`super::validate`] and outputs that passed
-/// [`super::validate_output`]. Asynchronous: synchronise or download to wait.
+/// [`super::validate_output`]: zeros the work counter (the first [`FWD_WORKSPACE_WORDS`] words of `workspace`, or
+/// of 4 bytes allocated for the call when it is `None`), then the kernel. Asynchronous: synchronise or download to
+/// wait.
 pub(crate) fn launch(
     gpu: &Gpu,
     dims: &DensePrefillDims,
     args: &DensePrefillArgs<'_, DeviceView>,
     out: &DensePrefillOutput<DeviceView>,
+    workspace: Option<&DeviceView>,
 ) -> Result<()> {
     expect_location("q", args.q, Location::Cuda(gpu.ordinal()))?;
-    let Some((name, cfg, mut params)) = lower(dims, args, out)? else {
+    let Some((name, cfg, mut params)) = lower(dims, args, out, gpu.info().sm_count as usize)?
+    else {
         return Ok(());
     };
+    let mut _owned = None;
+    params.tile_counter = match workspace {
+        Some(ws) => {
+            expect_location("workspace", ws, Location::Cuda(gpu.ordinal()))?;
+            expect_fwd_workspace(ws)?;
+            ws.ptr()
+        }
+        None => {
+            let t = gpu.alloc(DType::I32, &[FWD_WORKSPACE_WORDS])?;
+            let ptr = t.view().ptr();
+            _owned = Some(t);
+            ptr
+        }
+    };
+    // SAFETY: the counter's words lie in a workspace of this device that the caller gave to this call (checked:
+    // size and alignment), or in the allocation above; ordered before the kernel on the same stream.
+    unsafe { gpu.zero_words_async(params.tile_counter, FWD_WORKSPACE_WORDS)? };
     if let (Some(q), Some(k), Some(v)) = (
         tile_tensor_map(args.q, TMA_BOX_ROWS),
         tile_tensor_map(args.k, TMA_BOX_ROWS),
@@ -546,8 +580,27 @@ pub(crate) fn launch(
     // clamps every offset it reads into [0, total_q] / [0, total_k], so it reads q / k / v rows and writes out /
     // lse rows inside the views (heads < h_q, h_k), which by the DeviceView contract are valid, live and do not
     // alias outputs with inputs. The TMA maps' dims are the views' shapes and their strides the views' strides; the
-    // TMA unit reads nothing outside those dims (it fills zeros there).
+    // TMA unit reads nothing outside those dims (it fills zeros there). The kernel adds to the zeroed counter only,
+    // which lives until this function returns, after the launch was queued (an owned one is freed in stream order).
     unsafe { gpu.launch(&kernel, &cfg, &params) }
+}
+
+/// A caller's forward workspace: at least [`FWD_WORKSPACE_WORDS`] 4-byte words, contiguous, 4-byte aligned.
+fn expect_fwd_workspace(ws: &DeviceView) -> Result<()> {
+    let bytes = ws.layout().numel().saturating_mul(ws.dtype().size_bytes());
+    if bytes < 4 * FWD_WORKSPACE_WORDS || ws.dtype().size_bytes() != 4 || ws.ptr() % 4 != 0 {
+        return Err(Error::invalid(
+            "workspace",
+            format!("at least {FWD_WORKSPACE_WORDS} 4-byte words (f32 or i32), 4-byte aligned"),
+            format!(
+                "{:?} of {} elements at {:#x}",
+                ws.dtype(),
+                ws.layout().numel(),
+                ws.ptr()
+            ),
+        ));
+    }
+    expect_contiguous("workspace", ws)
 }
 
 /// The TMA map of a `[rows, heads, cols]` tensor for tiles of `box_rows` rows, or `None` where every tile is copied with
@@ -866,7 +919,7 @@ mod tests {
             lse: v[6].clone(),
         };
         let dims = super::super::validate(&args)?;
-        lower(&dims, &args, &out)
+        lower(&dims, &args, &out, 132)
     }
 
     #[test]
@@ -875,7 +928,12 @@ mod tests {
         let (name, cfg, p) = lower_for(&v, true).unwrap().unwrap();
         assert_eq!(name, kernels::FWD_D192_BF16);
         assert_eq!(p.m_tiles, 8 + 3);
-        assert_eq!(cfg.grid, (11 * 16, 1, 1));
+        // 11 * 16 items on at most one CTA per SM.
+        assert_eq!(cfg.grid, (132, 1, 1));
+        let (_, cfg, _) = lower_for(&views(100, 300, 1, 1, 192, 1), false)
+            .unwrap()
+            .unwrap();
+        assert_eq!(cfg.grid, (2, 1, 1));
         assert_eq!(cfg.shared_mem_bytes, SMEM_BYTES_D192);
         assert_eq!((p.h_per_k, p.flags), (4, FLAG_CAUSAL));
         assert_eq!(
@@ -887,6 +945,21 @@ mod tests {
             (4 * 192, 4 * 128, 128)
         );
         assert!((p.sm_scale_log2 - 192f32.powf(-0.5) * LOG2_E).abs() < 1e-6);
+    }
+
+    #[test]
+    fn forward_workspace_is_one_aligned_word_or_more() {
+        assert!(expect_fwd_workspace(&fake_view(BASE, DType::I32, &[1], None)).is_ok());
+        assert!(expect_fwd_workspace(&fake_view(BASE, DType::F32, &[4096], None)).is_ok());
+        for bad in [
+            fake_view(BASE, DType::I32, &[0], None),
+            fake_view(BASE, DType::Bf16, &[2], None),
+            fake_view(BASE + 2, DType::I32, &[1], None),
+            fake_view(BASE, DType::F32, &[2, 2], Some(&[4, 2])),
+        ] {
+            let err = expect_fwd_workspace(&bad).unwrap_err().to_string();
+            assert!(err.contains("workspace"), "{err}");
+        }
     }
 
     #[test]

@@ -149,8 +149,9 @@ pub fn dense_prefill_bwd_cuda_with(
 }
 
 /// The forward on the GPU: writes `out` and `lse` (caller-allocated, see [`validate_output`]) on `gpu`'s stream.
-/// Asynchronous (synchronise or download to wait); allocates nothing and reads no tensor on the host, so it can be
-/// captured into a CUDA graph.
+/// Asynchronous (synchronise or download to wait); reads no tensor on the host, so it can be captured into a CUDA
+/// graph. Its only allocation is the 4-byte work counter of the persistent CTAs, in stream order (see
+/// [`dense_prefill_fwd_cuda_with`] to pass one instead).
 ///
 /// Errors: those of [`validate`] and [`validate_output`], and [`Error::Unsupported`] / [`Error::InvalidArgument`] for
 /// the kernel's limits ([`launch`]: 16-byte aligned rows, contiguous offsets and lse rows).
@@ -159,9 +160,22 @@ pub fn dense_prefill_fwd_cuda(
     args: &DensePrefillArgs<'_, DeviceView>,
     out: &DensePrefillOutput<DeviceView>,
 ) -> Result<()> {
+    dense_prefill_fwd_cuda_with(gpu, args, out, None)
+}
+
+/// [`dense_prefill_fwd_cuda`] with the caller's `workspace` for the work counter: at least
+/// [`launch::FWD_WORKSPACE_WORDS`] 4-byte words (f32 or i32), contiguous, on `gpu`'s device; its first words are
+/// zeroed on the stream before the kernel and must not be used by other work running at the same time (a workspace
+/// kept per stream serves every call queued on that stream). `None` allocates one for the call.
+pub fn dense_prefill_fwd_cuda_with(
+    gpu: &Gpu,
+    args: &DensePrefillArgs<'_, DeviceView>,
+    out: &DensePrefillOutput<DeviceView>,
+    workspace: Option<&DeviceView>,
+) -> Result<()> {
     let dims = validate(args)?;
     validate_output(&dims, args.q.location(), out)?;
-    launch::launch(gpu, &dims, args, out)
+    launch::launch(gpu, &dims, args, out, workspace)
 }
 
 /// The reference problem of host arguments, with their values as f32 vectors (kept alive by the caller).
