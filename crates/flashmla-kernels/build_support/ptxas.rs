@@ -1,8 +1,8 @@
 //! Reading ptxas's report on a kernel family (nvcc's stderr with `-Xptxas=-warn-spills`): which lines are news
 //! and which are known information. Shared by `build.rs` and the crate's unit tests.
 //!
-//! A build prints only the news: wgmma that ptxas serialised (C7520: correct, but several times slower), spills in
-//! a kernel that had none, a known spill that grew, and any line this module does not recognise. The known
+//! A build prints only the news: wgmma that ptxas serialised (C7520, C7514: correct, but several times slower),
+//! spills in a kernel that had none, a known spill that grew, and any line this module does not recognise. The known
 //! information (compiler-injected `warpgroup.arrive` / `warpgroup.wait`, C7519 / C7517; stack frames; the spills
 //! of [`KNOWN_SPILLS`] up to their recorded size) stays in the report file only.
 
@@ -50,8 +50,9 @@ fn is_known_info(line: &str) -> bool {
         || (line.starts_with("ptxas info") && KNOWN_RESOURCE_INFO.iter().any(|m| line.contains(m)))
 }
 
-/// Marker of ptxas serialising every wgmma of a kernel.
-const SERIALISED_WGMMA: &str = "(C7520)";
+/// Markers of ptxas serialising every wgmma of a kernel: C7520 (e.g. extern calls) and the text every such notice
+/// carries (C7514: an ordinary instruction reads a wgmma's accumulators before the wait that retires it).
+const SERIALISED_WGMMA: &[&str] = &["(C7520)", "wgmma.mma_async instructions are serialized"];
 
 /// Something in a ptxas report worth showing.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -140,7 +141,7 @@ fn parse_spill(line: &str) -> Option<(String, u64, u64)> {
 pub fn review(log: &str, known_spills: &[(&str, u64, u64)]) -> Vec<Finding> {
     let mut findings = Vec::new();
     for line in log.lines().map(str::trim_end) {
-        if line.contains(SERIALISED_WGMMA) {
+        if SERIALISED_WGMMA.iter().any(|m| line.contains(m)) {
             findings.push(Finding::SerialisedWgmma(line.to_string()));
             continue;
         }

@@ -10,6 +10,11 @@ const INJECTED_WAIT: &str = "ptxas info    : (C7517) warpgroup.wait is injected 
 const SERIALISED: &str = "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are \
                           serialized due to the presence of Extern calls in the function 'sparse_bwd_main_d512'";
 
+const SERIALISED_READ: &str = "ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions \
+                               are serialized due to non wgmma instructions reading accumulator registers of  a \
+                               wgmma between start and end of the pipeline stage in the function \
+                               'dense_prefill_fwd_d192_bf16'";
+
 fn spill(kernel: &str, stores: u64, loads: u64) -> String {
     format!(
         "ptxas warning : Registers are spilled to local memory in function '{kernel}', {stores} bytes spill \
@@ -51,12 +56,19 @@ fn a_known_spill_that_shrinks_is_not_news_but_one_that_grows_is() {
 
 #[test]
 fn serialised_wgmma_and_unexpected_spills_are_errors() {
-    let log = [INJECTED, SERIALISED, &spill("sparse_fwd_d576", 8, 16)].join("\n");
+    let log = [
+        INJECTED,
+        SERIALISED,
+        SERIALISED_READ,
+        &spill("sparse_fwd_d576", 8, 16),
+    ]
+    .join("\n");
     let found = review(&log, KNOWN_SPILLS);
     assert_eq!(
         found,
         vec![
             Finding::SerialisedWgmma(SERIALISED.into()),
+            Finding::SerialisedWgmma(SERIALISED_READ.into()),
             Finding::UnexpectedSpill {
                 kernel: "sparse_fwd_d576".into(),
                 stores: 8,
@@ -65,7 +77,7 @@ fn serialised_wgmma_and_unexpected_spills_are_errors() {
         ]
     );
     assert!(found.iter().all(Finding::is_error));
-    assert!(found[1].describe().contains("KNOWN_SPILLS"));
+    assert!(found[2].describe().contains("KNOWN_SPILLS"));
 }
 
 #[test]
