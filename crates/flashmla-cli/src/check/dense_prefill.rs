@@ -177,7 +177,7 @@ fn push(v: &mut Vec<Case>, name: String, quick: bool, spec: Spec) {
 }
 
 /// The forward grid: (d, dtype) x mask x sequence sets, with GQA, padding, peaky logits and a custom scale in
-/// rotation, plus the hostile-offsets case.
+/// rotation, two cases with more work items than SMs, and the hostile-offsets case.
 pub fn cases() -> Vec<Case> {
     let sets: [(&str, Vec<(usize, usize)>); 8] = [
         ("one_tile", vec![(128, 128)]),
@@ -276,6 +276,33 @@ pub fn cases() -> Vec<Case> {
                 push(&mut v, format!("dense_prefill/{name}"), quick, spec);
             }
         }
+    }
+    // More work items (128-row tiles x heads) than a GPU has SMs, so that each persistent CTA serves several, with
+    // a causal shift and unequal lengths (forward only: the f64 reference backward of this size takes minutes).
+    for (d, dtype, tname, causal, quick) in [
+        (192usize, DType::Bf16, "bf16", true, true),
+        (128, DType::F16, "f16", false, false),
+    ] {
+        let spec = Spec {
+            data: PrefillSpec {
+                lens: vec![(520, 700), (300, 300), (390, 390), (0, 40)],
+                h_q: 32,
+                h_k: 4,
+                d,
+                dtype,
+                q_std: 1.0,
+            },
+            causal,
+            padded: false,
+            softmax_scale: None,
+        };
+        let mask = if causal { "causal" } else { "full" };
+        push(
+            &mut v,
+            format!("dense_prefill/d{d}/{tname}/{mask}/many_items/h32k4/plain"),
+            quick,
+            spec,
+        );
     }
     v.push(Case {
         name: "dense_prefill/hostile_offsets".to_string(),
