@@ -80,7 +80,7 @@ struct SmemPlan {
     alignas(kSw128AtomBytes) uint8_t k[kStages][C::kKBytes];
     alignas(kSw128AtomBytes) uint8_t v[kStages][C::kVBytes];
     uint64_t q_full;             // producer -> consumers: `work` written and its Q landed (128 arrivals)
-    uint64_t q_empty;            // consumers -> producer: Q read for the last time (one arrival per consumer warp)
+    uint64_t q_empty;            // consumers -> producer: Q and `work` read for the last time (256 arrivals)
     uint64_t k_full[kStages];    // producer -> consumers: a K tile landed (128 arrivals)
     uint64_t v_full[kStages];    // producer -> consumers: a V tile landed (same)
     uint64_t k_empty[kStages];   // consumers -> producer: a K tile released (one arrival per consumer warp)

@@ -462,7 +462,7 @@ __device__ __forceinline__ void consume_item(const DensePrefillFwdParams& p, Sme
     const uint64_t desc_q =
         make_wgmma_desc_sw128(smem_addr(sm.q) + consumer_idx * C::kConsumerRowBytes, kUnusedLbo, kSw128AtomBytes);
     if (n_tiles == 0) {
-        release_by_warp(&sm.q_empty, lane);
+        MBarrier::arrive(&sm.q_empty);
     } else {
         const Turns turns{consumer_idx};
         if (consumer_idx == 1) turns.pass();  // consumer 0 issues first
@@ -476,7 +476,7 @@ __device__ __forceinline__ void consume_item(const DensePrefillFwdParams& p, Sme
         wgmma_wait<0>();
         wgmma_fence_regs(s);
         release_by_warp(&sm.k_empty[Ring::of(first).stage], lane);
-        if (n_tiles == 1) release_by_warp(&sm.q_empty, lane);
+        if (n_tiles == 1) MBarrier::arrive(&sm.q_empty);
         softmax_tile(s, 0, f, limit, mask_from, scale, st, alpha);  // O is zero: alpha needs no rescale
         to_frags<E>(s, pa);
         for (int i = 1; i < n_tiles; ++i) {
@@ -487,7 +487,7 @@ __device__ __forceinline__ void consume_item(const DensePrefillFwdParams& p, Sme
             wgmma_wait<1>();  // QK(i) done (groups retire in order); PV(i - 1) may still run
             wgmma_fence_regs(s);
             release_by_warp(&sm.k_empty[Ring::of(first + i).stage], lane);
-            if (i == n_tiles - 1) release_by_warp(&sm.q_empty, lane);
+            if (i == n_tiles - 1) MBarrier::arrive(&sm.q_empty);
             softmax_tile(s, i, f, limit, mask_from, scale, st, alpha);
             wgmma_wait<0>();  // PV(i - 1) done: pa and V(i - 1) are free, O may be rescaled
             wgmma_fence_regs(o);
@@ -531,7 +531,7 @@ __device__ __forceinline__ void dense_prefill_fwd(const DensePrefillFwdParams& p
 
     if (threadIdx.x == 0) {
         MBarrier::init(&sm.q_full, kWarpgroupThreads);
-        MBarrier::init(&sm.q_empty, kConsumers * kWarpsPerWarpgroup);
+        MBarrier::init(&sm.q_empty, kConsumers * kWarpgroupThreads);  // every consumer thread (its `work` read)
 #pragma unroll
         for (int st = 0; st < kStages; ++st) {
             MBarrier::init(&sm.k_full[st], kWarpgroupThreads);
