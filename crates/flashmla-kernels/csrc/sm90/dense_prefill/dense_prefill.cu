@@ -1,6 +1,7 @@
 // Entry points of the dense_prefill family (docs/spec.md section 5), one per (d, element type):
 //   dense_prefill_fwd_d192_bf16, dense_prefill_fwd_d192_f16, dense_prefill_fwd_d128_bf16, dense_prefill_fwd_d128_f16
-// Launch: grid (h_q * m_tiles, 1, 1) (head-major, tile-minor), block (kThreads = 384, 1, 1), dynamic shared memory kSmemBytes<d>
+// Launch: grid (min(h_q * m_tiles, SMs), 1, 1) persistent CTAs that take the h_q * m_tiles work items from
+// p.tile_counter (zeroed before the launch), block (kThreads = 384, 1, 1), dynamic shared memory kSmemBytes<d>
 // (config.cuh; mirrored in ops/dense_prefill/launch.rs).
 #include "sm90/dense_prefill/bwd.cuh"
 #include "sm90/dense_prefill/kernel.cuh"
