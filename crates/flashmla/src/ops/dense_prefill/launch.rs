@@ -26,7 +26,7 @@ use crate::validate::{expect_contiguous, expect_location, to_i32};
 
 /// Kernel family (`csrc/sm90/dense_prefill/`).
 pub const FAMILY: &str = <DensePrefillFwdParams as DeviceParams>::FAMILY;
-/// Query rows per CTA (`kTileM`).
+/// Query rows per work item of the forward (`kTileM`).
 pub const TILE_M: usize = 128;
 /// Threads per CTA (`kThreads`): a producer and two consumer warpgroups.
 pub const THREADS_PER_CTA: u32 = 384;
