@@ -480,6 +480,19 @@ fn decode_options(batch_invariant: bool) -> decode::DecodeOptions {
     }
 }
 
+/// An f32 workspace of at least `words` words for work queued on `gpu`'s stream: the stream's kept one, or a fresh
+/// one while the stream is being captured into a CUDA graph (see [`stream_workspace`]).
+fn gpu_workspace<'py>(
+    like: &Tensor<'py>,
+    op: &'static str,
+    gpu: &Gpu,
+    words: usize,
+) -> PyResult<(Tensor<'py>, Desc)> {
+    // is_capturing binds the device's context (a fresh thread has none current): put the caller's back.
+    let capturing = guard(op, || gpu.restoring_context(|| gpu.is_capturing()))?;
+    stream_workspace(like, gpu.ordinal(), gpu.stream(), capturing, words)
+}
+
 /// A decode's outputs `(out [b, s_q, h_q, d_v], lse [b, h_q, s_q] f32)` and, on CUDA, its workspace of
 /// `words(sm_count)` f32 words (the schedule and the split partials; see [`stream_workspace`]).
 #[allow(clippy::type_complexity)]
@@ -507,20 +520,8 @@ fn decode_outputs<'py>(
     )?;
     let workspace = match place {
         Place::Cuda(gpu) => {
-            // is_capturing binds the device's context (a fresh thread has none current): put the caller's back.
-            let (words, capturing) = guard(op, || {
-                Ok((
-                    words(gpu.info().sm_count as usize)?,
-                    gpu.restoring_context(|| gpu.is_capturing())?,
-                ))
-            })?;
-            Some(stream_workspace(
-                q,
-                gpu.ordinal(),
-                gpu.stream(),
-                capturing,
-                words,
-            )?)
+            let words = guard(op, || words(gpu.info().sm_count as usize))?;
+            Some(gpu_workspace(q, op, gpu, words)?)
         }
         Place::Host => None,
     };
@@ -1043,18 +1044,12 @@ pub fn dense_prefill_fwd<'py>(
     )?;
     // On CUDA the persistent CTAs' work counter lives in the stream's kept workspace (zeroed by the call).
     let workspace = match &place {
-        Place::Cuda(gpu) => {
-            let capturing = guard("dense_prefill_fwd", || {
-                gpu.restoring_context(|| gpu.is_capturing())
-            })?;
-            Some(stream_workspace(
-                q,
-                gpu.ordinal(),
-                gpu.stream(),
-                capturing,
-                dense_prefill::launch::FWD_WORKSPACE_WORDS,
-            )?)
-        }
+        Place::Cuda(gpu) => Some(gpu_workspace(
+            q,
+            "dense_prefill_fwd",
+            gpu,
+            dense_prefill::launch::FWD_WORKSPACE_WORDS,
+        )?),
         Place::Host => None,
     };
     run(

@@ -2,7 +2,7 @@
 //! what was expected and what came. Ops call these before anything touches memory.
 
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Location, TensorMeta};
+use crate::tensor::{DType, DeviceView, Location, TensorMeta};
 
 /// The tensor's dtype is one of `allowed`. The error lists exactly the dtypes this argument accepts and names the
 /// one that came, also when it is none of [`DType`] ([`TensorMeta::foreign_dtype`], e.g. a torch int64 tensor).
@@ -88,6 +88,29 @@ pub fn expect_contiguous(arg: &str, t: &impl TensorMeta) -> Result<()> {
         format!("contiguous strides for shape {:?}", t.shape()),
         format!("{:?}", t.strides()),
     ))
+}
+
+/// A kernel workspace a caller provides: a contiguous f32 vector of at least `words` elements whose address is a
+/// multiple of `align` bytes.
+pub fn expect_f32_workspace(ws: &DeviceView, words: usize, align: u64) -> Result<()> {
+    if ws.dtype() != DType::F32 {
+        return Err(Error::invalid("workspace.dtype", DType::F32, ws.dtype()));
+    }
+    if ws.shape().len() != 1 || ws.shape()[0] < words || !ws.layout().is_contiguous() {
+        return Err(Error::invalid(
+            "workspace",
+            format!("a contiguous f32 vector of at least {words} elements"),
+            format!("shape {:?}, strides {:?}", ws.shape(), ws.strides()),
+        ));
+    }
+    if ws.ptr() % align != 0 {
+        return Err(Error::invalid(
+            "workspace.data_ptr",
+            format!("a {align}-byte aligned address"),
+            format!("{:#x}", ws.ptr()),
+        ));
+    }
+    Ok(())
 }
 
 /// Every stride (and the span of reachable offsets) fits the index type a kernel uses, given as its

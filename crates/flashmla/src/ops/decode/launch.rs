@@ -37,7 +37,7 @@ use crate::ops::layout::{
 };
 use crate::reference::decode::{CHUNK_OVERHEAD_TILES, MAX_BUDGET_FLOOR, MAX_REQUEST_PARTS};
 use crate::tensor::{DType, DeviceView, Location, TensorMeta};
-use crate::validate::{expect_location, to_i32};
+use crate::validate::{expect_f32_workspace, expect_location, to_i32};
 
 /// Kernel family (`csrc/sm90/decode/`).
 pub const FAMILY: &str = "decode";
@@ -541,23 +541,7 @@ impl DecodePlan {
     /// aligned).
     pub fn set_workspace(&mut self, ws: &DeviceView) -> Result<()> {
         let words = self.geometry.workspace_words(self.params.batch as usize);
-        if ws.dtype() != DType::F32 {
-            return Err(Error::invalid("workspace.dtype", DType::F32, ws.dtype()));
-        }
-        if ws.shape().len() != 1 || ws.shape()[0] < words || !ws.layout().is_contiguous() {
-            return Err(Error::invalid(
-                "workspace",
-                format!("a contiguous f32 vector of at least {words} elements"),
-                format!("shape {:?}, strides {:?}", ws.shape(), ws.strides()),
-            ));
-        }
-        if ws.ptr() % CHUNK_ALIGN_BYTES != 0 {
-            return Err(Error::invalid(
-                "workspace.data_ptr",
-                "a 16-byte aligned address",
-                format!("{:#x}", ws.ptr()),
-            ));
-        }
+        expect_f32_workspace(ws, words, CHUNK_ALIGN_BYTES)?;
         let (sched, lse, _) = self.geometry.workspace_split(self.params.batch as usize);
         self.params.schedule = ws.ptr();
         self.params.part_lse = ws.ptr() + 4 * sched as u64;

@@ -22,7 +22,7 @@ use crate::ops::layout::{
     expect_element_aligned, expect_offsets_fit_i64, expect_rows_16b, stride_param,
 };
 use crate::tensor::{DType, DeviceView, Location, TensorMeta};
-use crate::validate::{expect_contiguous, expect_location, to_i32};
+use crate::validate::{expect_contiguous, expect_f32_workspace, expect_location, to_i32};
 
 /// Kernel family (`csrc/sm90/dense_prefill/`).
 pub const FAMILY: &str = <DensePrefillFwdParams as DeviceParams>::FAMILY;
@@ -50,7 +50,7 @@ const MAX_GRID_X: usize = i32::MAX as usize;
 /// Most work items of the forward (its counter and indices are 32-bit; the kernel takes at most one index past
 /// the last per CTA).
 const MAX_ITEMS: usize = i32::MAX as usize;
-/// 4-byte words of the forward's workspace: its work counter.
+/// f32 words of the forward's workspace (its work counter, a u32 in the first word).
 pub const FWD_WORKSPACE_WORDS: usize = 1;
 /// log2(e): the kernel keeps logits in base 2, so the host folds it into the scale.
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
@@ -83,7 +83,8 @@ device_params! {
         pub out: u64,
         /// `[h_q, total_q]` f32, strides `(lse_stride_h, 1)`.
         pub lse: u64,
-        /// The call's work counter ([`FWD_WORKSPACE_WORDS`] u32 words), zeroed before the launch.
+        /// The call's work counter (the first of [`FWD_WORKSPACE_WORDS`] workspace words, read as u32), zeroed
+        /// before the launch.
         pub tile_counter: u64,
         /// Elements between `q` rows.
         pub q_stride_t: i64,
@@ -552,11 +553,11 @@ pub(crate) fn launch(
     params.tile_counter = match workspace {
         Some(ws) => {
             expect_location("workspace", ws, Location::Cuda(gpu.ordinal()))?;
-            expect_fwd_workspace(ws)?;
+            expect_f32_workspace(ws, FWD_WORKSPACE_WORDS, 4)?;
             ws.ptr()
         }
         None => {
-            let t = gpu.alloc(DType::I32, &[FWD_WORKSPACE_WORDS])?;
+            let t = gpu.alloc(DType::F32, &[FWD_WORKSPACE_WORDS])?;
             let ptr = t.view().ptr();
             _owned = Some(t);
             ptr
@@ -583,24 +584,6 @@ pub(crate) fn launch(
     // TMA unit reads nothing outside those dims (it fills zeros there). The kernel adds to the zeroed counter only,
     // which lives until this function returns, after the launch was queued (an owned one is freed in stream order).
     unsafe { gpu.launch(&kernel, &cfg, &params) }
-}
-
-/// A caller's forward workspace: at least [`FWD_WORKSPACE_WORDS`] 4-byte words, contiguous, 4-byte aligned.
-fn expect_fwd_workspace(ws: &DeviceView) -> Result<()> {
-    let bytes = ws.layout().numel().saturating_mul(ws.dtype().size_bytes());
-    if bytes < 4 * FWD_WORKSPACE_WORDS || ws.dtype().size_bytes() != 4 || ws.ptr() % 4 != 0 {
-        return Err(Error::invalid(
-            "workspace",
-            format!("at least {FWD_WORKSPACE_WORDS} 4-byte words (f32 or i32), 4-byte aligned"),
-            format!(
-                "{:?} of {} elements at {:#x}",
-                ws.dtype(),
-                ws.layout().numel(),
-                ws.ptr()
-            ),
-        ));
-    }
-    expect_contiguous("workspace", ws)
 }
 
 /// The TMA map of a `[rows, heads, cols]` tensor for tiles of `box_rows` rows, or `None` where every tile is copied with
@@ -948,16 +931,17 @@ mod tests {
     }
 
     #[test]
-    fn forward_workspace_is_one_aligned_word_or_more() {
-        assert!(expect_fwd_workspace(&fake_view(BASE, DType::I32, &[1], None)).is_ok());
-        assert!(expect_fwd_workspace(&fake_view(BASE, DType::F32, &[4096], None)).is_ok());
+    fn forward_workspace_is_one_aligned_f32_word_or_more() {
+        let check = |v: &DeviceView| expect_f32_workspace(v, FWD_WORKSPACE_WORDS, 4);
+        assert!(check(&fake_view(BASE, DType::F32, &[1], None)).is_ok());
+        assert!(check(&fake_view(BASE, DType::F32, &[4096], None)).is_ok());
         for bad in [
-            fake_view(BASE, DType::I32, &[0], None),
-            fake_view(BASE, DType::Bf16, &[2], None),
-            fake_view(BASE + 2, DType::I32, &[1], None),
-            fake_view(BASE, DType::F32, &[2, 2], Some(&[4, 2])),
+            fake_view(BASE, DType::F32, &[0], None),
+            fake_view(BASE, DType::I32, &[2], None),
+            fake_view(BASE + 2, DType::F32, &[1], None),
+            fake_view(BASE, DType::F32, &[2, 2], None),
         ] {
-            let err = expect_fwd_workspace(&bad).unwrap_err().to_string();
+            let err = check(&bad).unwrap_err().to_string();
             assert!(err.contains("workspace"), "{err}");
         }
     }

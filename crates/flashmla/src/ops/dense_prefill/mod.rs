@@ -164,9 +164,10 @@ pub fn dense_prefill_fwd_cuda(
 }
 
 /// [`dense_prefill_fwd_cuda`] with the caller's `workspace` for the work counter: at least
-/// [`launch::FWD_WORKSPACE_WORDS`] 4-byte words (f32 or i32), contiguous, on `gpu`'s device; its first words are
-/// zeroed on the stream before the kernel and must not be used by other work running at the same time (a workspace
-/// kept per stream serves every call queued on that stream). `None` allocates one for the call.
+/// [`launch::FWD_WORKSPACE_WORDS`] elements of a contiguous f32 vector on `gpu`'s device (the decodes' workspaces
+/// qualify); its first words are zeroed on the stream before the kernel and must not be used by other work running at
+/// the same time (a workspace kept per stream serves every call queued on that stream). `None` allocates one for the
+/// call.
 pub fn dense_prefill_fwd_cuda_with(
     gpu: &Gpu,
     args: &DensePrefillArgs<'_, DeviceView>,
