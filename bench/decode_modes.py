@@ -10,12 +10,14 @@ is slower).
 * ``page``: page sizes the peer does not take (16, 1) against page 64, same keys and lengths.
 * ``s_q``: 16 query tokens per request (speculative decoding; the peer stops below) against 2 tokens of the same
   batch, per query token (the reference time is scaled by 16 / 2 before the ratio).
+* ``dtype``: fp16 queries and cache (every head ratio runs the same kernels with f16 MMAs) against bf16, same
+  shape and values.
 * ``graph_replay``: one decode step captured in a CUDA graph, replayed after ``cache_seqlens`` changed in place
   (two tiny device-side updates before each step, in both variants), against the same step called eagerly.
 
 Usage (on the GPU machine, flashmla on PYTHONPATH)::
 
-    python3 bench/decode_modes.py --json out.json [--cases batch_invariant,page,s_q,graph_replay]
+    python3 bench/decode_modes.py --json out.json [--cases batch_invariant,page,s_q,dtype,graph_replay]
 
 Records (benchmark records of op ``decode_dense``, docs/benchmarking.md section 7, regime ``short``, for the
 variant's shape): ``case``, ``name``, ``variant``, ``reference``, ``time_us``, ``ref_time_us``, ``ratio``,
@@ -120,6 +122,14 @@ def cases(selected):
                lambda x=ref: flashmla.decode_dense(*x, causal=True),
                lambda x=var: flashmla.decode_dense(*x, causal=True), 16 / 2,
                (32, 16, 128, 64, 32 * sum(4096 - 15 + i for i in range(16))))
+    if "dtype" in selected:
+        for name, h_q, s_k in [("b128 s_q 1 h128 4K", 128, 4096), ("b128 s_q 1 h16 16K", 16, 16384)]:
+            lens = [s_k] * 128
+            ref = make_inputs(128, 1, h_q, lens, 64)
+            var = make_inputs(128, 1, h_q, lens, 64, dtype=torch.float16)
+            yield ("dtype", name, "fp16", "bf16",
+                   lambda x=ref: flashmla.decode_dense(*x), lambda x=var: flashmla.decode_dense(*x), 1.0,
+                   (128, 1, h_q, 64, sum(lens)))
     if "graph_replay" in selected:
         for name, b, h_q, s_k in [("b128 s_q 1 h128 4K", 128, 128, 4096), ("b1 s_q 1 h128 4K", 1, 128, 4096)]:
             q, k, t, n = make_inputs(b, 1, h_q, [s_k - 1] * b, 64)
@@ -147,7 +157,7 @@ def cases(selected):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default="batch_invariant,page,s_q,graph_replay")
+    p.add_argument("--cases", default="batch_invariant,page,s_q,dtype,graph_replay")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--idle-s", type=float, default=0.5)
     p.add_argument("--block-ms", type=float, default=25.0)
