@@ -51,7 +51,12 @@ fn is_known_info(line: &str) -> bool {
 }
 
 /// Markers of ptxas serialising every wgmma of a kernel: C7520 (e.g. extern calls) and the text every such notice
-/// carries (C7514: an ordinary instruction reads a wgmma's accumulators before the wait that retires it).
+/// carries (C7514: an ordinary instruction reads a wgmma's accumulators before the wait that retires it). Causes met
+/// so far besides those: a `wgmma.wait` or an accumulator update under a branch inside the tile loop (C7515, C7520);
+/// one `setmaxnreg` before the branch that splits two consumer roles (C7520; each role sets its own); an accumulator
+/// zero-initialised on one path and left by an in-flight wgmma on another, merged at a loop head (C7515); registers
+/// spilled around a wgmma because the compiler hoisted loop-invariant addresses out of the loop (C7520; opaque copies
+/// through `asm volatile` keep them in the loop, as decode's `StagingGeometry` does).
 const SERIALISED_WGMMA: &[&str] = &["(C7520)", "wgmma.mma_async instructions are serialized"];
 
 /// Something in a ptxas report worth showing.
