@@ -327,7 +327,7 @@ pub fn cases() -> Vec<Case> {
     };
     for (fname, format) in [("v32", KvFormat::V32), ("model1", KvFormat::Model1)] {
         // Head counts (no padding by the caller), query lengths, topk not a multiple of 64.
-        for h_q in [128usize, 64, 16, 1, 37] {
+        for h_q in [128usize, 64, 32, 16, 1, 37] {
             for (s_q, topk) in [(1usize, 256usize), (2, 100), (5, 64)] {
                 for (oname, options) in [("default", DecodeOptions::default()), ("split7", forced)]
                 {
@@ -432,6 +432,62 @@ pub fn cases() -> Vec<Case> {
         s.strided = true;
         s.sink = true;
         v.push((format!("decode_sparse/{fname}/strided"), true, s));
+        // The narrow kernels (at most 16 / 32 query rows per request): every index invalid, half invalid, an
+        // extra cache with lengths and forced splits, sinks of +-inf, strided tensors, topk 2048.
+        for h_q in [16usize, 24] {
+            let mut c = base((3, 2, h_q), cache(format, 8, 64, 128));
+            c.main.p_invalid = 1.0;
+            v.push((
+                format!("decode_sparse/{fname}/narrow{h_q}/all_invalid"),
+                true,
+                c,
+            ));
+            let mut c = base((3, 2, h_q), cache(format, 8, 64, 128));
+            c.main.p_invalid = 0.5;
+            v.push((
+                format!("decode_sparse/{fname}/narrow{h_q}/half_invalid"),
+                false,
+                c,
+            ));
+            let mut c = base((6, 2, h_q), cache(format, 16, 256, 128));
+            let mut e = cache(format, 512, 2, 256);
+            e.topk_length = Some(lengths(6, 256, 4));
+            c.main.topk_length = Some(lengths(6, 128, 7));
+            c.extra = Some(e);
+            c.options = forced;
+            v.push((
+                format!("decode_sparse/{fname}/narrow{h_q}/extra_p2_len/split7"),
+                true,
+                c,
+            ));
+            for (name, sv) in [
+                ("sink+inf", Some(f32::INFINITY)),
+                ("sink-inf", Some(f32::NEG_INFINITY)),
+            ] {
+                let mut c = base((4, 2, h_q), cache(format, 16, 64, 200));
+                c.sink = true;
+                c.sink_value = sv;
+                c.options = forced;
+                v.push((
+                    format!("decode_sparse/{fname}/narrow{h_q}/{name}"),
+                    false,
+                    c,
+                ));
+            }
+            let mut c = base((4, 2, h_q), cache(format, 16, 64, 160));
+            c.strided = true;
+            c.sink = true;
+            v.push((
+                format!("decode_sparse/{fname}/narrow{h_q}/strided"),
+                true,
+                c,
+            ));
+            v.push((
+                format!("decode_sparse/{fname}/narrow{h_q}/topk2048"),
+                false,
+                base((2, 2, h_q), cache(format, 48, 64, 2048)),
+            ));
+        }
         // Batch-invariant schedule.
         let mut inv = base((5, 2, 128), cache(format, 24, 64, 700));
         inv.options = invariant;

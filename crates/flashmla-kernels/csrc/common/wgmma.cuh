@@ -207,6 +207,35 @@ inline constexpr bool kIsF16<F16> = true;
     "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127" \
     "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
 
+#define FLASHMLA_WGMMA_D8 \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+#define FLASHMLA_WGMMA_N16_SS(T) \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n16k16.f32." T "." T " {" \
+    "%0, %1, %2, %3, %4, %5, %6, %7" \
+    "}, %8, %9, p, 1, 1, %11, %12;\n}\n"
+#define FLASHMLA_WGMMA_N32_SS(T) \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n32k16.f32." T "." T " {" \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" \
+    "}, %16, %17, p, 1, 1, %19, %20;\n}\n"
+
+// D[64 x kN] (+)= A[64x16] B[16 x kN] for the narrow N of few query rows (kN 16 or 32), both operands in shared
+// memory; kMnA / kMnB as for wgmma_m64n64k16_ss. The accumulator holds kN / 2 floats per thread.
+template <int kN, int kMnA, int kMnB, class E = Bf16>
+__device__ __forceinline__ void wgmma_m64nk16_ss(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
+                                                 bool accumulate) {
+    static_assert(kN == 16 || kN == 32, "narrow wgmma: N 16 or 32");
+    static_assert((kMnA == 0 || kMnA == 1) && (kMnB == 0 || kMnB == 1), "transpose immediates are 0 or 1");
+    if constexpr (kN == 16) {
+        FLASHMLA_WGMMA_ASM(E, FLASHMLA_WGMMA_N16_SS, FLASHMLA_WGMMA_D8,
+                           "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kMnA), "n"(kMnB));
+    } else {
+        FLASHMLA_WGMMA_ASM(E, FLASHMLA_WGMMA_N32_SS, FLASHMLA_WGMMA_D16,
+                           "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kMnA), "n"(kMnB));
+    }
+}
+
 // D[64x32] (+)= A[64x16] B[32x16]^T; A and B K-major in shared memory (descriptors).
 template <class E = Bf16>
 __device__ __forceinline__ void wgmma_m64n32k16_ss_kk(float (&d)[16], uint64_t desc_a, uint64_t desc_b,

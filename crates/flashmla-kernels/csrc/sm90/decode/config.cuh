@@ -74,6 +74,9 @@ enum class Bar : uint32_t {
                         // warpgroup has finished PV(i - 1)
     EpilogueScale = 2,  // per chunk: the score warpgroup published 1 / row sum (row_inv[chunk % 2])
     PartialStaged = 3,  // per split chunk: both consumers' bulk stores have read their staged halves
+    // Narrow consumers (kernel.cuh, narrow_score / narrow_value), within one warpgroup (128 threads):
+    NarrowScore = 4,    // the score warpgroup's column maxima / sums, RoPE rows and staged partial rows
+    NarrowValue = 5,    // the value warpgroup's staged partial rows
 };
 
 template <int kDqk>

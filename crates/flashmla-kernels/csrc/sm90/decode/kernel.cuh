@@ -956,6 +956,422 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Narrow consumers (sparse decode, a request of at most kN = 16 or 32 query rows; docs/decode.md, "Few query rows").
+// The 64-row tile of score_consumer / value_consumer spends the MMAs of 64 rows on 16: here S^T = K Q^T takes the
+// tile's 64 keys as the wgmma M and the query rows as N (m64nNk16, K from the stage as A, Q from the Q tile as B), the
+// softmax runs down the columns of S^T, P^T goes to p[stage] as a K-major [row][key] B operand, and each consumer
+// computes four 64-column M tiles of O^T = V^T P^T (V read MN-major from the stage as A): the score warpgroup value
+// columns 0..255, the value warpgroup 256..511. Producer, ring, barriers and the per-tile protocol are the split
+// pipeline's; V3.2's RoPE columns of Q, which the producer does not load, are copied by the score warpgroup into
+// rows 32..63 of the Q tile's first slab (rows the narrow tile never uses).
+template <int kN>
+struct Narrow {
+    static_assert(kN == 16 || kN == 32, "narrow tiles: 16 or 32 query rows");
+    static constexpr int kSRegs = kN / 2;  // S^T: keys row0 / row0 + 8, columns 8 j + 2 quad + e
+    static constexpr int kCols = kN / 4;   // the thread's columns (query rows), index 2 j + e
+    static constexpr int kMTiles = 4;      // 64-column M tiles of O^T per consumer
+    static constexpr uint32_t kRopeOff = 32 * kSw128RowBytes;   // Q tile, slab 0, rows 32..63
+    static constexpr uint32_t kScratchOff = 32 * kSw128RowBytes;  // p[stage] rows 32..63 (P^T uses rows < kN)
+    static __device__ __forceinline__ int col(int ci, int quad) { return 8 * (ci / 2) + 2 * quad + (ci % 2); }
+};
+
+__device__ __forceinline__ void st_shared_bf16(uint32_t addr, float v) {
+    asm volatile("{\n.reg .b16 h;\ncvt.rn.bf16.f32 h, %1;\nst.shared.b16 [%0], h;\n}\n" ::"r"(addr), "f"(v)
+                 : "memory");
+}
+__device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+}
+
+// S^T = K Q^T of one tile (V3.2: the RoPE group first, against the copied RoPE rows), one commit group.
+template <int kDqk, int kN>
+__device__ __forceinline__ void narrow_issue_qk(SmemPlan<kDqk>& sm, const Ring& pos, uint64_t desc_q,
+                                                uint64_t desc_rope, float (&s)[kN / 2]) {
+    using C = Config<kDqk>;
+    const uint64_t desc_k = make_wgmma_desc_sw128(smem_addr(sm.kv[pos.stage]), kUnusedLbo, kSw128AtomBytes);
+    wgmma_fence();
+    if constexpr (C::kRopeSlabs > 0) {
+        MBarrier::wait(&sm.kv_full[pos.stage][kGroupRope], pos.full_parity);
+#pragma unroll
+        for (int ks = 0; ks < C::kKStepsPerSlab; ++ks) {
+            wgmma_m64nk16_ss<kN, 0, 0>(s, wgmma_desc_advance(desc_k, kDvSlabs * C::kSlabBytes + ks * 32),
+                                       wgmma_desc_advance(desc_rope, ks * 32), ks > 0);
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+        MBarrier::wait(&sm.kv_full[pos.stage][g == 0 ? kGroupLeft : kGroupRight], pos.full_parity);
+#pragma unroll
+        for (int ks = 0; ks < kSlabsPerHalf * C::kKStepsPerSlab; ++ks) {
+            const uint32_t off = (g * kSlabsPerHalf + ks / C::kKStepsPerSlab) * C::kSlabBytes +
+                                 (ks % C::kKStepsPerSlab) * 32;
+            const bool acc = C::kRopeSlabs > 0 || g > 0 || ks > 0;
+            wgmma_m64nk16_ss<kN, 0, 0>(s, wgmma_desc_advance(desc_k, off), wgmma_desc_advance(desc_q, off), acc);
+        }
+    }
+    wgmma_commit();
+}
+
+// O^T (this consumer's four M tiles, value slabs first_slab..) += V^T P^T, one commit group.
+template <int kDqk, int kN>
+__device__ __forceinline__ void narrow_issue_pv(float (&o)[4][kN / 2], uint32_t stage_addr, uint32_t p_addr,
+                                                int first_slab) {
+    wgmma_fence();
+#pragma unroll
+    for (int kb = 0; kb < kPvSteps; ++kb) {
+        const uint64_t desc_p = make_wgmma_desc_sw128(p_addr + kb * 32, kUnusedLbo, kSw128AtomBytes);
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+            wgmma_m64nk16_ss<kN, 1, 0>(o[mt], v_desc<kDqk>(stage_addr, first_slab + mt, kb), desc_p, true);
+        }
+    }
+    wgmma_commit();
+}
+
+template <int kN>
+__device__ __forceinline__ void narrow_fence_o(float (&o)[4][kN / 2]) {
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) wgmma_fence_regs(o[mt]);
+}
+
+// One consumer's O^T half of a chunk, written out: f32 partial (scaled by inv, staged in `area` as rows of 1 KB and
+// sent as one bulk store per row), final rows staged in the output dtype in the Q tile (the score warpgroup sends
+// them, store_final_rows), or final rows stored from registers. `bar`: the warpgroup's own barrier.
+template <int kN>
+__device__ __forceinline__ void narrow_stage_partial(const DecodeParams& p, const RowTile& rt, const Chunk& c,
+                                                     const AccFrag& f, int consumer, int t, Bar bar,
+                                                     const float (&o)[4][kN / 2], const float (&inv)[kN / 4],
+                                                     uint32_t area) {
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+        for (int ci = 0; ci < kN / 4; ++ci) {
+            const int n = Narrow<kN>::col(ci, f.quad);
+            const int j = ci / 2, e = ci % 2;
+            const uint32_t row = area + n * kPartialRowBytes + (64 * mt + f.row0) * 4;
+            st_shared_f32(row, o[mt][4 * j + e] * inv[ci]);
+            st_shared_f32(row + 32, o[mt][4 * j + 2 + e] * inv[ci]);
+        }
+    }
+    fence_proxy_async_shared();
+    named_barrier_sync_unaligned(bar, kWarpgroupThreads);
+    if (t < rt.rows) {
+        float* dst = p.part_o + ((static_cast<int64_t>(c.slot) * p.head_tiles + blockIdx.x) * kRowsPerCta + t) * kDv +
+                     consumer * kDvPerConsumer;
+        bulk_store_s2g_keep(dst, area + t * kPartialRowBytes, kPartialRowBytes);
+    }
+    bulk_commit();
+    bulk_wait_read();
+}
+template <int kN>
+__device__ __forceinline__ void narrow_stage_final(const AccFrag& f, int consumer, const float (&o)[4][kN / 2],
+                                                   const float (&inv)[kN / 4], uint32_t q_area) {
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+        for (int ci = 0; ci < kN / 4; ++ci) {
+            const int n = Narrow<kN>::col(ci, f.quad);
+            const int j = ci / 2, e = ci % 2;
+            const uint32_t row = q_area + n * 1024u + (consumer * kDvPerConsumer + 64 * mt + f.row0) * 2;
+            st_shared_bf16(row, o[mt][4 * j + e] * inv[ci]);
+            st_shared_bf16(row + 16, o[mt][4 * j + 2 + e] * inv[ci]);
+        }
+    }
+    fence_proxy_async_shared();
+}
+template <int kN>
+__device__ __forceinline__ void narrow_store_out(const DecodeParams& p, const RowTile& rt, const Chunk& c,
+                                                 const AccFrag& f, int consumer, const float (&o)[4][kN / 2],
+                                                 const float (&inv)[kN / 4]) {
+#pragma unroll
+    for (int ci = 0; ci < kN / 4; ++ci) {
+        const int n = Narrow<kN>::col(ci, f.quad);
+        if (n >= rt.rows) continue;
+        const int j = ci / 2, e = ci % 2;
+        uint16_t* dst = p.out + request_offset(p, c.b, p.out_stride_b, p.out_stride_s) +
+                        static_cast<int64_t>(rt.token(p, n)) * p.out_stride_s +
+                        static_cast<int64_t>(rt.head(p, n)) * p.out_stride_h + consumer * kDvPerConsumer;
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+            const uint32_t a = pack_bf16x2(o[mt][4 * j + e] * inv[ci], o[mt][4 * j + 2 + e] * inv[ci]);
+            dst[64 * mt + f.row0] = static_cast<uint16_t>(a & 0xFFFFu);
+            dst[64 * mt + f.row0 + 8] = static_cast<uint16_t>(a >> 16);
+        }
+    }
+}
+
+// Narrow score warpgroup (WG 1). Per tile i: wait S^T(i) -> release the RoPE group (and Q after the chunk's last
+// S) -> mask keys -> column max (warp shuffles, then the four warps through shared memory) -> online softmax per
+// column -> alpha(i), P^T(i) to shared memory -> QK(i + 1) queued -> Handoff -> its PV(i) -> release the left group.
+template <int kDqk, int kN>
+__device__ __forceinline__ void narrow_score(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched) {
+    using C = Config<kDqk>;
+    using Nw = Narrow<kN>;
+    constexpr int kCols = Nw::kCols;
+    const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Score);
+    const int lane = t % 32;
+    const int warp = t / 32;
+    const AccFrag f = AccFrag::of_thread(t);  // row0: the thread's first key; its columns: Nw::col(ci, quad)
+    const float scale = p.sm_scale_log2;      // > 0 (validated)
+    const RowTile rt = RowTile::of(p);
+    const bool bulk_out = (p.flags & kFlagOutBulk) != 0;
+    const uint32_t q_addr = smem_addr(sm.q);
+    const uint64_t desc_q = make_wgmma_desc_sw128(q_addr, kUnusedLbo, kSw128AtomBytes);
+    const uint64_t desc_rope = make_wgmma_desc_sw128(q_addr + Nw::kRopeOff, kUnusedLbo, kSw128AtomBytes);
+    const uint32_t max_red = smem_addr(sm.p[0]) + Nw::kScratchOff;  // [2][4 warps][32 columns] f32
+    const uint32_t sum_red = smem_addr(sm.p[1]) + Nw::kScratchOff;  // [2][4 warps][32 columns] f32
+    // The thread's keys in the tile mask: warps 0-1 in .lo, 2-3 in .hi.
+    const int key_bit = f.row0 - 32 * (warp / 2);
+
+    int tile = 0;
+    int q_uses = 0;
+    int chunks = 0;
+    int red_buf = 0;
+    for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
+        for_each_chunk(p, sched, part, [&](const Chunk& c) {
+            const int n_tiles = c.tile1 - c.tile0;
+            float o[4][kN / 2];
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) zero_regs(o[mt]);
+            float s[kN / 2];
+            zero_regs(s);
+            float m[kCols];
+            float l[kCols];
+#pragma unroll
+            for (int ci = 0; ci < kCols; ++ci) {
+                m[ci] = -kInf;
+                l[ci] = 0.f;
+            }
+            TileMask mask{0u, 0u};
+            TileKeys<true> keys_next{-1, -1};
+            if (n_tiles > 0) {
+                // V3.2: Q's RoPE columns of the tile's rows, loaded now, stored once the producer's Q landed.
+                constexpr int kRopeChunks = C::kRopeSlabs > 0 ? kN * 8 / kWarpgroupThreads : 0;
+                uint4 rope[kRopeChunks > 0 ? kRopeChunks : 1];
+#pragma unroll
+                for (int k = 0; k < kRopeChunks; ++k) {
+                    const int idx = t + k * kWarpgroupThreads;
+                    const int n = idx / 8;
+                    rope[k] = make_uint4(0u, 0u, 0u, 0u);
+                    if (n < rt.rows) {
+                        const uint16_t* q_row = p.q + request_offset(p, c.b, p.q_stride_b, p.q_stride_s) +
+                                                static_cast<int64_t>(rt.token(p, n)) * p.q_stride_s +
+                                                static_cast<int64_t>(rt.head(p, n)) * p.q_stride_h;
+                        rope[k] = __ldg(reinterpret_cast<const uint4*>(q_row + kDv) + idx % 8);
+                    }
+                }
+                mask = TileKeys<true>::load(p, c, c.tile0, lane).mask(p, c, c.tile0, lane);
+                if (n_tiles > 1) keys_next = TileKeys<true>::load(p, c, c.tile0 + 1, lane);
+                MBarrier::wait(&sm.q_full, static_cast<uint32_t>(q_uses & 1));
+#pragma unroll
+                for (int k = 0; k < kRopeChunks; ++k) {
+                    const int idx = t + k * kWarpgroupThreads;
+                    const int n = idx / 8;
+                    st_shared_v4(q_addr + Nw::kRopeOff + n * kSw128RowBytes + (((idx % 8) ^ (n % 8)) << 4), rope[k]);
+                }
+                fence_proxy_async_shared();  // the Q tile's cp.async and the RoPE stores -> wgmma
+                if constexpr (C::kRopeSlabs > 0) named_barrier_sync_unaligned(Bar::NarrowScore, kWarpgroupThreads);
+                narrow_issue_qk<kDqk, kN>(sm, Ring::of(tile), desc_q, desc_rope, s);
+            }
+            for (int i = 0; i < n_tiles; ++i, ++tile) {
+                const Ring pos = Ring::of(tile);
+                const bool has_next = i + 1 < n_tiles;
+                const uint32_t stage_addr = smem_addr(sm.kv[pos.stage]);
+                const uint32_t p_addr = smem_addr(sm.p[pos.stage]);
+
+                wgmma_wait<0>();
+                wgmma_fence_regs(s);
+                narrow_fence_o<kN>(o);
+                if constexpr (C::kRopeSlabs > 0) release_by_warp(&sm.kv_empty[pos.stage][kGroupRope], lane);
+                if (!has_next && !c.split && !bulk_out) release_by_warp(&sm.q_empty, lane);
+
+                // Keys that are missing (bad index, past the request) score -inf (a select: no NaN from an inf).
+                const uint32_t bits = warp < 2 ? mask.lo : mask.hi;
+                const bool k0 = ((bits >> key_bit) & 1u) != 0;
+                const bool k1 = ((bits >> (key_bit + 8)) & 1u) != 0;
+                float cmax[kCols];
+#pragma unroll
+                for (int ci = 0; ci < kCols; ++ci) {
+                    const int j = ci / 2, e = ci % 2;
+                    s[4 * j + e] = k0 ? s[4 * j + e] : -kInf;
+                    s[4 * j + 2 + e] = k1 ? s[4 * j + 2 + e] : -kInf;
+                    cmax[ci] = fmaxf(s[4 * j + e], s[4 * j + 2 + e]);
+#pragma unroll
+                    for (int d = 4; d < 32; d *= 2) cmax[ci] = fmaxf(cmax[ci], __shfl_xor_sync(kFullMask, cmax[ci], d));
+                }
+                const uint32_t red = max_red + red_buf * 512;
+                red_buf ^= 1;
+                if (lane < 4) {
+#pragma unroll
+                    for (int ci = 0; ci < kCols; ++ci) st_shared_f32(red + (warp * 32 + Nw::col(ci, f.quad)) * 4, cmax[ci]);
+                }
+                named_barrier_sync_unaligned(Bar::NarrowScore, kWarpgroupThreads);
+                float alpha[kCols];
+#pragma unroll
+                for (int ci = 0; ci < kCols; ++ci) {
+                    const int n = Nw::col(ci, f.quad);
+                    float tmax = ld_shared_f32(red + n * 4);
+#pragma unroll
+                    for (int w = 1; w < 4; ++w) tmax = fmaxf(tmax, ld_shared_f32(red + (w * 32 + n) * 4));
+                    const float m_new = fmaxf(m[ci], tmax * scale);
+                    alpha[ci] = m_new == m[ci] ? 1.f : exp2f(m[ci] - m_new);
+                    m[ci] = m_new;
+                    const float mu = m_new == -kInf ? 0.f : m_new;
+                    const int j = ci / 2, e = ci % 2;
+                    s[4 * j + e] = exp2f(fmaf(s[4 * j + e], scale, -mu));
+                    s[4 * j + 2 + e] = exp2f(fmaf(s[4 * j + 2 + e], scale, -mu));
+                    l[ci] = l[ci] * alpha[ci] + s[4 * j + e] + s[4 * j + 2 + e];
+#pragma unroll
+                    for (int mt = 0; mt < 4; ++mt) {
+                        o[mt][4 * j + e] *= alpha[ci];
+                        o[mt][4 * j + 2 + e] *= alpha[ci];
+                    }
+                    // P^T(key, n) at row n, key of the SW128 [row][64 keys] B operand.
+#pragma unroll
+                    for (int rr = 0; rr < 2; ++rr) {
+                        const int key = f.row0 + 8 * rr;
+                        st_shared_bf16(p_addr + n * kSw128RowBytes + (((key >> 3) ^ (n & 7)) << 4) + (key & 7) * 2,
+                                       s[4 * j + 2 * rr + e]);
+                    }
+                }
+                if (t < 4) {
+#pragma unroll
+                    for (int ci = 0; ci < kCols; ++ci) sm.row_scale[pos.stage][Nw::col(ci, f.quad)] = alpha[ci];
+                }
+                fence_proxy_async_shared();
+                if (has_next) {
+                    mask = keys_next.mask(p, c, c.tile0 + i + 1, lane);
+                    if (i + 2 < n_tiles) keys_next = TileKeys<true>::load(p, c, c.tile0 + i + 2, lane);
+                    narrow_issue_qk<kDqk, kN>(sm, Ring::of(tile + 1), desc_q, desc_rope, s);
+                }
+                named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
+                narrow_issue_pv<kDqk, kN>(o, stage_addr, p_addr, 0);
+                wgmma_wait<0>();
+                narrow_fence_o<kN>(o);
+                wgmma_fence_regs(s);
+                release_by_warp(&sm.kv_empty[pos.stage][kGroupLeft], lane);
+            }
+            if (n_tiles > 0) ++q_uses;
+
+            // Column sums: the lanes of a column, then the four warps in order.
+            const uint32_t sums = sum_red + (chunks % 2) * 512;
+#pragma unroll
+            for (int ci = 0; ci < kCols; ++ci) {
+#pragma unroll
+                for (int d = 4; d < 32; d *= 2) l[ci] += __shfl_xor_sync(kFullMask, l[ci], d);
+            }
+            if (lane < 4) {
+#pragma unroll
+                for (int ci = 0; ci < kCols; ++ci) st_shared_f32(sums + (warp * 32 + Nw::col(ci, f.quad)) * 4, l[ci]);
+            }
+            named_barrier_sync_unaligned(Bar::NarrowScore, kWarpgroupThreads);
+            float inv[kCols];
+#pragma unroll
+            for (int ci = 0; ci < kCols; ++ci) {
+                const int n = Nw::col(ci, f.quad);
+                float lsum = ld_shared_f32(sums + n * 4);
+#pragma unroll
+                for (int w = 1; w < 4; ++w) lsum += ld_shared_f32(sums + (w * 32 + n) * 4);
+                const bool exists = n < rt.rows;
+                const bool empty = m[ci] == -kInf;
+                float denom = lsum;
+                if (!c.split && p.attn_sink != nullptr && exists && !empty) {
+                    const float sink = __ldg(p.attn_sink + static_cast<int64_t>(rt.head(p, n)) * p.attn_sink_stride);
+                    denom += exp2f(sink * kLog2e - m[ci]);
+                }
+                inv[ci] = empty ? 0.f : 1.f / denom;
+                if (t < 4) {
+                    sm.row_inv[chunks % 2][n] = inv[ci];
+                    if (exists) {
+                        const float lse = (m[ci] + log2f(lsum)) * kLn2;
+                        if (c.split) {
+                            p.part_lse[(static_cast<int64_t>(c.slot) * p.head_tiles + blockIdx.x) * kRowsPerCta + n] =
+                                empty ? -kInf : lse;
+                        } else {
+                            p.lse[request_offset(p, c.b, p.lse_stride_b, p.lse_stride_s) +
+                                  static_cast<int64_t>(rt.head(p, n)) * p.lse_stride_h +
+                                  static_cast<int64_t>(rt.token(p, n)) * p.lse_stride_s] = empty ? kInf : lse;
+                        }
+                    }
+                }
+            }
+            named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
+            if (c.split) {
+                narrow_stage_partial<kN>(p, rt, c, f, 0, t, Bar::NarrowScore, o, inv, q_addr);
+                named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
+                release_by_warp(&sm.q_empty, lane);
+            } else if (bulk_out && n_tiles > 0) {
+                narrow_stage_final<kN>(f, 0, o, inv, q_addr);
+                named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
+                store_final_rows(p, rt, c, f, q_addr);
+                release_by_warp(&sm.q_empty, lane);
+            } else {
+                narrow_store_out<kN>(p, rt, c, f, 0, o, inv);
+            }
+            ++chunks;
+        });
+    }
+}
+
+// Narrow value warpgroup (WG 2). Per tile i: wait for the right group -> Handoff -> rescale O^T by alpha(i) ->
+// O^T (value columns 256..511) += V^T P^T(i) -> wait -> release the right group. Per chunk, the epilogue.
+template <int kDqk, int kN>
+__device__ __forceinline__ void narrow_value(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched) {
+    using Nw = Narrow<kN>;
+    constexpr int kCols = Nw::kCols;
+    const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Value);
+    const int lane = t % 32;
+    const AccFrag f = AccFrag::of_thread(t);
+    const RowTile rt = RowTile::of(p);
+    const bool bulk_out = (p.flags & kFlagOutBulk) != 0;
+    int tile = 0;
+    int chunks = 0;
+    for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
+        for_each_chunk(p, sched, part, [&](const Chunk& c) {
+            float o[4][kN / 2];
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) zero_regs(o[mt]);
+            for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
+                const Ring pos = Ring::of(tile);
+                MBarrier::wait(&sm.kv_full[pos.stage][kGroupRight], pos.full_parity);
+                named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
+#pragma unroll
+                for (int ci = 0; ci < kCols; ++ci) {
+                    const float a = sm.row_scale[pos.stage][Nw::col(ci, f.quad)];
+                    const int j = ci / 2, e = ci % 2;
+#pragma unroll
+                    for (int mt = 0; mt < 4; ++mt) {
+                        o[mt][4 * j + e] *= a;
+                        o[mt][4 * j + 2 + e] *= a;
+                    }
+                }
+                narrow_issue_pv<kDqk, kN>(o, smem_addr(sm.kv[pos.stage]), smem_addr(sm.p[pos.stage]), kSlabsPerHalf);
+                wgmma_wait<0>();
+                narrow_fence_o<kN>(o);
+                release_by_warp(&sm.kv_empty[pos.stage][kGroupRight], lane);
+            }
+            named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
+            float inv[kCols];
+#pragma unroll
+            for (int ci = 0; ci < kCols; ++ci) inv[ci] = sm.row_inv[chunks % 2][Nw::col(ci, f.quad)];
+            if (c.split) {
+                // The chunk's last stage: both PVs are done, and the producer writes nothing of the next chunk
+                // before its Q, which the score warpgroup releases after PartialStaged.
+                narrow_stage_partial<kN>(p, rt, c, f, 1, t, Bar::NarrowValue, o, inv,
+                                         smem_addr(sm.kv[Ring::of(tile - 1).stage]));
+                named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
+            } else if (bulk_out && c.tile1 > c.tile0) {
+                narrow_stage_final<kN>(f, 1, o, inv, smem_addr(sm.q));
+                named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
+            } else {
+                narrow_store_out<kN>(p, rt, c, f, 1, o, inv);
+            }
+            ++chunks;
+        });
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Kernel bodies (instantiated by decode.cu).
 
 // kPair (sparse only): the 2-CTA cluster of two row tiles whose producers each dequantise half of a tile's rows.
@@ -963,8 +1379,10 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
 // alone, so their TMA loads are evicted from L2 first (the host picks these kernels; with two or more row tiles the
 // other CTAs of the key head read each tile right after, from L2). A runtime flag instead of separate kernels
 // measured 1.5-2% slower where it was off: the added code changed ptxas's schedule of the whole kernel.
-template <class E, int kDqk, bool kSparse, bool kPair, bool kKeysOnce = false>
+// kNarrow (sparse only): 16 or 32 for the narrow consumers of requests with at most that many query rows.
+template <class E, int kDqk, bool kSparse, bool kPair, bool kKeysOnce = false, int kNarrow = 0>
 __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* smem) {
+    static_assert(kNarrow == 0 || (kSparse && !kPair), "narrow consumers: the one-row-tile sparse decode");
     static_assert(kSparse || !kPair, "only the sparse decode splits its dequantisation");
     static_assert(!kSparse || !kKeysOnce, "the sparse producer gathers by index, without TMA");
     using Plan = SmemPlan<kDqk>;
@@ -1014,11 +1432,19 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
         }
     } else if (role == Role::Score) {
         setmaxnreg_inc<kSparse ? kScoreRegsSparse : kScoreRegs>();
-        score_consumer<E, kDqk, kSparse>(p, sm, sched, split_dequant);
+        if constexpr (kNarrow > 0) {
+            narrow_score<kDqk, kNarrow>(p, sm, sched);
+        } else {
+            score_consumer<E, kDqk, kSparse>(p, sm, sched, split_dequant);
+        }
         bulk_wait_all();  // the partials' bulk stores are performed before the CTA ends
     } else {
         setmaxnreg_inc<kSparse ? kValueRegsSparse : kValueRegs>();
-        value_consumer<E, kDqk, kPair>(p, sm, sched, split_dequant, consumers_fence<kSparse>(p));
+        if constexpr (kNarrow > 0) {
+            narrow_value<kDqk, kNarrow>(p, sm, sched);
+        } else {
+            value_consumer<E, kDqk, kPair>(p, sm, sched, split_dequant, consumers_fence<kSparse>(p));
+        }
         bulk_wait_all();
     }
 }

@@ -255,6 +255,15 @@ pub mod kernels {
     pub const SPLIT_FP8_V32_PAIR: &str = "decode_split_fp8_v32_pair";
     /// The same for the MODEL1 cache.
     pub const SPLIT_FP8_MODEL1_PAIR: &str = "decode_split_fp8_model1_pair";
+    /// Sparse split kernel for requests of at most 16 query rows, V3.2 cache: the narrow consumers
+    /// (`S^T = K Q^T` with the query rows as the MMA's N, so a tile costs the MMAs of 16 rows, not 64).
+    pub const SPLIT_FP8_V32_N16: &str = "decode_split_fp8_v32_n16";
+    /// The same for up to 32 query rows.
+    pub const SPLIT_FP8_V32_N32: &str = "decode_split_fp8_v32_n32";
+    /// Narrow consumers, MODEL1 cache, up to 16 query rows.
+    pub const SPLIT_FP8_MODEL1_N16: &str = "decode_split_fp8_model1_n16";
+    /// Narrow consumers, MODEL1 cache, up to 32 query rows.
+    pub const SPLIT_FP8_MODEL1_N32: &str = "decode_split_fp8_model1_n32";
     /// Combine, bf16 output.
     pub const COMBINE_BF16: &str = "decode_combine_bf16";
     /// Combine, f16 output.
@@ -282,6 +291,10 @@ pub mod kernels {
         SPLIT_FP8_MODEL1,
         SPLIT_FP8_V32_PAIR,
         SPLIT_FP8_MODEL1_PAIR,
+        SPLIT_FP8_V32_N16,
+        SPLIT_FP8_V32_N32,
+        SPLIT_FP8_MODEL1_N16,
+        SPLIT_FP8_MODEL1_N32,
         COMBINE_BF16,
         COMBINE_F16,
         COMBINE2_BF16,
@@ -760,6 +773,11 @@ fn opt_ptr(t: Option<&DeviceView>) -> u64 {
     t.map_or(0, DeviceView::ptr)
 }
 
+/// Query rows per request up to which the sparse decode takes the narrow kernels (`*_n16`, `*_n32`).
+pub const NARROW_ROWS_SMALL: usize = 16;
+/// See [`NARROW_ROWS_SMALL`].
+pub const NARROW_ROWS: usize = 32;
+
 /// Lowers a validated sparse FP8 decode to its launches (workspace pointers left 0). Every query token is a
 /// request of the schedule; `out` and `lse` are bf16 / f32 as in [`super::validate_sparse_output`].
 pub fn lower_sparse(
@@ -770,8 +788,18 @@ pub fn lower_sparse(
     sm_count: usize,
 ) -> Result<DecodePlan> {
     let split_kernels = match dims.d_qk {
-        576 => (kernels::SPLIT_FP8_V32, kernels::SPLIT_FP8_V32_PAIR),
-        512 => (kernels::SPLIT_FP8_MODEL1, kernels::SPLIT_FP8_MODEL1_PAIR),
+        576 => (
+            kernels::SPLIT_FP8_V32,
+            kernels::SPLIT_FP8_V32_PAIR,
+            kernels::SPLIT_FP8_V32_N16,
+            kernels::SPLIT_FP8_V32_N32,
+        ),
+        512 => (
+            kernels::SPLIT_FP8_MODEL1,
+            kernels::SPLIT_FP8_MODEL1_PAIR,
+            kernels::SPLIT_FP8_MODEL1_N16,
+            kernels::SPLIT_FP8_MODEL1_N32,
+        ),
         d => {
             return Err(Error::unsupported(
                 format!("sparse decode with d_qk = {d}"),
@@ -831,11 +859,13 @@ pub fn lower_sparse(
     }
     let shape = ScheduleShape::sparse(dims);
     let geometry = ScheduleGeometry::for_shape(&shape, options, sm_count)?;
-    // Two row tiles run as a 2-CTA cluster (DecodePlan::new) whose producers each dequantise half of a tile's rows.
-    let split_kernel = if geometry.head_tiles == 2 {
-        split_kernels.1
-    } else {
-        split_kernels.0
+    // Two row tiles run as a 2-CTA cluster (DecodePlan::new) whose producers each dequantise half of a tile's rows;
+    // requests of at most 16 / 32 query rows (every query token is a request of h_q rows) take the narrow consumers.
+    let split_kernel = match (geometry.head_tiles, dims.h_q) {
+        (2, _) => split_kernels.1,
+        (_, 0..=NARROW_ROWS_SMALL) => split_kernels.2,
+        (_, 0..=NARROW_ROWS) => split_kernels.3,
+        _ => split_kernels.0,
     };
     let opt_stride =
         |arg: &str, t: Option<&DeviceView>| t.map_or(Ok(0), |t| stride_param(arg, t, 0));
@@ -1365,11 +1395,24 @@ mod tests {
         );
         assert_eq!(plan.launches[0].1.grid, (2, 66, 1));
         assert_eq!(plan.launches[1].1.grid, (6, 2, 32));
-        // h_q 16, MODEL1: one row tile per token; 80 x 2 tokens are more requests than the split kernel scans.
+        // h_q 16, MODEL1: one row tile per token, the narrow kernel; 80 x 2 tokens are more requests than the
+        // split kernel scans.
         let plan = lower_sparse_case((80, 2, 16), 512, (8, 64, 64 * 584), 64).unwrap();
         assert_eq!(plan.launches[0].0, kernels::SCHEDULE);
-        assert_eq!(plan.launches[1].0, kernels::SPLIT_FP8_MODEL1);
+        assert_eq!(plan.launches[1].0, kernels::SPLIT_FP8_MODEL1_N16);
         assert_eq!(plan.launches[1].1.grid, (1, 132, 1));
+        // Up to 16 / 32 query rows the narrow kernels, beyond them the 64-row tile.
+        for (h_q, kernel) in [
+            (1, kernels::SPLIT_FP8_V32_N16),
+            (16, kernels::SPLIT_FP8_V32_N16),
+            (17, kernels::SPLIT_FP8_V32_N32),
+            (32, kernels::SPLIT_FP8_V32_N32),
+            (33, kernels::SPLIT_FP8_V32),
+            (64, kernels::SPLIT_FP8_V32),
+        ] {
+            let plan = lower_sparse_case((2, 1, h_q), 576, (8, 64, 64 * 656), 64).unwrap();
+            assert_eq!(plan.launches[0].0, kernel, "h_q {h_q}");
+        }
     }
 
     #[test]
