@@ -1102,7 +1102,7 @@ __device__ __forceinline__ void narrow_store_out(const DecodeParams& p, const Ro
 
 // Narrow score warpgroup (WG 1). Per tile i: wait S^T(i) -> release the RoPE group (and Q after the chunk's last
 // S) -> mask keys -> column max (warp shuffles, then the four warps through shared memory) -> online softmax per
-// column -> alpha(i), P^T(i) to shared memory -> QK(i + 1) queued -> Handoff -> its PV(i) -> release the left group.
+// column -> alpha(i), P^T(i) to shared memory -> Handoff -> its PV(i) -> release the left group -> S(i + 1).
 template <int kDqk, int kN>
 __device__ __forceinline__ void narrow_score(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched) {
     using C = Config<kDqk>;
@@ -1172,8 +1172,10 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, SmemPlan<kDq
                 fence_proxy_async_shared();  // the Q tile's cp.async and the RoPE stores -> wgmma
                 if constexpr (C::kRopeSlabs > 0) named_barrier_sync_unaligned(Bar::NarrowScore, kWarpgroupThreads);
                 narrow_issue_qk<kDqk, kN>(sm, Ring::of(tile), desc_q, desc_rope, s);
-            }
-            for (int i = 0; i < n_tiles; ++i, ++tile) {
+            // Tile i's softmax, P^T and PV. The loop below issues S(i + 1) after each but the last: with that issue
+            // under a branch at the loop's end, the loop head merged an in-flight accumulator with one that was not
+            // (C7515).
+            auto step = [&](int i) {
                 const Ring pos = Ring::of(tile);
                 const bool has_next = i + 1 < n_tiles;
                 const uint32_t stage_addr = smem_addr(sm.kv[pos.stage]);
@@ -1239,17 +1241,23 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, SmemPlan<kDq
                     for (int ci = 0; ci < kCols; ++ci) sm.row_scale[pos.stage][Nw::col(ci, f.quad)] = alpha[ci];
                 }
                 fence_proxy_async_shared();
-                if (has_next) {
-                    mask = keys_next.mask(p, c, c.tile0 + i + 1, lane);
-                    if (i + 2 < n_tiles) keys_next = TileKeys<true>::load(p, c, c.tile0 + i + 2, lane);
-                    narrow_issue_qk<kDqk, kN>(sm, Ring::of(tile + 1), desc_q, desc_rope, s);
-                }
                 named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
                 narrow_issue_pv<kDqk, kN>(o, stage_addr, p_addr, 0);
                 wgmma_wait<0>();
                 narrow_fence_o<kN>(o);
-                wgmma_fence_regs(s);
                 release_by_warp(&sm.kv_empty[pos.stage][kGroupLeft], lane);
+            };
+            // S(i + 1) only after PV(i): queued before Handoff(i) (the split pipeline's order), S(i + 1) waited for
+            // tile i + 1 to land, and with it the value warpgroup's PV(i); the producer's chain sets the narrow
+            // kernels' pace, so that wait was on every tile's path (4.5% of the time at h_q 16, docs/decode.md).
+            for (int i = 0; i + 1 < n_tiles; ++i, ++tile) {
+                step(i);
+                mask = keys_next.mask(p, c, c.tile0 + i + 1, lane);
+                if (i + 2 < n_tiles) keys_next = TileKeys<true>::load(p, c, c.tile0 + i + 2, lane);
+                narrow_issue_qk<kDqk, kN>(sm, Ring::of(tile + 1), desc_q, desc_rope, s);
+            }
+            step(n_tiles - 1);
+            ++tile;
             }
             if (n_tiles > 0) ++q_uses;
 
