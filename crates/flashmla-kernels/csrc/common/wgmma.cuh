@@ -1,5 +1,7 @@
 // wgmma (sm_90a): shared-memory matrix descriptors, the fence/commit/wait protocol, and the MMA shapes the
-// kernels issue (m64n32 / m64n64 / m64n128 with both operands K-major, m64n128 / m64n192 / m64n256 with B MN-major). Layout conventions (SW128 slabs, fragment layouts) are in smem_layout.cuh.
+// kernels issue (m64n32 / m64n64 / m64n128 with both operands K-major, m64n128 / m64n192 / m64n256 with B MN-major,
+// m64n16 / m64n32 with A MN-major for the narrow decode). Layout conventions (SW128 slabs, fragment layouts) are in
+// smem_layout.cuh.
 //
 // ## Matrix descriptor (64 bits, PTX ISA "matrix descriptor format")
 //   bits  0-13: start address  >> 4 (shared-state-space byte address; < 256 KB so 14 bits suffice)

@@ -1172,92 +1172,96 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, SmemPlan<kDq
                 fence_proxy_async_shared();  // the Q tile's cp.async and the RoPE stores -> wgmma
                 if constexpr (C::kRopeSlabs > 0) named_barrier_sync_unaligned(Bar::NarrowScore, kWarpgroupThreads);
                 narrow_issue_qk<kDqk, kN>(sm, Ring::of(tile), desc_q, desc_rope, s);
-            // Tile i's softmax, P^T and PV. The loop below issues S(i + 1) after each but the last: with that issue
-            // under a branch at the loop's end, the loop head merged an in-flight accumulator with one that was not
-            // (C7515).
-            auto step = [&](int i) {
-                const Ring pos = Ring::of(tile);
-                const bool has_next = i + 1 < n_tiles;
-                const uint32_t stage_addr = smem_addr(sm.kv[pos.stage]);
-                const uint32_t p_addr = smem_addr(sm.p[pos.stage]);
+                // Tile i's softmax, P^T and PV. The loop below issues S(i + 1) after each but the last: with that issue
+                // under a branch at the loop's end, the loop head merged an in-flight accumulator with one that was not
+                // (C7515).
+                auto step = [&](int i) {
+                    const Ring pos = Ring::of(tile);
+                    const bool has_next = i + 1 < n_tiles;
+                    const uint32_t stage_addr = smem_addr(sm.kv[pos.stage]);
+                    const uint32_t p_addr = smem_addr(sm.p[pos.stage]);
 
-                wgmma_wait<0>();
-                wgmma_fence_regs(s);
-                narrow_fence_o<kN>(o);
-                if constexpr (C::kRopeSlabs > 0) release_by_warp(&sm.kv_empty[pos.stage][kGroupRope], lane);
-                if (!has_next && !c.split && !bulk_out) release_by_warp(&sm.q_empty, lane);
+                    wgmma_wait<0>();
+                    wgmma_fence_regs(s);
+                    narrow_fence_o<kN>(o);
+                    if constexpr (C::kRopeSlabs > 0) release_by_warp(&sm.kv_empty[pos.stage][kGroupRope], lane);
+                    if (!has_next && !c.split && !bulk_out) release_by_warp(&sm.q_empty, lane);
 
-                // Keys that are missing (bad index, past the request) score -inf (a select: no NaN from an inf).
-                const uint32_t bits = warp < 2 ? mask.lo : mask.hi;
-                const bool k0 = ((bits >> key_bit) & 1u) != 0;
-                const bool k1 = ((bits >> (key_bit + 8)) & 1u) != 0;
-                float cmax[kCols];
+                    // Keys that are missing (bad index, past the request) score -inf (a select: no NaN from an inf).
+                    const uint32_t bits = warp < 2 ? mask.lo : mask.hi;
+                    const bool k0 = ((bits >> key_bit) & 1u) != 0;
+                    const bool k1 = ((bits >> (key_bit + 8)) & 1u) != 0;
+                    float cmax[kCols];
 #pragma unroll
-                for (int ci = 0; ci < kCols; ++ci) {
-                    const int j = ci / 2, e = ci % 2;
-                    s[4 * j + e] = k0 ? s[4 * j + e] : -kInf;
-                    s[4 * j + 2 + e] = k1 ? s[4 * j + 2 + e] : -kInf;
-                    cmax[ci] = fmaxf(s[4 * j + e], s[4 * j + 2 + e]);
+                    for (int ci = 0; ci < kCols; ++ci) {
+                        const int j = ci / 2, e = ci % 2;
+                        s[4 * j + e] = k0 ? s[4 * j + e] : -kInf;
+                        s[4 * j + 2 + e] = k1 ? s[4 * j + 2 + e] : -kInf;
+                        cmax[ci] = fmaxf(s[4 * j + e], s[4 * j + 2 + e]);
 #pragma unroll
-                    for (int d = 4; d < 32; d *= 2) cmax[ci] = fmaxf(cmax[ci], __shfl_xor_sync(kFullMask, cmax[ci], d));
-                }
-                const uint32_t red = max_red + red_buf * 512;
-                red_buf ^= 1;
-                if (lane < 4) {
-#pragma unroll
-                    for (int ci = 0; ci < kCols; ++ci) st_shared_f32(red + (warp * 32 + Nw::col(ci, f.quad)) * 4, cmax[ci]);
-                }
-                named_barrier_sync_unaligned(Bar::NarrowScore, kWarpgroupThreads);
-                float alpha[kCols];
-#pragma unroll
-                for (int ci = 0; ci < kCols; ++ci) {
-                    const int n = Nw::col(ci, f.quad);
-                    float tmax = ld_shared_f32(red + n * 4);
-#pragma unroll
-                    for (int w = 1; w < 4; ++w) tmax = fmaxf(tmax, ld_shared_f32(red + (w * 32 + n) * 4));
-                    const float m_new = fmaxf(m[ci], tmax * scale);
-                    alpha[ci] = m_new == m[ci] ? 1.f : exp2f(m[ci] - m_new);
-                    m[ci] = m_new;
-                    const float mu = m_new == -kInf ? 0.f : m_new;
-                    const int j = ci / 2, e = ci % 2;
-                    s[4 * j + e] = exp2f(fmaf(s[4 * j + e], scale, -mu));
-                    s[4 * j + 2 + e] = exp2f(fmaf(s[4 * j + 2 + e], scale, -mu));
-                    l[ci] = l[ci] * alpha[ci] + s[4 * j + e] + s[4 * j + 2 + e];
-#pragma unroll
-                    for (int mt = 0; mt < 4; ++mt) {
-                        o[mt][4 * j + e] *= alpha[ci];
-                        o[mt][4 * j + 2 + e] *= alpha[ci];
+                        for (int d = 4; d < 32; d *= 2) {
+                            cmax[ci] = fmaxf(cmax[ci], __shfl_xor_sync(kFullMask, cmax[ci], d));
+                        }
                     }
-                    // P^T(key, n) at row n, key of the SW128 [row][64 keys] B operand.
+                    const uint32_t red = max_red + red_buf * 512;
+                    red_buf ^= 1;
+                    if (lane < 4) {
 #pragma unroll
-                    for (int rr = 0; rr < 2; ++rr) {
-                        const int key = f.row0 + 8 * rr;
-                        st_shared_bf16(p_addr + n * kSw128RowBytes + (((key >> 3) ^ (n & 7)) << 4) + (key & 7) * 2,
-                                       s[4 * j + 2 * rr + e]);
+                        for (int ci = 0; ci < kCols; ++ci) {
+                            st_shared_f32(red + (warp * 32 + Nw::col(ci, f.quad)) * 4, cmax[ci]);
+                        }
                     }
-                }
-                if (t < 4) {
+                    named_barrier_sync_unaligned(Bar::NarrowScore, kWarpgroupThreads);
+                    float alpha[kCols];
 #pragma unroll
-                    for (int ci = 0; ci < kCols; ++ci) sm.row_scale[pos.stage][Nw::col(ci, f.quad)] = alpha[ci];
+                    for (int ci = 0; ci < kCols; ++ci) {
+                        const int n = Nw::col(ci, f.quad);
+                        float tmax = ld_shared_f32(red + n * 4);
+#pragma unroll
+                        for (int w = 1; w < 4; ++w) tmax = fmaxf(tmax, ld_shared_f32(red + (w * 32 + n) * 4));
+                        const float m_new = fmaxf(m[ci], tmax * scale);
+                        alpha[ci] = m_new == m[ci] ? 1.f : exp2f(m[ci] - m_new);
+                        m[ci] = m_new;
+                        const float mu = m_new == -kInf ? 0.f : m_new;
+                        const int j = ci / 2, e = ci % 2;
+                        s[4 * j + e] = exp2f(fmaf(s[4 * j + e], scale, -mu));
+                        s[4 * j + 2 + e] = exp2f(fmaf(s[4 * j + 2 + e], scale, -mu));
+                        l[ci] = l[ci] * alpha[ci] + s[4 * j + e] + s[4 * j + 2 + e];
+#pragma unroll
+                        for (int mt = 0; mt < 4; ++mt) {
+                            o[mt][4 * j + e] *= alpha[ci];
+                            o[mt][4 * j + 2 + e] *= alpha[ci];
+                        }
+                        // P^T(key, n) at row n, key of the SW128 [row][64 keys] B operand.
+#pragma unroll
+                        for (int rr = 0; rr < 2; ++rr) {
+                            const int key = f.row0 + 8 * rr;
+                            st_shared_bf16(p_addr + n * kSw128RowBytes + (((key >> 3) ^ (n & 7)) << 4) + (key & 7) * 2,
+                                           s[4 * j + 2 * rr + e]);
+                        }
+                    }
+                    if (t < 4) {
+#pragma unroll
+                        for (int ci = 0; ci < kCols; ++ci) sm.row_scale[pos.stage][Nw::col(ci, f.quad)] = alpha[ci];
+                    }
+                    fence_proxy_async_shared();
+                    named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
+                    narrow_issue_pv<kDqk, kN>(o, stage_addr, p_addr, 0);
+                    wgmma_wait<0>();
+                    narrow_fence_o<kN>(o);
+                    release_by_warp(&sm.kv_empty[pos.stage][kGroupLeft], lane);
+                };
+                // S(i + 1) only after PV(i): queued before Handoff(i) (the split pipeline's order), S(i + 1) waited for
+                // tile i + 1 to land, and with it the value warpgroup's PV(i); the producer's chain sets the narrow
+                // kernels' pace, so that wait was on every tile's path (4.5% of the time at h_q 16, docs/decode.md).
+                for (int i = 0; i + 1 < n_tiles; ++i, ++tile) {
+                    step(i);
+                    mask = keys_next.mask(p, c, c.tile0 + i + 1, lane);
+                    if (i + 2 < n_tiles) keys_next = TileKeys<true>::load(p, c, c.tile0 + i + 2, lane);
+                    narrow_issue_qk<kDqk, kN>(sm, Ring::of(tile + 1), desc_q, desc_rope, s);
                 }
-                fence_proxy_async_shared();
-                named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
-                narrow_issue_pv<kDqk, kN>(o, stage_addr, p_addr, 0);
-                wgmma_wait<0>();
-                narrow_fence_o<kN>(o);
-                release_by_warp(&sm.kv_empty[pos.stage][kGroupLeft], lane);
-            };
-            // S(i + 1) only after PV(i): queued before Handoff(i) (the split pipeline's order), S(i + 1) waited for
-            // tile i + 1 to land, and with it the value warpgroup's PV(i); the producer's chain sets the narrow
-            // kernels' pace, so that wait was on every tile's path (4.5% of the time at h_q 16, docs/decode.md).
-            for (int i = 0; i + 1 < n_tiles; ++i, ++tile) {
-                step(i);
-                mask = keys_next.mask(p, c, c.tile0 + i + 1, lane);
-                if (i + 2 < n_tiles) keys_next = TileKeys<true>::load(p, c, c.tile0 + i + 2, lane);
-                narrow_issue_qk<kDqk, kN>(sm, Ring::of(tile + 1), desc_q, desc_rope, s);
-            }
-            step(n_tiles - 1);
-            ++tile;
+                step(n_tiles - 1);
+                ++tile;
             }
             if (n_tiles > 0) ++q_uses;
 
