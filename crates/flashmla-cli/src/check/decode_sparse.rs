@@ -534,5 +534,17 @@ pub fn cases() -> Vec<Case> {
         quick: true,
         run: Box::new(move |gpu, _tuning, seed| run_invariance(gpu, &inv_split, seed)),
     });
+    // The same through the narrow kernels (16 query rows per request).
+    let mut inv_narrow = base((1, 2, 16), cache(KvFormat::V32, 64, 64, 2048));
+    inv_narrow.options = DecodeOptions {
+        batch_invariant: true,
+        chunk_tiles: Some(6),
+        ..DecodeOptions::default()
+    };
+    cases.push(Case {
+        name: "decode_sparse/v32/batch_invariance_split_narrow".into(),
+        quick: false,
+        run: Box::new(move |gpu, _tuning, seed| run_invariance(gpu, &inv_narrow, seed)),
+    });
     cases
 }
