@@ -675,6 +675,36 @@ struct SoftmaxState {
     float row_sum[2]; // this thread's partial row sums, relative to m_ref
 };
 
+// One query row's end of a chunk: 1 / denominator (row sum, plus the sink term in an unsplit chunk; 0 for a row
+// without keys) and, by the thread that `writes`, row_inv[row] and the row's lse (final: natural log, +inf without
+// keys; partial: -inf without keys). `m_ref`: the base-2 reference the row sum `l` is relative to.
+__device__ __forceinline__ float finish_row(const DecodeParams& p, float* row_inv, const RowTile& rt, const Chunk& c,
+                                            int row, float m_ref, bool empty, float l, bool writes) {
+    const bool exists = row < rt.rows;
+    float denom = l;
+    if (!c.split && p.attn_sink != nullptr && exists && !empty) {
+        // The sink is one more logit with a zero value vector: it only enlarges the denominator.
+        const float sink = __ldg(p.attn_sink + static_cast<int64_t>(rt.head(p, row)) * p.attn_sink_stride);
+        denom += exp2f(sink * kLog2e - m_ref);
+    }
+    const float inv = empty ? 0.f : 1.f / denom;
+    if (writes) {
+        row_inv[row] = inv;
+        if (exists) {
+            const float lse = (m_ref + log2f(l)) * kLn2;
+            if (c.split) {
+                p.part_lse[(static_cast<int64_t>(c.slot) * p.head_tiles + blockIdx.x) * kRowsPerCta + row] =
+                    empty ? -kInf : lse;
+            } else {
+                p.lse[request_offset(p, c.b, p.lse_stride_b, p.lse_stride_s) +
+                      static_cast<int64_t>(rt.head(p, row)) * p.lse_stride_h +
+                      static_cast<int64_t>(rt.token(p, row)) * p.lse_stride_s] = empty ? kInf : lse;
+            }
+        }
+    }
+    return inv;
+}
+
 // The chunk's epilogue on the score side: row sums, lse (final or partial), 1 / denominator for both consumers.
 __device__ __forceinline__ void score_epilogue(const DecodeParams& p, float* row_inv, const RowTile& rt,
                                                const Chunk& c, const AccFrag& f, const SoftmaxState& st,
@@ -682,30 +712,9 @@ __device__ __forceinline__ void score_epilogue(const DecodeParams& p, float* row
     const int rows[2] = {f.row0, f.row1()};
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
-        const float l = quad_sum(st.row_sum[rr]);
-        const bool exists = rows[rr] < rt.rows;
-        const bool empty = st.m_run[rr] == -kInf;  // no key: out 0, lse +inf (final) / -inf (partial)
-        float denom = l;
-        if (!c.split && p.attn_sink != nullptr && exists && !empty) {
-            // The sink is one more logit with a zero value vector: it only enlarges the denominator.
-            const float sink = __ldg(p.attn_sink + static_cast<int64_t>(rt.head(p, rows[rr])) * p.attn_sink_stride);
-            denom += exp2f(sink * kLog2e - st.m_ref[rr]);
-        }
-        inv[rr] = empty ? 0.f : 1.f / denom;
-        if (f.quad == 0) {
-            row_inv[rows[rr]] = inv[rr];
-            if (exists) {
-                const float lse = (st.m_ref[rr] + log2f(l)) * kLn2;
-                if (c.split) {
-                    p.part_lse[(static_cast<int64_t>(c.slot) * p.head_tiles + blockIdx.x) * kRowsPerCta + rows[rr]] =
-                        empty ? -kInf : lse;
-                } else {
-                    p.lse[request_offset(p, c.b, p.lse_stride_b, p.lse_stride_s) +
-                          static_cast<int64_t>(rt.head(p, rows[rr])) * p.lse_stride_h +
-                          static_cast<int64_t>(rt.token(p, rows[rr])) * p.lse_stride_s] = empty ? kInf : lse;
-                }
-            }
-        }
+        // m_run == -inf: no key (out 0, lse +inf final / -inf partial).
+        inv[rr] = finish_row(p, row_inv, rt, c, rows[rr], st.m_ref[rr], st.m_run[rr] == -kInf,
+                             quad_sum(st.row_sum[rr]), f.quad == 0);
     }
 }
 
@@ -1284,28 +1293,7 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, SmemPlan<kDq
                 float lsum = ld_shared_f32(sums + n * 4);
 #pragma unroll
                 for (int w = 1; w < 4; ++w) lsum += ld_shared_f32(sums + (w * 32 + n) * 4);
-                const bool exists = n < rt.rows;
-                const bool empty = m[ci] == -kInf;
-                float denom = lsum;
-                if (!c.split && p.attn_sink != nullptr && exists && !empty) {
-                    const float sink = __ldg(p.attn_sink + static_cast<int64_t>(rt.head(p, n)) * p.attn_sink_stride);
-                    denom += exp2f(sink * kLog2e - m[ci]);
-                }
-                inv[ci] = empty ? 0.f : 1.f / denom;
-                if (t < 4) {
-                    sm.row_inv[chunks % 2][n] = inv[ci];
-                    if (exists) {
-                        const float lse = (m[ci] + log2f(lsum)) * kLn2;
-                        if (c.split) {
-                            p.part_lse[(static_cast<int64_t>(c.slot) * p.head_tiles + blockIdx.x) * kRowsPerCta + n] =
-                                empty ? -kInf : lse;
-                        } else {
-                            p.lse[request_offset(p, c.b, p.lse_stride_b, p.lse_stride_s) +
-                                  static_cast<int64_t>(rt.head(p, n)) * p.lse_stride_h +
-                                  static_cast<int64_t>(rt.token(p, n)) * p.lse_stride_s] = empty ? kInf : lse;
-                        }
-                    }
-                }
+                inv[ci] = finish_row(p, sm.row_inv[chunks % 2], rt, c, n, m[ci], m[ci] == -kInf, lsum, t < 4);
             }
             named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
             if (c.split) {
