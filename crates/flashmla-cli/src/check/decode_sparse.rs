@@ -523,28 +523,19 @@ pub fn cases() -> Vec<Case> {
     // Chunks of 6 line units: request 0 attends to 1500 keys (24 tiles and 4 units of overhead), split over five
     // parts, so the combine runs at every batch size, over more parts than a row has warps. (Chunks of 8 gave four
     // parts, which four warps add in the one warp's order: that case passed with the batch-dependent rule too.)
-    let mut inv_split = base((1, 2, 128), cache(KvFormat::V32, 64, 64, 2048));
-    inv_split.options = DecodeOptions {
-        batch_invariant: true,
-        chunk_tiles: Some(6),
-        ..DecodeOptions::default()
-    };
-    cases.push(Case {
-        name: "decode_sparse/v32/batch_invariance_split".into(),
-        quick: true,
-        run: Box::new(move |gpu, _tuning, seed| run_invariance(gpu, &inv_split, seed)),
-    });
-    // The same through the narrow kernels (16 query rows per request).
-    let mut inv_narrow = base((1, 2, 16), cache(KvFormat::V32, 64, 64, 2048));
-    inv_narrow.options = DecodeOptions {
-        batch_invariant: true,
-        chunk_tiles: Some(6),
-        ..DecodeOptions::default()
-    };
-    cases.push(Case {
-        name: "decode_sparse/v32/batch_invariance_split_narrow".into(),
-        quick: false,
-        run: Box::new(move |gpu, _tuning, seed| run_invariance(gpu, &inv_narrow, seed)),
-    });
+    // The same through the narrow kernels (16 query rows per request), in the full suite.
+    for (h_q, name, quick) in [(128usize, "split", true), (16, "split_narrow", false)] {
+        let mut inv_split = base((1, 2, h_q), cache(KvFormat::V32, 64, 64, 2048));
+        inv_split.options = DecodeOptions {
+            batch_invariant: true,
+            chunk_tiles: Some(6),
+            ..DecodeOptions::default()
+        };
+        cases.push(Case {
+            name: format!("decode_sparse/v32/batch_invariance_{name}"),
+            quick,
+            run: Box::new(move |gpu, _tuning, seed| run_invariance(gpu, &inv_split, seed)),
+        });
+    }
     cases
 }
