@@ -88,8 +88,11 @@ fn shapes(suite: BenchSuite) -> Vec<Shape> {
                 v.push(model1(b, 64, 512, 64));
                 v.push(model1(b, 128, 1024, 2));
             }
-            // Tensor parallelism: 128 heads over 8 GPUs, no padding; and s_q 1.
+            // Tensor parallelism: 128 heads over 8 GPUs (16 each) or 4 (32 each), no padding; and s_q 1.
             v.push(v32(128, 1, 16));
+            v.push(v32(128, 2, 16));
+            v.push(v32(128, 1, 32));
+            v.push(model1(128, 16, 512, 64));
             v.push(v32(128, 2, 64));
             v
         }

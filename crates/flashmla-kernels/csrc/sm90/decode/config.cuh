@@ -74,9 +74,13 @@ enum class Bar : uint32_t {
                         // warpgroup has finished PV(i - 1)
     EpilogueScale = 2,  // per chunk: the score warpgroup published 1 / row sum (row_inv[chunk % 2])
     PartialStaged = 3,  // per split chunk: both consumers' bulk stores have read their staged halves
-    // Narrow consumers (kernel.cuh, narrow_score / narrow_value), within one warpgroup (128 threads):
-    NarrowScore = 4,    // the score warpgroup's column maxima / sums, RoPE rows and staged partial rows
+    // The narrow decode (narrow.cuh), within one warpgroup (128 threads):
+    NarrowScore = 4,    // the score warpgroup's column maxima / sums and staged partial rows
     NarrowValue = 5,    // the value warpgroup's staged partial rows
+    // ... and among all three warpgroups (384 threads):
+    NarrowReady = 6,    // per tile: the key tile is dequantised into the stage and fenced for wgmma
+    NarrowFree = 7,     // per tile: both PVs are done; the stage, P^T and alpha may be rewritten
+    NarrowChunk = 8,    // per chunk after the first: the previous chunk's staged rows left the Q tile and the stage
 };
 
 template <int kDqk>

@@ -58,6 +58,9 @@ pub const COMBINE4_MAX_CTAS: usize = 128;
 pub const SMEM_BYTES_D576: u32 = 232_448;
 /// Dynamic shared memory of the d_qk = 512 split kernels (`kSmemBytes<512>`).
 pub const SMEM_BYTES_D512: u32 = 216_064;
+/// Dynamic shared memory requested for the narrow sparse kernels (`*_n16`, `*_n32`): the 227 KB limit, which each of
+/// their plans fits (`kNarrowSmemBytes`, static_asserted in narrow.cuh).
+pub const SMEM_BYTES_NARROW: u32 = 232_448;
 /// Value width.
 pub const D_V: usize = 512;
 /// `flags` bit: bottom-right causal mask (`kFlagCausal`).
@@ -860,12 +863,13 @@ pub fn lower_sparse(
     let shape = ScheduleShape::sparse(dims);
     let geometry = ScheduleGeometry::for_shape(&shape, options, sm_count)?;
     // Two row tiles run as a 2-CTA cluster (DecodePlan::new) whose producers each dequantise half of a tile's rows;
-    // requests of at most 16 / 32 query rows (every query token is a request of h_q rows) take the narrow consumers.
-    let split_kernel = match (geometry.head_tiles, dims.h_q) {
-        (2, _) => split_kernels.1,
-        (_, 0..=NARROW_ROWS_SMALL) => split_kernels.2,
-        (_, 0..=NARROW_ROWS) => split_kernels.3,
-        _ => split_kernels.0,
+    // requests of at most 16 / 32 query rows (every query token is a request of h_q rows) take the narrow kernels,
+    // whose bulk copies need 16-byte aligned rows (8-byte aligned caches take the 64-row tile).
+    let (split_kernel, smem) = match (geometry.head_tiles, dims.h_q, copy16) {
+        (2, _, _) => (split_kernels.1, smem),
+        (_, 0..=NARROW_ROWS_SMALL, true) => (split_kernels.2, SMEM_BYTES_NARROW),
+        (_, 0..=NARROW_ROWS, true) => (split_kernels.3, SMEM_BYTES_NARROW),
+        _ => (split_kernels.0, smem),
     };
     let opt_stride =
         |arg: &str, t: Option<&DeviceView>| t.map_or(Ok(0), |t| stride_param(arg, t, 0));
@@ -1412,6 +1416,12 @@ mod tests {
         ] {
             let plan = lower_sparse_case((2, 1, h_q), 576, (8, 64, 64 * 656), 64).unwrap();
             assert_eq!(plan.launches[0].0, kernel, "h_q {h_q}");
+            let smem = if h_q <= NARROW_ROWS {
+                SMEM_BYTES_NARROW
+            } else {
+                SMEM_BYTES_D576
+            };
+            assert_eq!(plan.launches[0].1.shared_mem_bytes, smem, "h_q {h_q}");
         }
     }
 
@@ -1425,6 +1435,10 @@ mod tests {
             let plan = lower_sparse_case((1, 1, 64), d_qk, cache, 64).unwrap();
             assert_eq!(plan.params.flags & FLAG_COPY8, FLAG_COPY8, "{cache:?}");
         }
+        // ... which the narrow kernels do not take: h_q 16 over the 8-byte aligned cache runs the 64-row tile.
+        let plan = lower_sparse_case((1, 1, 16), 576, (8, 64, 64 * 656 + 8), 64).unwrap();
+        assert_eq!(plan.launches[0].0, kernels::SPLIT_FP8_V32);
+        assert_eq!(plan.launches[0].1.shared_mem_bytes, SMEM_BYTES_D576);
         // A stride that is not a multiple of 8 is refused, naming the cache.
         let e = lower_sparse_case((1, 1, 64), 576, (8, 64, 64 * 656 + 4), 64).unwrap_err();
         assert!(

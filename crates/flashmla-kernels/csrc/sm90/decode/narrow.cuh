@@ -1,0 +1,673 @@
+// The narrow sparse FP8 decode: requests of at most kN = 16 or 32 query rows (h_q 16 or 32 per query token, the
+// tensor-parallel shards of 128 heads). docs/decode.md, "Few query rows", has the design and its measurements.
+//
+// A 64-row query tile on 16 real rows would spend the MMAs of 64, so the MMAs swap their operands: S^T = K Q^T takes
+// the tile's 64 keys as the wgmma M and the query rows as N (m64nNk16, K from the stage as A, Q as B), the softmax
+// runs down the columns of S^T, P^T is stored as a K-major [row][key] B operand, and each consumer computes four
+// 64-column M tiles of O^T = V^T P^T (V read MN-major from the stage as A).
+//
+// Those MMAs take a fraction of a tile, so the pace is set by moving the keys: 64 rows of 656 (V3.2) or 576 + 8
+// (MODEL1) bytes per tile, dequantised to 72 / 64 KB of bf16. The CTA therefore streams raw rows and dequantises
+// them with all its threads:
+//   - one warp of warpgroup 0 copies the raw rows of tile i + kSlots while the CTA works on tile i: one bulk copy
+//     (cp.async.bulk, completing on the slot's barrier) per valid row into a ring of kSlots raw slots (MODEL1's
+//     8-byte scale records by cp.async), so the rows' DRAM latency never sits on a tile's path;
+//   - per tile, the 256 consumer threads dequantise the NoPE columns and warpgroup 0 moves the bf16 RoPE columns
+//     from the raw slot into the one bf16 stage (NarrowReady), the score warpgroup computes S^T and the softmax, both
+//     consumers their P V (Handoff), and all meet again once the stage is free (NarrowFree).
+// The bf16 stage is single: a tile's MMAs and the next tile's dequantisation do not overlap, but both are short; the
+// raw ring is what keeps the copies in flight. The raw slots take the room a second bf16 stage and a 64-row Q tile
+// would (Q here is kN rows).
+//
+// Per chunk: warpgroup 0 issues the chunk's first tiles, waits until the previous chunk's staged rows left
+// (NarrowChunk) and loads the Q rows; the epilogues are the split pipeline's (partials, staged final rows, combine).
+#pragma once
+
+#include <cstdint>
+
+#include "sm90/decode/kernel.cuh"
+
+namespace flashmla::decode {
+
+// Bulk copy of `bytes` (a multiple of 16) from global `src` to shared `dst` (both 16-byte aligned), completing as
+// transaction bytes on the mbarrier at shared address `bar`.
+__device__ __forceinline__ void bulk_load_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
+template <int kN>
+struct Narrow {
+    static_assert(kN == 16 || kN == 32, "narrow tiles: 16 or 32 query rows");
+    static constexpr int kSRegs = kN / 2;  // S^T: keys row0 / row0 + 8, columns 8 j + 2 quad + e
+    static constexpr int kCols = kN / 4;   // the thread's columns (query rows), index 2 j + e
+    static __device__ __forceinline__ int col(int ci, int quad) { return 8 * (ci / 2) + 2 * quad + (ci % 2); }
+};
+
+// The narrow decode's shared-memory plan (every operand 1024-byte aligned):
+//   q          [slab][kN rows][128 B]        Q of the chunk's rows, all d_qk columns (SW128, K-major B operand)
+//   kv         [slab][64 keys][128 B]        the bf16 key tile (the 64-row plan's stage layout)
+//   p          [kN rows][128 B]              P^T, 16-bit (SW128, K-major B operand)
+//   raw        [slot][64 rows][kRowBytes]    raw token records (V3.2: all 656 bytes; MODEL1: the 576 value bytes),
+//                                            then MODEL1's 64 scale records of 8 bytes
+//   valid      [slot][64]                    1 where the row's index names a token (its bytes were copied)
+//   red_max / red_sum  [2][4 warps][32]      the score warpgroup's column reductions
+//   row_scale  [kN]                          alpha of the current tile
+//   row_inv    [2][64]                       per chunk c, in slot c % 2: 1 / softmax denominator
+//   raw_full   [slot]                        32 arrivals of the copy warp's lanes (their cp.async), one of lane 0
+//                                            after the valid flags, and the bulk copies' bytes
+template <int kDqk, int kN>
+struct NarrowPlan {
+    using C = Config<kDqk>;
+    using F = Fp8Format<kDqk>;
+    static constexpr int kQSlabBytes = kN * kSw128RowBytes;
+    static constexpr int kQBytes = C::kDqkSlabs * kQSlabBytes;
+    static constexpr int kPBytes = kN * kSw128RowBytes;
+    static constexpr bool kScalesApart = kDqk == 512;  // MODEL1 keeps a block's scale records after its tokens
+    static constexpr int kRowBytes = kScalesApart ? F::kValueBytes : F::kBytesPerToken;  // 576 / 656
+    static constexpr int kScaleOff = F::kDNope;  // V3.2: a row's scale record, after its NoPE bytes
+    static constexpr int kRopeOff = kScalesApart ? F::kDNope : F::kDNope + F::kScaleRecordBytes;
+    static constexpr int kScaleAreaOff = kKeysPerTile * kRowBytes;  // MODEL1: the slot's scale records
+    static constexpr int kSlotBytes =
+        (kScaleAreaOff + (kScalesApart ? kKeysPerTile * F::kScaleRecordBytes : 0) + 127) / 128 * 128;
+    // Everything but the raw slots, with room for the small arrays and the alignment padding.
+    static constexpr int kFixedBytes = kQBytes + C::kStageBytes + kPBytes + 4096;
+    static constexpr int kMaxSlots = 3;
+    static constexpr int kSlotsFit = (static_cast<int>(kMaxSmemPerBlock - kSmemAlignSlack) - kFixedBytes) / kSlotBytes;
+    static constexpr int kSlots = kSlotsFit < kMaxSlots ? kSlotsFit : kMaxSlots;
+    static_assert(kSlots >= 2, "the narrow plan needs two raw slots");
+    static_assert(kRowBytes % 16 == 0 && kRopeOff % 16 == 0, "bulk copies and 16-byte moves of a row");
+    // The staged f32 partial (the score half in the Q tile, the value half in the stage) and the final rows.
+    static_assert(kN * kPartialRowBytes <= kQBytes && kN * kPartialRowBytes <= C::kStageBytes, "staged partials fit");
+    static_assert(kN * kDv * 2 <= kQBytes, "staged final rows fit the Q tile");
+
+    alignas(kSw128AtomBytes) uint8_t q[kQBytes];
+    alignas(kSw128AtomBytes) uint8_t kv[C::kStageBytes];
+    alignas(kSw128AtomBytes) uint8_t p[kPBytes];
+    alignas(128) uint8_t raw[kSlots][kSlotBytes];
+    uint8_t valid[kSlots][kKeysPerTile];
+    float red_max[2][4][32];
+    float red_sum[2][4][32];
+    float row_scale[kN];
+    float row_inv[2][kRowsPerCta];
+    uint64_t raw_full[kSlots];
+    int32_t sched[kInlineScheduleWords];
+};
+template <int kDqk, int kN>
+inline constexpr uint32_t kNarrowSmemBytes = static_cast<uint32_t>(sizeof(NarrowPlan<kDqk, kN>)) + kSmemAlignSlack;
+static_assert(kNarrowSmemBytes<576, 16> <= kMaxSmemPerBlock && kNarrowSmemBytes<576, 32> <= kMaxSmemPerBlock &&
+                  kNarrowSmemBytes<512, 16> <= kMaxSmemPerBlock && kNarrowSmemBytes<512, 32> <= kMaxSmemPerBlock,
+              "narrow plans fit 227 KB (launch.rs requests SMEM_BYTES_NARROW = the limit)");
+
+// Ring position of the CTA's tile `tile` (counted over its chunks) in the raw slots.
+template <int kSlots>
+struct SlotPos {
+    int slot;
+    uint32_t parity;
+    static __device__ __forceinline__ SlotPos of(int tile) {
+        return {tile % kSlots, static_cast<uint32_t>((tile / kSlots) & 1)};
+    }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Phase: copy (warp 0 of warpgroup 0). Lane l owns rows l and l + 32 of a tile.
+
+// Raw indices of tile k's two rows of the lane.
+struct LaneIdx {
+    int idx[2];
+    static __device__ __forceinline__ LaneIdx load(const DecodeParams& p, const Chunk& c, int k, int lane) {
+        return {{sparse_index(p, c, k * kKeysPerTile + lane), sparse_index(p, c, k * kKeysPerTile + lane + 32)}};
+    }
+};
+
+// Issues the raw copies of tile k of chunk c into `slot`: lane 0 announces the bytes of the valid rows, each lane
+// bulk-copies its valid rows (MODEL1: and cp.asyncs their scale records, zeros for a missing row), records which
+// rows are valid and arrives once its cp.asyncs landed; lane 0 arrives after the flags.
+template <int kDqk, int kN>
+__device__ __forceinline__ void narrow_copy_tile(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Chunk& c, int k,
+                                                 int slot, const LaneIdx& li, int lane) {
+    using Plan = NarrowPlan<kDqk, kN>;
+    using F = Fp8Format<kDqk>;
+    uint64_t* full = &sm.raw_full[slot];
+    const uint32_t slot_addr = smem_addr(sm.raw[slot]);
+    Fp8Row rows[2];
+    bool ok[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        rows[h] = sparse_row(p, c, k * kKeysPerTile + lane + 32 * h, li.idx[h]);
+        ok[h] = rows[h].block != nullptr;
+    }
+    const int valid_rows = __popc(__ballot_sync(kFullMask, ok[0])) + __popc(__ballot_sync(kFullMask, ok[1]));
+    if (lane == 0) MBarrier::expect_tx(full, static_cast<uint32_t>(valid_rows * Plan::kRowBytes));
+    __syncwarp();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = lane + 32 * h;
+        if (ok[h]) {
+            bulk_load_g2s(slot_addr + row * Plan::kRowBytes, rows[h].block + F::nope_offset(rows[h].t),
+                          Plan::kRowBytes, smem_addr(full));
+        }
+        if constexpr (Plan::kScalesApart) {
+            const uint8_t* src = ok[h] ? rows[h].block + F::scale_offset(rows[h].t, rows[h].page_size)
+                                       : reinterpret_cast<const uint8_t*>(p.q);  // never read
+            cp_async_8_zfill(slot_addr + Plan::kScaleAreaOff + row * F::kScaleRecordBytes, src, ok[h]);
+        }
+        sm.valid[slot][row] = ok[h] ? 1 : 0;
+    }
+    MBarrier::arrive_on_cp_async_noinc(full);
+    __syncwarp();
+    if (lane == 0) MBarrier::arrive(full);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Phase: dequantise (every thread). The 256 consumer threads convert the NoPE columns: thread u owns row
+// 8 (u / 32) + (u % 32) / 4 of the tile and quarter q = u % 4 of every 64-column slab (16 codes -> bf16 chunks 2 q,
+// 2 q + 1). Warpgroup 0 moves the bf16 RoPE columns: thread t owns row t / 2, chunks 4 (t % 2) .. + 3 of the RoPE
+// slab. A missing row becomes zeros (its raw bytes were never copied).
+
+template <int kDqk, int kN>
+__device__ __forceinline__ void narrow_dequant_nope(NarrowPlan<kDqk, kN>& sm, int slot, int u) {
+    using Plan = NarrowPlan<kDqk, kN>;
+    using C = Config<kDqk>;
+    using F = Fp8Format<kDqk>;
+    constexpr int kNopeSlabs = F::kDNope / kSw128ColsBf16;  // 8 (V3.2) or 7 (MODEL1)
+    const int row = 8 * (u / 32) + (u % 32) / 4;
+    const int q = u % 4;
+    const uint32_t stage = smem_addr(sm.kv) + row * kSw128RowBytes;
+    const uint32_t swz = static_cast<uint32_t>(row % kSw128AtomRows);
+    const uint32_t src = smem_addr(sm.raw[slot]) + row * Plan::kRowBytes + 16 * q;  // NoPE bytes first
+    if (sm.valid[slot][row] == 0) {
+#pragma unroll
+        for (int s = 0; s < kNopeSlabs; ++s) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                st_shared_v4(stage + s * C::kSlabBytes + (((2 * q + j) ^ swz) << 4), make_uint4(0u, 0u, 0u, 0u));
+            }
+        }
+        return;
+    }
+    uint4 scales;
+    if constexpr (Plan::kScalesApart) {
+        const float2 v = ld_shared_v2_f32(smem_addr(sm.raw[slot]) + Plan::kScaleAreaOff + row * F::kScaleRecordBytes);
+        scales = make_uint4(__float_as_uint(v.x), __float_as_uint(v.y), 0u, 0u);
+    } else {
+        scales = ld_shared_v4(smem_addr(sm.raw[slot]) + row * Plan::kRowBytes + Plan::kScaleOff);
+    }
+    uint4 raw = ld_shared_v4(src);
+#pragma unroll
+    for (int s = 0; s < kNopeSlabs; ++s) {
+        uint4 next = raw;
+        if (s + 1 < kNopeSlabs) next = ld_shared_v4(src + 64 * (s + 1));
+        const float scale = slab_scale<kDqk>(scales, s);
+        const uint2 a = dequant4(raw.x, scale), b = dequant4(raw.y, scale);
+        const uint2 c = dequant4(raw.z, scale), d = dequant4(raw.w, scale);
+        const uint32_t slab = stage + s * C::kSlabBytes;
+        st_shared_v4(slab + (((2 * q) ^ swz) << 4), make_uint4(a.x, a.y, b.x, b.y));
+        st_shared_v4(slab + (((2 * q + 1) ^ swz) << 4), make_uint4(c.x, c.y, d.x, d.y));
+        raw = next;
+    }
+}
+
+template <int kDqk, int kN>
+__device__ __forceinline__ void narrow_move_rope(NarrowPlan<kDqk, kN>& sm, int slot, int t) {
+    using Plan = NarrowPlan<kDqk, kN>;
+    using C = Config<kDqk>;
+    using F = Fp8Format<kDqk>;
+    const RawLane lane = RawLane::of(t);
+    const bool ok = sm.valid[slot][lane.row] != 0;
+    const uint32_t src = smem_addr(sm.raw[slot]) + lane.row * Plan::kRowBytes + Plan::kRopeOff + 64 * lane.half;
+    const uint32_t dst = smem_addr(sm.kv) + (F::kDNope / kSw128ColsBf16) * C::kSlabBytes;
+    uint4 v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = ok ? ld_shared_v4(src + 16 * j) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) st_shared_v4(dst + lane.chunk(j), v[j]);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Phase: MMAs.
+
+// S^T = K Q^T of the stage's tile (every d_qk column), waited for.
+template <int kDqk, int kN>
+__device__ __forceinline__ void narrow_qk(const NarrowPlan<kDqk, kN>& sm, float (&s)[kN / 2]) {
+    using C = Config<kDqk>;
+    using Plan = NarrowPlan<kDqk, kN>;
+    const uint64_t desc_k = make_wgmma_desc_sw128(smem_addr(sm.kv), kUnusedLbo, kSw128AtomBytes);
+    const uint64_t desc_q = make_wgmma_desc_sw128(smem_addr(sm.q), kUnusedLbo, kSw128AtomBytes);
+    wgmma_fence();
+#pragma unroll
+    for (int slab = 0; slab < C::kDqkSlabs; ++slab) {
+#pragma unroll
+        for (int ks = 0; ks < C::kKStepsPerSlab; ++ks) {
+            wgmma_m64nk16_ss<kN, 0, 0>(s, wgmma_desc_advance(desc_k, slab * C::kSlabBytes + ks * 32),
+                                       wgmma_desc_advance(desc_q, slab * Plan::kQSlabBytes + ks * 32),
+                                       slab > 0 || ks > 0);
+        }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_regs(s);
+}
+
+// O^T (this consumer's four M tiles, value slabs first_slab..) += V^T P^T, waited for.
+template <int kDqk, int kN>
+__device__ __forceinline__ void narrow_pv(float (&o)[4][kN / 2], uint32_t stage_addr, uint32_t p_addr,
+                                          int first_slab) {
+    wgmma_fence();
+#pragma unroll
+    for (int kb = 0; kb < kPvSteps; ++kb) {
+        const uint64_t desc_p = make_wgmma_desc_sw128(p_addr + kb * 32, kUnusedLbo, kSw128AtomBytes);
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+            wgmma_m64nk16_ss<kN, 1, 0>(o[mt], v_desc<kDqk>(stage_addr, first_slab + mt, kb), desc_p, true);
+        }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) wgmma_fence_regs(o[mt]);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Phase: epilogue (per chunk, both consumers).
+
+__device__ __forceinline__ void st_shared_bf16(uint32_t addr, float v) {
+    asm volatile("{\n.reg .b16 h;\ncvt.rn.bf16.f32 h, %1;\nst.shared.b16 [%0], h;\n}\n" ::"r"(addr), "f"(v)
+                 : "memory");
+}
+__device__ __forceinline__ void st_shared_f32(uint32_t addr, float v) {
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+}
+
+// One consumer's O^T half of a split chunk: the f32 partial scaled by inv, staged in `area` as rows of 1 KB and sent
+// as one bulk store per row. `bar`: the warpgroup's own barrier.
+template <int kN>
+__device__ __forceinline__ void narrow_stage_partial(const DecodeParams& p, const RowTile& rt, const Chunk& c,
+                                                     const AccFrag& f, int consumer, int t, Bar bar,
+                                                     const float (&o)[4][kN / 2], const float (&inv)[kN / 4],
+                                                     uint32_t area) {
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+        for (int ci = 0; ci < kN / 4; ++ci) {
+            const int n = Narrow<kN>::col(ci, f.quad);
+            const int j = ci / 2, e = ci % 2;
+            const uint32_t row = area + n * kPartialRowBytes + (64 * mt + f.row0) * 4;
+            st_shared_f32(row, o[mt][4 * j + e] * inv[ci]);
+            st_shared_f32(row + 32, o[mt][4 * j + 2 + e] * inv[ci]);
+        }
+    }
+    fence_proxy_async_shared();
+    named_barrier_sync_unaligned(bar, kWarpgroupThreads);
+    if (t < rt.rows) {
+        float* dst = p.part_o + ((static_cast<int64_t>(c.slot) * p.head_tiles + blockIdx.x) * kRowsPerCta + t) * kDv +
+                     consumer * kDvPerConsumer;
+        bulk_store_s2g_keep(dst, area + t * kPartialRowBytes, kPartialRowBytes);
+    }
+    bulk_commit();
+    bulk_wait_read();
+}
+// One consumer's O^T half of an unsplit chunk, final rows in bf16 staged in the Q tile (1 KB per row).
+template <int kN>
+__device__ __forceinline__ void narrow_stage_final(const AccFrag& f, int consumer, const float (&o)[4][kN / 2],
+                                                   const float (&inv)[kN / 4], uint32_t q_area) {
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+        for (int ci = 0; ci < kN / 4; ++ci) {
+            const int n = Narrow<kN>::col(ci, f.quad);
+            const int j = ci / 2, e = ci % 2;
+            const uint32_t row = q_area + n * 1024u + (consumer * kDvPerConsumer + 64 * mt + f.row0) * 2;
+            st_shared_bf16(row, o[mt][4 * j + e] * inv[ci]);
+            st_shared_bf16(row + 16, o[mt][4 * j + 2 + e] * inv[ci]);
+        }
+    }
+    fence_proxy_async_shared();
+}
+// ... or stored from registers (out rows not 16-byte aligned).
+template <int kN>
+__device__ __forceinline__ void narrow_store_out(const DecodeParams& p, const RowTile& rt, const Chunk& c,
+                                                 const AccFrag& f, int consumer, const float (&o)[4][kN / 2],
+                                                 const float (&inv)[kN / 4]) {
+#pragma unroll
+    for (int ci = 0; ci < kN / 4; ++ci) {
+        const int n = Narrow<kN>::col(ci, f.quad);
+        if (n >= rt.rows) continue;
+        const int j = ci / 2, e = ci % 2;
+        uint16_t* dst = p.out + request_offset(p, c.b, p.out_stride_b, p.out_stride_s) +
+                        static_cast<int64_t>(rt.token(p, n)) * p.out_stride_s +
+                        static_cast<int64_t>(rt.head(p, n)) * p.out_stride_h + consumer * kDvPerConsumer;
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+            const uint32_t a = pack_bf16x2(o[mt][4 * j + e] * inv[ci], o[mt][4 * j + 2 + e] * inv[ci]);
+            dst[64 * mt + f.row0] = static_cast<uint16_t>(a & 0xFFFFu);
+            dst[64 * mt + f.row0 + 8] = static_cast<uint16_t>(a >> 16);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Roles.
+
+// Warpgroup 0: per chunk, issues the first tiles' copies, waits for the previous chunk's staged rows to leave, loads
+// the Q rows (zeros past the tile's rows); per tile, moves the RoPE columns, and warp 0 issues the copies of the tile
+// kSlots ahead once every thread has read this tile's slot.
+template <int kDqk, int kN>
+__device__ __forceinline__ void narrow_keys(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Schedule& sched) {
+    using Plan = NarrowPlan<kDqk, kN>;
+    using C = Config<kDqk>;
+    using Slot = SlotPos<Plan::kSlots>;
+    const int t = static_cast<int>(threadIdx.x);
+    const int lane = t % 32;
+    const bool copier = t < 32;
+    const RowTile rt = RowTile::of(p);
+    int tile = 0;
+    int chunks = 0;
+    for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
+        for_each_chunk(p, sched, part, [&](const Chunk& c) {
+            const int n_tiles = c.tile1 - c.tile0;
+            LaneIdx next{{-1, -1}};
+            if (copier) {
+                // The previous chunk's copies were all consumed: every slot is free.
+#pragma unroll 1
+                for (int k = 0; k < min(Plan::kSlots, n_tiles); ++k) {
+                    narrow_copy_tile<kDqk, kN>(p, sm, c, c.tile0 + k, Slot::of(tile + k).slot,
+                                               LaneIdx::load(p, c, c.tile0 + k, lane), lane);
+                }
+                if (Plan::kSlots < n_tiles) next = LaneIdx::load(p, c, c.tile0 + Plan::kSlots, lane);
+            }
+            if (chunks > 0) named_barrier_sync_unaligned(Bar::NarrowChunk, kThreads);
+            ++chunks;
+            if (n_tiles == 0) return;
+
+            // Q rows: thread t moves 16-byte chunks t, t + 128, ... of the kN x d_qk tile.
+            constexpr int kChunks = kN * C::kDqkSlabs * 8;
+            static_assert(kChunks % kWarpgroupThreads == 0, "Q chunks per thread");
+            uint4 qv[kChunks / kWarpgroupThreads];
+            const uint16_t* q_req = p.q + request_offset(p, c.b, p.q_stride_b, p.q_stride_s);
+#pragma unroll
+            for (int k = 0; k < kChunks / kWarpgroupThreads; ++k) {
+                const int idx = t + k * kWarpgroupThreads;
+                const int n = idx / (8 * C::kDqkSlabs);
+                qv[k] = make_uint4(0u, 0u, 0u, 0u);
+                if (n < rt.rows) {
+                    const uint16_t* row = q_req + static_cast<int64_t>(rt.token(p, n)) * p.q_stride_s +
+                                          static_cast<int64_t>(rt.head(p, n)) * p.q_stride_h;
+                    qv[k] = __ldg(reinterpret_cast<const uint4*>(row) + idx % (8 * C::kDqkSlabs));
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < kChunks / kWarpgroupThreads; ++k) {
+                const int idx = t + k * kWarpgroupThreads;
+                const int n = idx / (8 * C::kDqkSlabs);
+                const int col_chunk = idx % (8 * C::kDqkSlabs);
+                const int slab = col_chunk / 8, chunk = col_chunk % 8;
+                st_shared_v4(smem_addr(sm.q) + slab * Plan::kQSlabBytes + n * kSw128RowBytes +
+                                 ((chunk ^ (n % kSw128AtomRows)) << 4),
+                             qv[k]);
+            }
+
+            for (int i = 0; i < n_tiles; ++i, ++tile) {
+                const Slot pos = Slot::of(tile);
+                MBarrier::wait(&sm.raw_full[pos.slot], pos.parity);
+                narrow_move_rope<kDqk, kN>(sm, pos.slot, t);
+                fence_proxy_async_shared();  // the Q rows and the RoPE columns -> wgmma
+                named_barrier_sync_unaligned(Bar::NarrowReady, kThreads);
+                if (copier && i + Plan::kSlots < n_tiles) {
+                    narrow_copy_tile<kDqk, kN>(p, sm, c, c.tile0 + i + Plan::kSlots, pos.slot, next, lane);
+                    if (i + Plan::kSlots + 1 < n_tiles) next = LaneIdx::load(p, c, c.tile0 + i + Plan::kSlots + 1, lane);
+                }
+                named_barrier_sync_unaligned(Bar::NarrowFree, kThreads);
+            }
+        });
+    }
+}
+
+// Score warpgroup (WG 1). Per tile i: dequantise its half of the rows -> NarrowReady -> S^T(i) -> mask keys ->
+// column max (warp shuffles, then the four warps through shared memory) -> online softmax per column -> alpha(i),
+// P^T(i) -> Handoff -> PV(i) on value columns 0..255 -> NarrowFree. Per chunk, the epilogue.
+template <int kDqk, int kN>
+__device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Schedule& sched) {
+    using Plan = NarrowPlan<kDqk, kN>;
+    using Nw = Narrow<kN>;
+    using Slot = SlotPos<Plan::kSlots>;
+    constexpr int kCols = Nw::kCols;
+    const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Score);
+    const int lane = t % 32;
+    const int warp = t / 32;
+    const AccFrag f = AccFrag::of_thread(t);  // row0: the thread's first key; its columns: Nw::col(ci, quad)
+    const float scale = p.sm_scale_log2;      // > 0 (validated)
+    const RowTile rt = RowTile::of(p);
+    const bool bulk_out = (p.flags & kFlagOutBulk) != 0;
+    const uint32_t q_addr = smem_addr(sm.q);
+    const uint32_t stage_addr = smem_addr(sm.kv);
+    const uint32_t p_addr = smem_addr(sm.p);
+    // The thread's keys in the tile mask: warps 0-1 in .lo, 2-3 in .hi.
+    const int key_bit = f.row0 - 32 * (warp / 2);
+
+    int tile = 0;
+    int chunks = 0;
+    int red_buf = 0;
+    for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
+        for_each_chunk(p, sched, part, [&](const Chunk& c) {
+            const int n_tiles = c.tile1 - c.tile0;
+            if (chunks > 0) named_barrier_sync_unaligned(Bar::NarrowChunk, kThreads);
+            float o[4][kN / 2];
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) zero_regs(o[mt]);
+            float m[kCols];
+            float l[kCols];
+#pragma unroll
+            for (int ci = 0; ci < kCols; ++ci) {
+                m[ci] = -kInf;
+                l[ci] = 0.f;
+            }
+            TileMask mask{0u, 0u};
+            TileKeys<true> keys_next{-1, -1};
+            if (n_tiles > 0) {
+                mask = TileKeys<true>::load(p, c, c.tile0, lane).mask(p, c, c.tile0, lane);
+                if (n_tiles > 1) keys_next = TileKeys<true>::load(p, c, c.tile0 + 1, lane);
+            }
+            for (int i = 0; i < n_tiles; ++i, ++tile) {
+                const Slot pos = Slot::of(tile);
+                MBarrier::wait(&sm.raw_full[pos.slot], pos.parity);
+                narrow_dequant_nope<kDqk, kN>(sm, pos.slot, t);
+                fence_proxy_async_shared();
+                named_barrier_sync_unaligned(Bar::NarrowReady, kThreads);
+
+                float s[kN / 2];
+                narrow_qk<kDqk, kN>(sm, s);
+
+                // Keys that are missing (bad index, past the request) score -inf (a select: no NaN from an inf).
+                const uint32_t bits = warp < 2 ? mask.lo : mask.hi;
+                const bool k0 = ((bits >> key_bit) & 1u) != 0;
+                const bool k1 = ((bits >> (key_bit + 8)) & 1u) != 0;
+                float cmax[kCols];
+#pragma unroll
+                for (int ci = 0; ci < kCols; ++ci) {
+                    const int j = ci / 2, e = ci % 2;
+                    s[4 * j + e] = k0 ? s[4 * j + e] : -kInf;
+                    s[4 * j + 2 + e] = k1 ? s[4 * j + 2 + e] : -kInf;
+                    cmax[ci] = fmaxf(s[4 * j + e], s[4 * j + 2 + e]);
+#pragma unroll
+                    for (int d = 4; d < 32; d *= 2) cmax[ci] = fmaxf(cmax[ci], __shfl_xor_sync(kFullMask, cmax[ci], d));
+                }
+                if (lane < 4) {
+#pragma unroll
+                    for (int ci = 0; ci < kCols; ++ci) sm.red_max[red_buf][warp][Nw::col(ci, f.quad)] = cmax[ci];
+                }
+                named_barrier_sync_unaligned(Bar::NarrowScore, kWarpgroupThreads);
+                float alpha[kCols];
+#pragma unroll
+                for (int ci = 0; ci < kCols; ++ci) {
+                    const int n = Nw::col(ci, f.quad);
+                    float tmax = sm.red_max[red_buf][0][n];
+#pragma unroll
+                    for (int w = 1; w < 4; ++w) tmax = fmaxf(tmax, sm.red_max[red_buf][w][n]);
+                    const float m_new = fmaxf(m[ci], tmax * scale);
+                    alpha[ci] = m_new == m[ci] ? 1.f : exp2f(m[ci] - m_new);
+                    m[ci] = m_new;
+                    const float mu = m_new == -kInf ? 0.f : m_new;
+                    const int j = ci / 2, e = ci % 2;
+                    s[4 * j + e] = exp2f(fmaf(s[4 * j + e], scale, -mu));
+                    s[4 * j + 2 + e] = exp2f(fmaf(s[4 * j + 2 + e], scale, -mu));
+                    l[ci] = l[ci] * alpha[ci] + s[4 * j + e] + s[4 * j + 2 + e];
+#pragma unroll
+                    for (int mt = 0; mt < 4; ++mt) {
+                        o[mt][4 * j + e] *= alpha[ci];
+                        o[mt][4 * j + 2 + e] *= alpha[ci];
+                    }
+                    // P^T(key, n) at row n, key of the SW128 [row][64 keys] B operand.
+#pragma unroll
+                    for (int rr = 0; rr < 2; ++rr) {
+                        const int key = f.row0 + 8 * rr;
+                        st_shared_bf16(p_addr + n * kSw128RowBytes + (((key >> 3) ^ (n & 7)) << 4) + (key & 7) * 2,
+                                       s[4 * j + 2 * rr + e]);
+                    }
+                }
+                red_buf ^= 1;
+                if (t < 4) {
+#pragma unroll
+                    for (int ci = 0; ci < kCols; ++ci) sm.row_scale[Nw::col(ci, f.quad)] = alpha[ci];
+                }
+                if (i + 1 < n_tiles) {
+                    mask = keys_next.mask(p, c, c.tile0 + i + 1, lane);
+                    if (i + 2 < n_tiles) keys_next = TileKeys<true>::load(p, c, c.tile0 + i + 2, lane);
+                }
+                fence_proxy_async_shared();
+                named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
+                narrow_pv<kDqk, kN>(o, stage_addr, p_addr, 0);
+                named_barrier_sync_unaligned(Bar::NarrowFree, kThreads);
+            }
+
+            // Column sums: the lanes of a column, then the four warps in order.
+#pragma unroll
+            for (int ci = 0; ci < kCols; ++ci) {
+#pragma unroll
+                for (int d = 4; d < 32; d *= 2) l[ci] += __shfl_xor_sync(kFullMask, l[ci], d);
+            }
+            const int sums = chunks % 2;
+            if (lane < 4) {
+#pragma unroll
+                for (int ci = 0; ci < kCols; ++ci) sm.red_sum[sums][warp][Nw::col(ci, f.quad)] = l[ci];
+            }
+            named_barrier_sync_unaligned(Bar::NarrowScore, kWarpgroupThreads);
+            float inv[kCols];
+#pragma unroll
+            for (int ci = 0; ci < kCols; ++ci) {
+                const int n = Nw::col(ci, f.quad);
+                float lsum = sm.red_sum[sums][0][n];
+#pragma unroll
+                for (int w = 1; w < 4; ++w) lsum += sm.red_sum[sums][w][n];
+                inv[ci] = finish_row(p, sm.row_inv[chunks % 2], rt, c, n, m[ci], m[ci] == -kInf, lsum, t < 4);
+            }
+            named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
+            if (c.split) {
+                narrow_stage_partial<kN>(p, rt, c, f, 0, t, Bar::NarrowScore, o, inv, q_addr);
+                named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
+            } else if (bulk_out && n_tiles > 0) {
+                narrow_stage_final<kN>(f, 0, o, inv, q_addr);
+                named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
+                store_final_rows(p, rt, c, f, q_addr);
+            } else {
+                narrow_store_out<kN>(p, rt, c, f, 0, o, inv);
+            }
+            ++chunks;
+        });
+    }
+}
+
+// Value warpgroup (WG 2). Per tile i: dequantise its half of the rows -> NarrowReady -> Handoff -> rescale O^T by
+// alpha(i) -> O^T (value columns 256..511) += V^T P^T(i) -> NarrowFree. Per chunk, the epilogue.
+template <int kDqk, int kN>
+__device__ __forceinline__ void narrow_value(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Schedule& sched) {
+    using Plan = NarrowPlan<kDqk, kN>;
+    using Nw = Narrow<kN>;
+    using Slot = SlotPos<Plan::kSlots>;
+    constexpr int kCols = Nw::kCols;
+    const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Value);
+    const AccFrag f = AccFrag::of_thread(t);
+    const RowTile rt = RowTile::of(p);
+    const bool bulk_out = (p.flags & kFlagOutBulk) != 0;
+    const uint32_t stage_addr = smem_addr(sm.kv);
+    int tile = 0;
+    int chunks = 0;
+    for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
+        for_each_chunk(p, sched, part, [&](const Chunk& c) {
+            if (chunks > 0) named_barrier_sync_unaligned(Bar::NarrowChunk, kThreads);
+            float o[4][kN / 2];
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) zero_regs(o[mt]);
+            for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
+                const Slot pos = Slot::of(tile);
+                MBarrier::wait(&sm.raw_full[pos.slot], pos.parity);
+                narrow_dequant_nope<kDqk, kN>(sm, pos.slot, kWarpgroupThreads + t);
+                fence_proxy_async_shared();
+                named_barrier_sync_unaligned(Bar::NarrowReady, kThreads);
+                named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
+#pragma unroll
+                for (int ci = 0; ci < kCols; ++ci) {
+                    const float a = sm.row_scale[Nw::col(ci, f.quad)];
+                    const int j = ci / 2, e = ci % 2;
+#pragma unroll
+                    for (int mt = 0; mt < 4; ++mt) {
+                        o[mt][4 * j + e] *= a;
+                        o[mt][4 * j + 2 + e] *= a;
+                    }
+                }
+                narrow_pv<kDqk, kN>(o, stage_addr, smem_addr(sm.p), kSlabsPerHalf);
+                named_barrier_sync_unaligned(Bar::NarrowFree, kThreads);
+            }
+            named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
+            float inv[kCols];
+#pragma unroll
+            for (int ci = 0; ci < kCols; ++ci) inv[ci] = sm.row_inv[chunks % 2][Nw::col(ci, f.quad)];
+            if (c.split) {
+                // The stage is free (NarrowFree) and is not rewritten before NarrowChunk.
+                narrow_stage_partial<kN>(p, rt, c, f, 1, t, Bar::NarrowValue, o, inv, stage_addr);
+                named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
+            } else if (bulk_out && c.tile1 > c.tile0) {
+                narrow_stage_final<kN>(f, 1, o, inv, smem_addr(sm.q));
+                named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
+            } else {
+                narrow_store_out<kN>(p, rt, c, f, 1, o, inv);
+            }
+            ++chunks;
+        });
+    }
+}
+
+// The narrow kernel body (instantiated by decode.cu as decode_split_fp8_{v32,model1}_n{16,32}).
+template <int kDqk, int kN>
+__device__ __forceinline__ void decode_narrow(const DecodeParams& p, uint8_t* smem) {
+    using Plan = NarrowPlan<kDqk, kN>;
+    const uint32_t raw = smem_addr(smem);
+    const uint32_t pad = ((raw + kSw128AtomBytes - 1) & ~static_cast<uint32_t>(kSw128AtomBytes - 1)) - raw;
+    if (pad + sizeof(Plan) > dynamic_smem_bytes()) __trap();  // launch asked for less than kNarrowSmemBytes
+    Plan& sm = *reinterpret_cast<Plan*>(smem + pad);
+
+    const int32_t* const sched_line = (p.flags & kFlagInlineSchedule) ? sm.sched : p.schedule;
+    if ((p.flags & kFlagInlineSchedule) && threadIdx.x < 32) {
+        write_schedule_warp(p, sm.sched, blockIdx.x == 0 && blockIdx.y == 0);
+    }
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int s = 0; s < Plan::kSlots; ++s) MBarrier::init(&sm.raw_full[s], 32 + 1);
+    }
+    __syncthreads();
+
+    const Schedule sched = Schedule::load(p, sched_line);
+    const Role role = static_cast<Role>(threadIdx.x / kWarpgroupThreads);
+    if (role == Role::Producer) {
+        narrow_keys<kDqk, kN>(p, sm, sched);
+    } else if (role == Role::Score) {
+        narrow_score<kDqk, kN>(p, sm, sched);
+        bulk_wait_all();  // the partials' bulk stores are performed before the CTA ends
+    } else {
+        narrow_value<kDqk, kN>(p, sm, sched);
+        bulk_wait_all();
+    }
+}
+
+}  // namespace flashmla::decode
