@@ -27,6 +27,13 @@
 
 #include "sm90/decode/kernel.cuh"
 
+#ifndef FLASHMLA_NARROW_COPY
+#define FLASHMLA_NARROW_COPY 0  // 0: bulk copies by one warp; 1: 16-byte cp.async by all of warpgroup 0
+#endif
+#ifndef FLASHMLA_NARROW_DIAG
+#define FLASHMLA_NARROW_DIAG 0  // diagnostic builds only: 1 no dequantisation, 2 no copies, 3 neither
+#endif
+
 namespace flashmla::decode {
 
 // Bulk copy of `bytes` (a multiple of 16) from global `src` to shared `dst` (both 16-byte aligned), completing as
@@ -113,6 +120,34 @@ struct SlotPos {
 // ---------------------------------------------------------------------------------------------------------------
 // Phase: copy (warp 0 of warpgroup 0). Lane l owns rows l and l + 32 of a tile.
 
+// cp.async path: thread t of warpgroup 0 copies chunks (t % 2) + 2 j of row t / 2.
+template <int kDqk, int kN>
+__device__ __forceinline__ void narrow_copy_tile_cp(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Chunk& c,
+                                                    int k, int slot, int idx, int t) {
+    using Plan = NarrowPlan<kDqk, kN>;
+    using F = Fp8Format<kDqk>;
+    constexpr int kChunks = Plan::kRowBytes / 16;
+    uint64_t* full = &sm.raw_full[slot];
+    const int row = t / 2, half = t % 2;
+    const Fp8Row r = sparse_row(p, c, k * kKeysPerTile + row, idx);
+    const bool ok = r.block != nullptr && !(FLASHMLA_NARROW_DIAG & 2);
+    const uint8_t* src = ok ? r.block + F::nope_offset(r.t) : reinterpret_cast<const uint8_t*>(p.q);
+    const uint32_t dst = smem_addr(sm.raw[slot]) + row * Plan::kRowBytes;
+    if (ok) {
+#pragma unroll
+        for (int j = half; j < kChunks; j += 2) cp_async_16_zfill_l2_256(dst + 16 * j, src + 16 * j, true);
+    }
+    if constexpr (Plan::kScalesApart) {
+        if (half == 0) {
+            const uint8_t* s8 = ok ? r.block + F::scale_offset(r.t, r.page_size) : reinterpret_cast<const uint8_t*>(p.q);
+            cp_async_8_zfill(smem_addr(sm.raw[slot]) + Plan::kScaleAreaOff + row * F::kScaleRecordBytes, s8, ok);
+        }
+    }
+    sm.valid[slot][row] = ok || (FLASHMLA_NARROW_DIAG & 2) ? 1 : 0;
+    MBarrier::arrive_on_cp_async_noinc(full);
+    MBarrier::arrive(full);
+}
+
 // Raw indices of tile k's two rows of the lane.
 struct LaneIdx {
     int idx[2];
@@ -137,6 +172,7 @@ __device__ __forceinline__ void narrow_copy_tile(const DecodeParams& p, NarrowPl
     for (int h = 0; h < 2; ++h) {
         rows[h] = sparse_row(p, c, k * kKeysPerTile + lane + 32 * h, li.idx[h]);
         ok[h] = rows[h].block != nullptr;
+        if (FLASHMLA_NARROW_DIAG & 2) ok[h] = false;
     }
     const int valid_rows = __popc(__ballot_sync(kFullMask, ok[0])) + __popc(__ballot_sync(kFullMask, ok[1]));
     if (lane == 0) MBarrier::expect_tx(full, static_cast<uint32_t>(valid_rows * Plan::kRowBytes));
@@ -153,7 +189,7 @@ __device__ __forceinline__ void narrow_copy_tile(const DecodeParams& p, NarrowPl
                                        : reinterpret_cast<const uint8_t*>(p.q);  // never read
             cp_async_8_zfill(slot_addr + Plan::kScaleAreaOff + row * F::kScaleRecordBytes, src, ok[h]);
         }
-        sm.valid[slot][row] = ok[h] ? 1 : 0;
+        sm.valid[slot][row] = ok[h] || (FLASHMLA_NARROW_DIAG & 2) ? 1 : 0;
     }
     MBarrier::arrive_on_cp_async_noinc(full);
     __syncwarp();
@@ -368,7 +404,15 @@ __device__ __forceinline__ void narrow_keys(const DecodeParams& p, NarrowPlan<kD
         for_each_chunk(p, sched, part, [&](const Chunk& c) {
             const int n_tiles = c.tile1 - c.tile0;
             LaneIdx next{{-1, -1}};
-            if (copier) {
+            int next_cp = -1;
+            if (FLASHMLA_NARROW_COPY) {
+#pragma unroll 1
+                for (int k = 0; k < min(Plan::kSlots, n_tiles); ++k) {
+                    narrow_copy_tile_cp<kDqk, kN>(p, sm, c, c.tile0 + k, Slot::of(tile + k).slot,
+                                                  sparse_index(p, c, (c.tile0 + k) * kKeysPerTile + t / 2), t);
+                }
+                if (Plan::kSlots < n_tiles) next_cp = sparse_index(p, c, (c.tile0 + Plan::kSlots) * kKeysPerTile + t / 2);
+            } else if (copier) {
                 // The previous chunk's copies were all consumed: every slot is free.
 #pragma unroll 1
                 for (int k = 0; k < min(Plan::kSlots, n_tiles); ++k) {
@@ -411,10 +455,15 @@ __device__ __forceinline__ void narrow_keys(const DecodeParams& p, NarrowPlan<kD
             for (int i = 0; i < n_tiles; ++i, ++tile) {
                 const Slot pos = Slot::of(tile);
                 MBarrier::wait(&sm.raw_full[pos.slot], pos.parity);
-                narrow_move_rope<kDqk, kN>(sm, pos.slot, t);
+                if (!(FLASHMLA_NARROW_DIAG & 1)) narrow_move_rope<kDqk, kN>(sm, pos.slot, t);
                 fence_proxy_async_shared();  // the Q rows and the RoPE columns -> wgmma
                 named_barrier_sync_unaligned(Bar::NarrowReady, kThreads);
-                if (copier && i + Plan::kSlots < n_tiles) {
+                if (FLASHMLA_NARROW_COPY && i + Plan::kSlots < n_tiles) {
+                    narrow_copy_tile_cp<kDqk, kN>(p, sm, c, c.tile0 + i + Plan::kSlots, pos.slot, next_cp, t);
+                    if (i + Plan::kSlots + 1 < n_tiles) {
+                        next_cp = sparse_index(p, c, (c.tile0 + i + Plan::kSlots + 1) * kKeysPerTile + t / 2);
+                    }
+                } else if (!FLASHMLA_NARROW_COPY && copier && i + Plan::kSlots < n_tiles) {
                     narrow_copy_tile<kDqk, kN>(p, sm, c, c.tile0 + i + Plan::kSlots, pos.slot, next, lane);
                     if (i + Plan::kSlots + 1 < n_tiles) next = LaneIdx::load(p, c, c.tile0 + i + Plan::kSlots + 1, lane);
                 }
@@ -472,7 +521,7 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
             for (int i = 0; i < n_tiles; ++i, ++tile) {
                 const Slot pos = Slot::of(tile);
                 MBarrier::wait(&sm.raw_full[pos.slot], pos.parity);
-                narrow_dequant_nope<kDqk, kN>(sm, pos.slot, t);
+                if (!(FLASHMLA_NARROW_DIAG & 1)) narrow_dequant_nope<kDqk, kN>(sm, pos.slot, t);
                 fence_proxy_async_shared();
                 named_barrier_sync_unaligned(Bar::NarrowReady, kThreads);
 
@@ -602,7 +651,7 @@ __device__ __forceinline__ void narrow_value(const DecodeParams& p, NarrowPlan<k
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
                 const Slot pos = Slot::of(tile);
                 MBarrier::wait(&sm.raw_full[pos.slot], pos.parity);
-                narrow_dequant_nope<kDqk, kN>(sm, pos.slot, kWarpgroupThreads + t);
+                if (!(FLASHMLA_NARROW_DIAG & 1)) narrow_dequant_nope<kDqk, kN>(sm, pos.slot, kWarpgroupThreads + t);
                 fence_proxy_async_shared();
                 named_barrier_sync_unaligned(Bar::NarrowReady, kThreads);
                 named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
@@ -653,7 +702,7 @@ __device__ __forceinline__ void decode_narrow(const DecodeParams& p, uint8_t* sm
     }
     if (threadIdx.x == 0) {
 #pragma unroll
-        for (int s = 0; s < Plan::kSlots; ++s) MBarrier::init(&sm.raw_full[s], 32 + 1);
+        for (int s = 0; s < Plan::kSlots; ++s) MBarrier::init(&sm.raw_full[s], FLASHMLA_NARROW_COPY ? 256 : 32 + 1);
     }
     __syncthreads();
 
