@@ -27,11 +27,11 @@
 
 #include "sm90/decode/kernel.cuh"
 
-#ifndef FLASHMLA_NARROW_COPY
-#define FLASHMLA_NARROW_COPY 0  // 0: bulk copies by one warp; 1: 16-byte cp.async by all of warpgroup 0
-#endif
 #ifndef FLASHMLA_NARROW_DIAG
 #define FLASHMLA_NARROW_DIAG 0  // diagnostic builds only: 1 no dequantisation, 2 no copies, 3 neither
+#endif
+#ifndef FLASHMLA_NARROW_QK_CHAINS
+#define FLASHMLA_NARROW_QK_CHAINS 1  // independent accumulators of S^T (the k-steps alternate between them)
 #endif
 
 namespace flashmla::decode {
@@ -62,8 +62,9 @@ struct Narrow {
 //   red_max / red_sum  [2][4 warps][32]      the score warpgroup's column reductions
 //   row_scale  [kN]                          alpha of the current tile
 //   row_inv    [2][64]                       per chunk c, in slot c % 2: 1 / softmax denominator
-//   raw_full   [slot]                        32 arrivals of the copy warp's lanes (their cp.async), one of lane 0
-//                                            after the valid flags, and the bulk copies' bytes
+//   raw_full   [slot]                        per copy warp 32 arrivals of its lanes (their cp.async) and one of lane
+//                                            0 after the valid flags; the bulk copies' bytes
+//   raw_empty  [slot]                        one arrival per consumer warp
 template <int kDqk, int kN>
 struct NarrowPlan {
     using C = Config<kDqk>;
@@ -99,6 +100,7 @@ struct NarrowPlan {
     float row_scale[kN];
     float row_inv[2][kRowsPerCta];
     uint64_t raw_full[kSlots];
+    uint64_t raw_empty[kSlots];  // one arrival per consumer warp once it read the slot
     int32_t sched[kInlineScheduleWords];
 };
 template <int kDqk, int kN>
@@ -106,6 +108,15 @@ inline constexpr uint32_t kNarrowSmemBytes = static_cast<uint32_t>(sizeof(Narrow
 static_assert(kNarrowSmemBytes<576, 16> <= kMaxSmemPerBlock && kNarrowSmemBytes<576, 32> <= kMaxSmemPerBlock &&
                   kNarrowSmemBytes<512, 16> <= kMaxSmemPerBlock && kNarrowSmemBytes<512, 32> <= kMaxSmemPerBlock,
               "narrow plans fit 227 KB (launch.rs requests SMEM_BYTES_NARROW = the limit)");
+
+inline constexpr int kCopyWarps = kWarpsPerWarpgroup;                // warpgroup 0: four copy warps
+inline constexpr int kCopyRowsPerWarp = kKeysPerTile / kCopyWarps;   // 16 rows of a tile each
+inline constexpr int kConsumerWarps = kConsumerThreads / 32;         // 8
+// Registers after setmaxnreg: the copy warps hold a few addresses; the consumers' O^T, S^T, Q rows in flight and the
+// dequantisation (at 168 each the kN = 32 kernels spilled).
+inline constexpr uint32_t kNarrowCopierRegs = 56;
+inline constexpr uint32_t kNarrowConsumerRegs = 224;
+static_assert(kNarrowCopierRegs + 2 * kNarrowConsumerRegs <= 3 * kRegsAtLaunch, "setmaxnreg pool of the CTA");
 
 // Ring position of the CTA's tile `tile` (counted over its chunks) in the raw slots.
 template <int kSlots>
@@ -118,78 +129,35 @@ struct SlotPos {
 };
 
 // ---------------------------------------------------------------------------------------------------------------
-// Phase: copy (warp 0 of warpgroup 0). Lane l owns rows l and l + 32 of a tile.
+// Phase: copy (warpgroup 0, four warps of 16 rows each, paced only by the slots' barriers).
 
-// cp.async path: thread t of warpgroup 0 copies chunks (t % 2) + 2 j of row t / 2.
+// Issues warp w's raw copies of tile k of chunk c into `slot`: rows 16 w .. 16 w + 15, lane l < 16 row 16 w + l
+// (raw index `idx`). Lane 0 announces the bytes of the warp's valid rows; each of those lanes bulk-copies its row (MODEL1:
+// and cp.asyncs its scale record, zeros for a missing row) and records whether the row is valid; every lane arrives
+// once its cp.asyncs landed, and lane 0 once more after the flags.
 template <int kDqk, int kN>
-__device__ __forceinline__ void narrow_copy_tile_cp(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Chunk& c,
-                                                    int k, int slot, int idx, int t) {
-    using Plan = NarrowPlan<kDqk, kN>;
-    using F = Fp8Format<kDqk>;
-    constexpr int kChunks = Plan::kRowBytes / 16;
-    uint64_t* full = &sm.raw_full[slot];
-    const int row = t / 2, half = t % 2;
-    const Fp8Row r = sparse_row(p, c, k * kKeysPerTile + row, idx);
-    const bool ok = r.block != nullptr && !(FLASHMLA_NARROW_DIAG & 2);
-    const uint8_t* src = ok ? r.block + F::nope_offset(r.t) : reinterpret_cast<const uint8_t*>(p.q);
-    const uint32_t dst = smem_addr(sm.raw[slot]) + row * Plan::kRowBytes;
-    if (ok) {
-#pragma unroll
-        for (int j = half; j < kChunks; j += 2) cp_async_16_zfill_l2_256(dst + 16 * j, src + 16 * j, true);
-    }
-    if constexpr (Plan::kScalesApart) {
-        if (half == 0) {
-            const uint8_t* s8 = ok ? r.block + F::scale_offset(r.t, r.page_size) : reinterpret_cast<const uint8_t*>(p.q);
-            cp_async_8_zfill(smem_addr(sm.raw[slot]) + Plan::kScaleAreaOff + row * F::kScaleRecordBytes, s8, ok);
-        }
-    }
-    sm.valid[slot][row] = ok || (FLASHMLA_NARROW_DIAG & 2) ? 1 : 0;
-    MBarrier::arrive_on_cp_async_noinc(full);
-    MBarrier::arrive(full);
-}
-
-// Raw indices of tile k's two rows of the lane.
-struct LaneIdx {
-    int idx[2];
-    static __device__ __forceinline__ LaneIdx load(const DecodeParams& p, const Chunk& c, int k, int lane) {
-        return {{sparse_index(p, c, k * kKeysPerTile + lane), sparse_index(p, c, k * kKeysPerTile + lane + 32)}};
-    }
-};
-
-// Issues the raw copies of tile k of chunk c into `slot`: lane 0 announces the bytes of the valid rows, each lane
-// bulk-copies its valid rows (MODEL1: and cp.asyncs their scale records, zeros for a missing row), records which
-// rows are valid and arrives once its cp.asyncs landed; lane 0 arrives after the flags.
-template <int kDqk, int kN>
-__device__ __forceinline__ void narrow_copy_tile(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Chunk& c, int k,
-                                                 int slot, const LaneIdx& li, int lane) {
+__device__ __forceinline__ void narrow_copy_rows(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Chunk& c, int k,
+                                                 int slot, int idx, int warp, int lane) {
     using Plan = NarrowPlan<kDqk, kN>;
     using F = Fp8Format<kDqk>;
     uint64_t* full = &sm.raw_full[slot];
     const uint32_t slot_addr = smem_addr(sm.raw[slot]);
-    Fp8Row rows[2];
-    bool ok[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        rows[h] = sparse_row(p, c, k * kKeysPerTile + lane + 32 * h, li.idx[h]);
-        ok[h] = rows[h].block != nullptr;
-        if (FLASHMLA_NARROW_DIAG & 2) ok[h] = false;
-    }
-    const int valid_rows = __popc(__ballot_sync(kFullMask, ok[0])) + __popc(__ballot_sync(kFullMask, ok[1]));
+    const int row = kCopyRowsPerWarp * warp + lane;
+    const bool mine = lane < kCopyRowsPerWarp;
+    const Fp8Row r = mine ? sparse_row(p, c, k * kKeysPerTile + row, idx) : Fp8Row{nullptr, 0, 1};
+    bool ok = r.block != nullptr;
+    if (FLASHMLA_NARROW_DIAG & 2) ok = false;
+    const int valid_rows = __popc(__ballot_sync(kFullMask, ok));
     if (lane == 0) MBarrier::expect_tx(full, static_cast<uint32_t>(valid_rows * Plan::kRowBytes));
     __syncwarp();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = lane + 32 * h;
-        if (ok[h]) {
-            bulk_load_g2s(slot_addr + row * Plan::kRowBytes, rows[h].block + F::nope_offset(rows[h].t),
-                          Plan::kRowBytes, smem_addr(full));
-        }
+    if (ok) bulk_load_g2s(slot_addr + row * Plan::kRowBytes, r.block + F::nope_offset(r.t), Plan::kRowBytes, smem_addr(full));
+    if (mine) {
         if constexpr (Plan::kScalesApart) {
-            const uint8_t* src = ok[h] ? rows[h].block + F::scale_offset(rows[h].t, rows[h].page_size)
-                                       : reinterpret_cast<const uint8_t*>(p.q);  // never read
-            cp_async_8_zfill(slot_addr + Plan::kScaleAreaOff + row * F::kScaleRecordBytes, src, ok[h]);
+            const uint8_t* src = ok ? r.block + F::scale_offset(r.t, r.page_size)
+                                    : reinterpret_cast<const uint8_t*>(p.q);  // never read
+            cp_async_8_zfill(slot_addr + Plan::kScaleAreaOff + row * F::kScaleRecordBytes, src, ok);
         }
-        sm.valid[slot][row] = ok[h] || (FLASHMLA_NARROW_DIAG & 2) ? 1 : 0;
+        sm.valid[slot][row] = ok || (FLASHMLA_NARROW_DIAG & 2) ? 1 : 0;
     }
     MBarrier::arrive_on_cp_async_noinc(full);
     __syncwarp();
@@ -197,10 +165,9 @@ __device__ __forceinline__ void narrow_copy_tile(const DecodeParams& p, NarrowPl
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Phase: dequantise (every thread). The 256 consumer threads convert the NoPE columns: thread u owns row
-// 8 (u / 32) + (u % 32) / 4 of the tile and quarter q = u % 4 of every 64-column slab (16 codes -> bf16 chunks 2 q,
-// 2 q + 1). Warpgroup 0 moves the bf16 RoPE columns: thread t owns row t / 2, chunks 4 (t % 2) .. + 3 of the RoPE
-// slab. A missing row becomes zeros (its raw bytes were never copied).
+// Phase: dequantise (the 256 consumer threads). Thread u converts the NoPE columns of row 8 (u / 32) + (u % 32) / 4,
+// quarter q = u % 4 of every 64-column slab (16 codes -> bf16 chunks 2 q, 2 q + 1), and moves the bf16 RoPE chunks
+// 2 (u % 4), + 1 of the same row. A missing row becomes zeros (its raw bytes were never copied).
 
 template <int kDqk, int kN>
 __device__ __forceinline__ void narrow_dequant_nope(NarrowPlan<kDqk, kN>& sm, int slot, int u) {
@@ -246,44 +213,110 @@ __device__ __forceinline__ void narrow_dequant_nope(NarrowPlan<kDqk, kN>& sm, in
 }
 
 template <int kDqk, int kN>
-__device__ __forceinline__ void narrow_move_rope(NarrowPlan<kDqk, kN>& sm, int slot, int t) {
+__device__ __forceinline__ void narrow_move_rope(NarrowPlan<kDqk, kN>& sm, int slot, int u) {
     using Plan = NarrowPlan<kDqk, kN>;
     using C = Config<kDqk>;
     using F = Fp8Format<kDqk>;
-    const RawLane lane = RawLane::of(t);
-    const bool ok = sm.valid[slot][lane.row] != 0;
-    const uint32_t src = smem_addr(sm.raw[slot]) + lane.row * Plan::kRowBytes + Plan::kRopeOff + 64 * lane.half;
-    const uint32_t dst = smem_addr(sm.kv) + (F::kDNope / kSw128ColsBf16) * C::kSlabBytes;
-    uint4 v[4];
+    const int row = 8 * (u / 32) + (u % 32) / 4;
+    const int q = u % 4;
+    const bool ok = sm.valid[slot][row] != 0;
+    const uint32_t src = smem_addr(sm.raw[slot]) + row * Plan::kRowBytes + Plan::kRopeOff + 32 * q;
+    const uint32_t dst = smem_addr(sm.kv) + (F::kDNope / kSw128ColsBf16) * C::kSlabBytes + row * kSw128RowBytes;
+    const uint32_t swz = static_cast<uint32_t>(row % kSw128AtomRows);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = ok ? ld_shared_v4(src + 16 * j) : make_uint4(0u, 0u, 0u, 0u);
+    for (int j = 0; j < 2; ++j) {
+        const uint4 v = ok ? ld_shared_v4(src + 16 * j) : make_uint4(0u, 0u, 0u, 0u);
+        st_shared_v4(dst + (((2 * q + j) ^ swz) << 4), v);
+    }
+}
+
+// Every consumer thread: waits for tile `pos`'s raw rows, dequantises its part into the stage, releases the slot
+// (one arrival per warp) and fences its stores for wgmma. The caller then meets the other consumers (NarrowReady).
+template <int kDqk, int kN>
+__device__ __forceinline__ void narrow_dequant_tile(NarrowPlan<kDqk, kN>& sm, const SlotPos<NarrowPlan<kDqk, kN>::kSlots>& pos,
+                                                    int u) {
+    MBarrier::wait(&sm.raw_full[pos.slot], pos.parity);
+    if (!(FLASHMLA_NARROW_DIAG & 1)) {
+        narrow_dequant_nope<kDqk, kN>(sm, pos.slot, u);
+        narrow_move_rope<kDqk, kN>(sm, pos.slot, u);
+    }
+    __syncwarp();
+    if (u % 32 == 0) MBarrier::arrive(&sm.raw_empty[pos.slot]);
+    fence_proxy_async_shared();
+}
+
+// Both consumers: the chunk's Q rows into the Q tile (zeros past the tile's rows), thread u moving 16-byte chunks u,
+// u + 256, ...; fenced for wgmma (the caller meets the other consumers before the first S^T).
+template <int kDqk, int kN>
+__device__ __forceinline__ void narrow_load_q(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const RowTile& rt,
+                                              const Chunk& c, int u) {
+    using Plan = NarrowPlan<kDqk, kN>;
+    using C = Config<kDqk>;
+    constexpr int kRowChunks = 8 * C::kDqkSlabs;
+    constexpr int kChunks = kN * kRowChunks;
+    constexpr int kPerThread = (kChunks + kConsumerThreads - 1) / kConsumerThreads;
+    const uint16_t* q_req = p.q + request_offset(p, c.b, p.q_stride_b, p.q_stride_s);
+    uint4 qv[kPerThread];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) st_shared_v4(dst + lane.chunk(j), v[j]);
+    for (int k = 0; k < kPerThread; ++k) {
+        const int idx = u + k * kConsumerThreads;
+        const int n = idx / kRowChunks;
+        qv[k] = make_uint4(0u, 0u, 0u, 0u);
+        if (idx < kChunks && n < rt.rows) {
+            const uint16_t* row = q_req + static_cast<int64_t>(rt.token(p, n)) * p.q_stride_s +
+                                  static_cast<int64_t>(rt.head(p, n)) * p.q_stride_h;
+            qv[k] = __ldg(reinterpret_cast<const uint4*>(row) + idx % kRowChunks);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+        const int idx = u + k * kConsumerThreads;
+        if (idx < kChunks) {
+            const int n = idx / kRowChunks;
+            const int slab = (idx % kRowChunks) / 8, chunk = idx % 8;
+            st_shared_v4(smem_addr(sm.q) + slab * Plan::kQSlabBytes + n * kSw128RowBytes +
+                             ((chunk ^ (n % kSw128AtomRows)) << 4),
+                         qv[k]);
+        }
+    }
+    fence_proxy_async_shared();
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Phase: MMAs.
 
-// S^T = K Q^T of the stage's tile (every d_qk column), waited for.
+// S^T = K Q^T of the stage's tile (every d_qk column), waited for. With several chains the k-steps alternate between
+// independent accumulators, added at the end.
 template <int kDqk, int kN>
 __device__ __forceinline__ void narrow_qk(const NarrowPlan<kDqk, kN>& sm, float (&s)[kN / 2]) {
     using C = Config<kDqk>;
     using Plan = NarrowPlan<kDqk, kN>;
+    constexpr int kChains = FLASHMLA_NARROW_QK_CHAINS;
+    constexpr int kSteps = C::kDqkSlabs * C::kKStepsPerSlab;
+    static_assert(kChains == 1 || kChains == 2, "one or two chains");
     const uint64_t desc_k = make_wgmma_desc_sw128(smem_addr(sm.kv), kUnusedLbo, kSw128AtomBytes);
     const uint64_t desc_q = make_wgmma_desc_sw128(smem_addr(sm.q), kUnusedLbo, kSw128AtomBytes);
+    float s2[kN / 2];
     wgmma_fence();
 #pragma unroll
-    for (int slab = 0; slab < C::kDqkSlabs; ++slab) {
-#pragma unroll
-        for (int ks = 0; ks < C::kKStepsPerSlab; ++ks) {
-            wgmma_m64nk16_ss<kN, 0, 0>(s, wgmma_desc_advance(desc_k, slab * C::kSlabBytes + ks * 32),
-                                       wgmma_desc_advance(desc_q, slab * Plan::kQSlabBytes + ks * 32),
-                                       slab > 0 || ks > 0);
+    for (int step = 0; step < kSteps; ++step) {
+        const int slab = step / C::kKStepsPerSlab, ks = step % C::kKStepsPerSlab;
+        const uint64_t a = wgmma_desc_advance(desc_k, slab * C::kSlabBytes + ks * 32);
+        const uint64_t b = wgmma_desc_advance(desc_q, slab * Plan::kQSlabBytes + ks * 32);
+        if (kChains == 2 && step % 2 == 1) {
+            wgmma_m64nk16_ss<kN, 0, 0>(s2, a, b, step > 1);
+        } else {
+            wgmma_m64nk16_ss<kN, 0, 0>(s, a, b, step > 0);
         }
     }
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_regs(s);
+    if constexpr (kChains == 2) {
+        wgmma_fence_regs(s2);
+#pragma unroll
+        for (int i = 0; i < kN / 2; ++i) s[i] += s2[i];
+    }
 }
 
 // O^T (this consumer's four M tiles, value slabs first_slab..) += V^T P^T, waited for.
@@ -386,88 +419,28 @@ __device__ __forceinline__ void narrow_store_out(const DecodeParams& p, const Ro
 // ---------------------------------------------------------------------------------------------------------------
 // Roles.
 
-// Warpgroup 0: per chunk, issues the first tiles' copies, waits for the previous chunk's staged rows to leave, loads
-// the Q rows (zeros past the tile's rows); per tile, moves the RoPE columns, and warp 0 issues the copies of the tile
-// kSlots ahead once every thread has read this tile's slot.
+// Warpgroup 0: the copy warps. Warp w copies rows 16 w .. 16 w + 15 of every tile of the CTA's chunks into the raw
+// slots, up to kSlots tiles ahead of the consumers: it waits for a slot's release (raw_empty) and issues the tile's
+// copies, with the raw index of its row loaded a tile ahead. Nothing else paces it (a single copy warp issuing between
+// the consumers' barriers held every tile up for its 64 serial bulk copies).
 template <int kDqk, int kN>
-__device__ __forceinline__ void narrow_keys(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Schedule& sched) {
+__device__ __forceinline__ void narrow_copier(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Schedule& sched) {
     using Plan = NarrowPlan<kDqk, kN>;
-    using C = Config<kDqk>;
     using Slot = SlotPos<Plan::kSlots>;
-    const int t = static_cast<int>(threadIdx.x);
-    const int lane = t % 32;
-    const bool copier = t < 32;
-    const RowTile rt = RowTile::of(p);
+    const int warp = static_cast<int>(threadIdx.x) / 32;
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const int row = kCopyRowsPerWarp * warp + lane;
+    const bool mine = lane < kCopyRowsPerWarp;
     int tile = 0;
-    int chunks = 0;
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
         for_each_chunk(p, sched, part, [&](const Chunk& c) {
-            const int n_tiles = c.tile1 - c.tile0;
-            LaneIdx next{{-1, -1}};
-            int next_cp = -1;
-            if (FLASHMLA_NARROW_COPY) {
-#pragma unroll 1
-                for (int k = 0; k < min(Plan::kSlots, n_tiles); ++k) {
-                    narrow_copy_tile_cp<kDqk, kN>(p, sm, c, c.tile0 + k, Slot::of(tile + k).slot,
-                                                  sparse_index(p, c, (c.tile0 + k) * kKeysPerTile + t / 2), t);
-                }
-                if (Plan::kSlots < n_tiles) next_cp = sparse_index(p, c, (c.tile0 + Plan::kSlots) * kKeysPerTile + t / 2);
-            } else if (copier) {
-                // The previous chunk's copies were all consumed: every slot is free.
-#pragma unroll 1
-                for (int k = 0; k < min(Plan::kSlots, n_tiles); ++k) {
-                    narrow_copy_tile<kDqk, kN>(p, sm, c, c.tile0 + k, Slot::of(tile + k).slot,
-                                               LaneIdx::load(p, c, c.tile0 + k, lane), lane);
-                }
-                if (Plan::kSlots < n_tiles) next = LaneIdx::load(p, c, c.tile0 + Plan::kSlots, lane);
-            }
-            if (chunks > 0) named_barrier_sync_unaligned(Bar::NarrowChunk, kThreads);
-            ++chunks;
-            if (n_tiles == 0) return;
-
-            // Q rows: thread t moves 16-byte chunks t, t + 128, ... of the kN x d_qk tile.
-            constexpr int kChunks = kN * C::kDqkSlabs * 8;
-            static_assert(kChunks % kWarpgroupThreads == 0, "Q chunks per thread");
-            uint4 qv[kChunks / kWarpgroupThreads];
-            const uint16_t* q_req = p.q + request_offset(p, c.b, p.q_stride_b, p.q_stride_s);
-#pragma unroll
-            for (int k = 0; k < kChunks / kWarpgroupThreads; ++k) {
-                const int idx = t + k * kWarpgroupThreads;
-                const int n = idx / (8 * C::kDqkSlabs);
-                qv[k] = make_uint4(0u, 0u, 0u, 0u);
-                if (n < rt.rows) {
-                    const uint16_t* row = q_req + static_cast<int64_t>(rt.token(p, n)) * p.q_stride_s +
-                                          static_cast<int64_t>(rt.head(p, n)) * p.q_stride_h;
-                    qv[k] = __ldg(reinterpret_cast<const uint4*>(row) + idx % (8 * C::kDqkSlabs));
-                }
-            }
-#pragma unroll
-            for (int k = 0; k < kChunks / kWarpgroupThreads; ++k) {
-                const int idx = t + k * kWarpgroupThreads;
-                const int n = idx / (8 * C::kDqkSlabs);
-                const int col_chunk = idx % (8 * C::kDqkSlabs);
-                const int slab = col_chunk / 8, chunk = col_chunk % 8;
-                st_shared_v4(smem_addr(sm.q) + slab * Plan::kQSlabBytes + n * kSw128RowBytes +
-                                 ((chunk ^ (n % kSw128AtomRows)) << 4),
-                             qv[k]);
-            }
-
-            for (int i = 0; i < n_tiles; ++i, ++tile) {
+            int idx = mine && c.tile0 < c.tile1 ? sparse_index(p, c, c.tile0 * kKeysPerTile + row) : -1;
+            for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
                 const Slot pos = Slot::of(tile);
-                MBarrier::wait(&sm.raw_full[pos.slot], pos.parity);
-                if (!(FLASHMLA_NARROW_DIAG & 1)) narrow_move_rope<kDqk, kN>(sm, pos.slot, t);
-                fence_proxy_async_shared();  // the Q rows and the RoPE columns -> wgmma
-                named_barrier_sync_unaligned(Bar::NarrowReady, kThreads);
-                if (FLASHMLA_NARROW_COPY && i + Plan::kSlots < n_tiles) {
-                    narrow_copy_tile_cp<kDqk, kN>(p, sm, c, c.tile0 + i + Plan::kSlots, pos.slot, next_cp, t);
-                    if (i + Plan::kSlots + 1 < n_tiles) {
-                        next_cp = sparse_index(p, c, (c.tile0 + i + Plan::kSlots + 1) * kKeysPerTile + t / 2);
-                    }
-                } else if (!FLASHMLA_NARROW_COPY && copier && i + Plan::kSlots < n_tiles) {
-                    narrow_copy_tile<kDqk, kN>(p, sm, c, c.tile0 + i + Plan::kSlots, pos.slot, next, lane);
-                    if (i + Plan::kSlots + 1 < n_tiles) next = LaneIdx::load(p, c, c.tile0 + i + Plan::kSlots + 1, lane);
-                }
-                named_barrier_sync_unaligned(Bar::NarrowFree, kThreads);
+                const int next = mine && k + 1 < c.tile1 ? sparse_index(p, c, (k + 1) * kKeysPerTile + row) : -1;
+                MBarrier::wait(&sm.raw_empty[pos.slot], pos.parity ^ 1u);
+                narrow_copy_rows<kDqk, kN>(p, sm, c, k, pos.slot, idx, warp, lane);
+                idx = next;
             }
         });
     }
@@ -501,7 +474,8 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
         for_each_chunk(p, sched, part, [&](const Chunk& c) {
             const int n_tiles = c.tile1 - c.tile0;
-            if (chunks > 0) named_barrier_sync_unaligned(Bar::NarrowChunk, kThreads);
+            if (chunks > 0) named_barrier_sync_unaligned(Bar::NarrowChunk, kConsumerThreads);
+            if (n_tiles > 0) narrow_load_q<kDqk, kN>(p, sm, rt, c, t);
             float o[4][kN / 2];
 #pragma unroll
             for (int mt = 0; mt < 4; ++mt) zero_regs(o[mt]);
@@ -519,11 +493,8 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
                 if (n_tiles > 1) keys_next = TileKeys<true>::load(p, c, c.tile0 + 1, lane);
             }
             for (int i = 0; i < n_tiles; ++i, ++tile) {
-                const Slot pos = Slot::of(tile);
-                MBarrier::wait(&sm.raw_full[pos.slot], pos.parity);
-                if (!(FLASHMLA_NARROW_DIAG & 1)) narrow_dequant_nope<kDqk, kN>(sm, pos.slot, t);
-                fence_proxy_async_shared();
-                named_barrier_sync_unaligned(Bar::NarrowReady, kThreads);
+                narrow_dequant_tile<kDqk, kN>(sm, Slot::of(tile), t);
+                named_barrier_sync_unaligned(Bar::NarrowReady, kConsumerThreads);
 
                 float s[kN / 2];
                 narrow_qk<kDqk, kN>(sm, s);
@@ -587,7 +558,7 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
                 fence_proxy_async_shared();
                 named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
                 narrow_pv<kDqk, kN>(o, stage_addr, p_addr, 0);
-                named_barrier_sync_unaligned(Bar::NarrowFree, kThreads);
+                named_barrier_sync_unaligned(Bar::NarrowFree, kConsumerThreads);
             }
 
             // Column sums: the lanes of a column, then the four warps in order.
@@ -644,16 +615,14 @@ __device__ __forceinline__ void narrow_value(const DecodeParams& p, NarrowPlan<k
     int chunks = 0;
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
         for_each_chunk(p, sched, part, [&](const Chunk& c) {
-            if (chunks > 0) named_barrier_sync_unaligned(Bar::NarrowChunk, kThreads);
+            if (chunks > 0) named_barrier_sync_unaligned(Bar::NarrowChunk, kConsumerThreads);
+            if (c.tile1 > c.tile0) narrow_load_q<kDqk, kN>(p, sm, rt, c, kWarpgroupThreads + t);
             float o[4][kN / 2];
 #pragma unroll
             for (int mt = 0; mt < 4; ++mt) zero_regs(o[mt]);
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
-                const Slot pos = Slot::of(tile);
-                MBarrier::wait(&sm.raw_full[pos.slot], pos.parity);
-                if (!(FLASHMLA_NARROW_DIAG & 1)) narrow_dequant_nope<kDqk, kN>(sm, pos.slot, kWarpgroupThreads + t);
-                fence_proxy_async_shared();
-                named_barrier_sync_unaligned(Bar::NarrowReady, kThreads);
+                narrow_dequant_tile<kDqk, kN>(sm, Slot::of(tile), kWarpgroupThreads + t);
+                named_barrier_sync_unaligned(Bar::NarrowReady, kConsumerThreads);
                 named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
 #pragma unroll
                 for (int ci = 0; ci < kCols; ++ci) {
@@ -666,7 +635,7 @@ __device__ __forceinline__ void narrow_value(const DecodeParams& p, NarrowPlan<k
                     }
                 }
                 narrow_pv<kDqk, kN>(o, stage_addr, smem_addr(sm.p), kSlabsPerHalf);
-                named_barrier_sync_unaligned(Bar::NarrowFree, kThreads);
+                named_barrier_sync_unaligned(Bar::NarrowFree, kConsumerThreads);
             }
             named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
             float inv[kCols];
@@ -702,18 +671,24 @@ __device__ __forceinline__ void decode_narrow(const DecodeParams& p, uint8_t* sm
     }
     if (threadIdx.x == 0) {
 #pragma unroll
-        for (int s = 0; s < Plan::kSlots; ++s) MBarrier::init(&sm.raw_full[s], FLASHMLA_NARROW_COPY ? 256 : 32 + 1);
+        for (int s = 0; s < Plan::kSlots; ++s) {
+            MBarrier::init(&sm.raw_full[s], kCopyWarps * (32 + 1));
+            MBarrier::init(&sm.raw_empty[s], kConsumerWarps);
+        }
     }
     __syncthreads();
 
     const Schedule sched = Schedule::load(p, sched_line);
     const Role role = static_cast<Role>(threadIdx.x / kWarpgroupThreads);
     if (role == Role::Producer) {
-        narrow_keys<kDqk, kN>(p, sm, sched);
+        setmaxnreg_dec<kNarrowCopierRegs>();
+        narrow_copier<kDqk, kN>(p, sm, sched);
     } else if (role == Role::Score) {
+        setmaxnreg_inc<kNarrowConsumerRegs>();
         narrow_score<kDqk, kN>(p, sm, sched);
         bulk_wait_all();  // the partials' bulk stores are performed before the CTA ends
     } else {
+        setmaxnreg_inc<kNarrowConsumerRegs>();
         narrow_value<kDqk, kN>(p, sm, sched);
         bulk_wait_all();
     }
