@@ -30,6 +30,9 @@
 #ifndef FLASHMLA_NARROW_DIAG
 #define FLASHMLA_NARROW_DIAG 0  // diagnostic builds only: 1 no dequantisation, 2 no copies, 3 neither
 #endif
+#ifndef FLASHMLA_NARROW_COPY
+#define FLASHMLA_NARROW_COPY 0  // 0: one bulk copy per row; 1: 16-byte cp.async, two threads per row
+#endif
 #ifndef FLASHMLA_NARROW_QK_CHAINS
 #define FLASHMLA_NARROW_QK_CHAINS 1  // independent accumulators of S^T (the k-steps alternate between them)
 #endif
@@ -114,8 +117,8 @@ inline constexpr int kCopyRowsPerWarp = kKeysPerTile / kCopyWarps;   // 16 rows 
 inline constexpr int kConsumerWarps = kConsumerThreads / 32;         // 8
 // Registers after setmaxnreg: the copy warps hold a few addresses; the consumers' O^T, S^T, Q rows in flight and the
 // dequantisation (at 168 each the kN = 32 kernels spilled).
-inline constexpr uint32_t kNarrowCopierRegs = 56;
-inline constexpr uint32_t kNarrowConsumerRegs = 224;
+inline constexpr uint32_t kNarrowCopierRegs = FLASHMLA_NARROW_COPY ? 80 : 56;
+inline constexpr uint32_t kNarrowConsumerRegs = FLASHMLA_NARROW_COPY ? 208 : 224;
 static_assert(kNarrowCopierRegs + 2 * kNarrowConsumerRegs <= 3 * kRegsAtLaunch, "setmaxnreg pool of the CTA");
 
 // Ring position of the CTA's tile `tile` (counted over its chunks) in the raw slots.
@@ -162,6 +165,36 @@ __device__ __forceinline__ void narrow_copy_rows(const DecodeParams& p, NarrowPl
     MBarrier::arrive_on_cp_async_noinc(full);
     __syncwarp();
     if (lane == 0) MBarrier::arrive(full);
+}
+
+// cp.async form: thread t copies chunks (t % 2) + 2 j of row t / 2 (raw index `idx`), arrives once they landed
+// and once more after the row's valid flag (thread t % 2 == 0).
+template <int kDqk, int kN>
+__device__ __forceinline__ void narrow_copy_rows_cp(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Chunk& c,
+                                                    int k, int slot, int idx, int t) {
+    using Plan = NarrowPlan<kDqk, kN>;
+    using F = Fp8Format<kDqk>;
+    constexpr int kChunks = Plan::kRowBytes / 16;
+    uint64_t* full = &sm.raw_full[slot];
+    const int row = t / 2, half = t % 2;
+    const Fp8Row r = sparse_row(p, c, k * kKeysPerTile + row, idx);
+    bool ok = r.block != nullptr;
+    if (FLASHMLA_NARROW_DIAG & 2) ok = false;
+    const uint32_t dst = smem_addr(sm.raw[slot]) + row * Plan::kRowBytes;
+    if (ok) {
+        const uint8_t* src = r.block + F::nope_offset(r.t);
+#pragma unroll
+        for (int j = half; j < kChunks; j += 2) cp_async_16_zfill_l2_256(dst + 16 * j, src + 16 * j, true);
+    }
+    if (half == 0) {
+        if constexpr (Plan::kScalesApart) {
+            const uint8_t* src = ok ? r.block + F::scale_offset(r.t, r.page_size) : reinterpret_cast<const uint8_t*>(p.q);
+            cp_async_8_zfill(smem_addr(sm.raw[slot]) + Plan::kScaleAreaOff + row * F::kScaleRecordBytes, src, ok);
+        }
+        sm.valid[slot][row] = ok || (FLASHMLA_NARROW_DIAG & 2) ? 1 : 0;
+    }
+    MBarrier::arrive_on_cp_async_noinc(full);
+    MBarrier::arrive(full);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -434,12 +467,18 @@ __device__ __forceinline__ void narrow_copier(const DecodeParams& p, NarrowPlan<
     int tile = 0;
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
         for_each_chunk(p, sched, part, [&](const Chunk& c) {
-            int idx = mine && c.tile0 < c.tile1 ? sparse_index(p, c, c.tile0 * kKeysPerTile + row) : -1;
+            const int my_row = FLASHMLA_NARROW_COPY ? static_cast<int>(threadIdx.x) / 2 : row;
+            const bool has_row = FLASHMLA_NARROW_COPY || mine;
+            int idx = has_row && c.tile0 < c.tile1 ? sparse_index(p, c, c.tile0 * kKeysPerTile + my_row) : -1;
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
                 const Slot pos = Slot::of(tile);
-                const int next = mine && k + 1 < c.tile1 ? sparse_index(p, c, (k + 1) * kKeysPerTile + row) : -1;
+                const int next = has_row && k + 1 < c.tile1 ? sparse_index(p, c, (k + 1) * kKeysPerTile + my_row) : -1;
                 MBarrier::wait(&sm.raw_empty[pos.slot], pos.parity ^ 1u);
-                narrow_copy_rows<kDqk, kN>(p, sm, c, k, pos.slot, idx, warp, lane);
+                if (FLASHMLA_NARROW_COPY) {
+                    narrow_copy_rows_cp<kDqk, kN>(p, sm, c, k, pos.slot, idx, static_cast<int>(threadIdx.x));
+                } else {
+                    narrow_copy_rows<kDqk, kN>(p, sm, c, k, pos.slot, idx, warp, lane);
+                }
                 idx = next;
             }
         });
@@ -672,7 +711,7 @@ __device__ __forceinline__ void decode_narrow(const DecodeParams& p, uint8_t* sm
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int s = 0; s < Plan::kSlots; ++s) {
-            MBarrier::init(&sm.raw_full[s], kCopyWarps * (32 + 1));
+            MBarrier::init(&sm.raw_full[s], FLASHMLA_NARROW_COPY ? 2 * kWarpgroupThreads : kCopyWarps * (32 + 1));
             MBarrier::init(&sm.raw_empty[s], kConsumerWarps);
         }
     }
