@@ -81,6 +81,7 @@ enum class Bar : uint32_t {
     NarrowReady = 6,    // per tile: the key tile is dequantised into the stage and fenced for wgmma
     NarrowFree = 7,     // per tile: both PVs are done; the stage, P^T and alpha may be rewritten
     NarrowChunk = 8,    // per chunk after the first: the previous chunk's staged rows left the Q tile and the stage
+    NarrowS = 9,        // per tile: the value warpgroup's part of S^T is in shared memory (FLASHMLA_NARROW_QK_SPLIT)
 };
 
 template <int kDqk>

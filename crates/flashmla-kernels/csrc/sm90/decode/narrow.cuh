@@ -33,8 +33,8 @@
 #ifndef FLASHMLA_NARROW_COPY
 #define FLASHMLA_NARROW_COPY 0  // 0: one bulk copy per row; 1: 16-byte cp.async, two threads per row
 #endif
-#ifndef FLASHMLA_NARROW_QK_CHAINS
-#define FLASHMLA_NARROW_QK_CHAINS 1  // independent accumulators of S^T (the k-steps alternate between them)
+#ifndef FLASHMLA_NARROW_QK_SPLIT
+#define FLASHMLA_NARROW_QK_SPLIT 0  // 1: the value warpgroup computes the second half of S^T's k-steps
 #endif
 
 namespace flashmla::decode {
@@ -98,6 +98,7 @@ struct NarrowPlan {
     alignas(kSw128AtomBytes) uint8_t p[kPBytes];
     alignas(128) uint8_t raw[kSlots][kSlotBytes];
     uint8_t valid[kSlots][kKeysPerTile];
+    float s_part[FLASHMLA_NARROW_QK_SPLIT ? kKeysPerTile * kN : 1];  // the value warpgroup's part of S^T
     float red_max[2][4][32];
     float red_sum[2][4][32];
     float row_scale[kN];
@@ -318,39 +319,30 @@ __device__ __forceinline__ void narrow_load_q(const DecodeParams& p, NarrowPlan<
 // ---------------------------------------------------------------------------------------------------------------
 // Phase: MMAs.
 
-// S^T = K Q^T of the stage's tile (every d_qk column), waited for. With several chains the k-steps alternate between
-// independent accumulators, added at the end.
-template <int kDqk, int kN>
+// S^T (+)= K Q^T over k-steps [kFirst, kEnd) of the stage's tile (16 d_qk columns each), waited for.
+template <int kDqk, int kN, int kFirst, int kEnd>
 __device__ __forceinline__ void narrow_qk(const NarrowPlan<kDqk, kN>& sm, float (&s)[kN / 2]) {
     using C = Config<kDqk>;
     using Plan = NarrowPlan<kDqk, kN>;
-    constexpr int kChains = FLASHMLA_NARROW_QK_CHAINS;
-    constexpr int kSteps = C::kDqkSlabs * C::kKStepsPerSlab;
-    static_assert(kChains == 1 || kChains == 2, "one or two chains");
     const uint64_t desc_k = make_wgmma_desc_sw128(smem_addr(sm.kv), kUnusedLbo, kSw128AtomBytes);
     const uint64_t desc_q = make_wgmma_desc_sw128(smem_addr(sm.q), kUnusedLbo, kSw128AtomBytes);
-    float s2[kN / 2];
     wgmma_fence();
 #pragma unroll
-    for (int step = 0; step < kSteps; ++step) {
+    for (int step = kFirst; step < kEnd; ++step) {
         const int slab = step / C::kKStepsPerSlab, ks = step % C::kKStepsPerSlab;
-        const uint64_t a = wgmma_desc_advance(desc_k, slab * C::kSlabBytes + ks * 32);
-        const uint64_t b = wgmma_desc_advance(desc_q, slab * Plan::kQSlabBytes + ks * 32);
-        if (kChains == 2 && step % 2 == 1) {
-            wgmma_m64nk16_ss<kN, 0, 0>(s2, a, b, step > 1);
-        } else {
-            wgmma_m64nk16_ss<kN, 0, 0>(s, a, b, step > 0);
-        }
+        wgmma_m64nk16_ss<kN, 0, 0>(s, wgmma_desc_advance(desc_k, slab * C::kSlabBytes + ks * 32),
+                                   wgmma_desc_advance(desc_q, slab * Plan::kQSlabBytes + ks * 32), step > kFirst);
     }
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_regs(s);
-    if constexpr (kChains == 2) {
-        wgmma_fence_regs(s2);
-#pragma unroll
-        for (int i = 0; i < kN / 2; ++i) s[i] += s2[i];
-    }
 }
+// The k-steps of S^T the score warpgroup computes; with FLASHMLA_NARROW_QK_SPLIT the value warpgroup computes the
+// rest into its own accumulator and hands it over through shared memory (s_part).
+template <int kDqk>
+inline constexpr int kNarrowQkSteps = Config<kDqk>::kDqkSlabs * Config<kDqk>::kKStepsPerSlab;
+template <int kDqk>
+inline constexpr int kNarrowScoreSteps = FLASHMLA_NARROW_QK_SPLIT ? kNarrowQkSteps<kDqk> / 2 : kNarrowQkSteps<kDqk>;
 
 // O^T (this consumer's four M tiles, value slabs first_slab..) += V^T P^T, waited for.
 template <int kDqk, int kN>
@@ -536,7 +528,12 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
                 named_barrier_sync_unaligned(Bar::NarrowReady, kConsumerThreads);
 
                 float s[kN / 2];
-                narrow_qk<kDqk, kN>(sm, s);
+                narrow_qk<kDqk, kN, 0, kNarrowScoreSteps<kDqk>>(sm, s);
+                if constexpr (FLASHMLA_NARROW_QK_SPLIT) {
+                    named_barrier_sync_unaligned(Bar::NarrowS, kConsumerThreads);
+#pragma unroll
+                    for (int i = 0; i < kN / 2; ++i) s[i] += sm.s_part[i * kWarpgroupThreads + t];
+                }
 
                 // Keys that are missing (bad index, past the request) score -inf (a select: no NaN from an inf).
                 const uint32_t bits = warp < 2 ? mask.lo : mask.hi;
@@ -662,6 +659,13 @@ __device__ __forceinline__ void narrow_value(const DecodeParams& p, NarrowPlan<k
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
                 narrow_dequant_tile<kDqk, kN>(sm, Slot::of(tile), kWarpgroupThreads + t);
                 named_barrier_sync_unaligned(Bar::NarrowReady, kConsumerThreads);
+                if constexpr (FLASHMLA_NARROW_QK_SPLIT) {
+                    float sv[kN / 2];
+                    narrow_qk<kDqk, kN, kNarrowScoreSteps<kDqk>, kNarrowQkSteps<kDqk>>(sm, sv);
+#pragma unroll
+                    for (int i = 0; i < kN / 2; ++i) sm.s_part[i * kWarpgroupThreads + t] = sv[i];
+                    named_barrier_sync_unaligned(Bar::NarrowS, kConsumerThreads);
+                }
                 named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
 #pragma unroll
                 for (int ci = 0; ci < kCols; ++ci) {
