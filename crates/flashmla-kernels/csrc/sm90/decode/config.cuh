@@ -77,11 +77,10 @@ enum class Bar : uint32_t {
     // The narrow decode (narrow.cuh), within one warpgroup (128 threads):
     NarrowScore = 4,    // the score warpgroup's column maxima / sums and staged partial rows
     NarrowValue = 5,    // the value warpgroup's staged partial rows
-    // ... and among all three warpgroups (384 threads):
+    // ... and between the two consumer warpgroups (256 threads):
     NarrowReady = 6,    // per tile: the key tile is dequantised into the stage and fenced for wgmma
     NarrowFree = 7,     // per tile: both PVs are done; the stage, P^T and alpha may be rewritten
     NarrowChunk = 8,    // per chunk after the first: the previous chunk's staged rows left the Q tile and the stage
-    NarrowS = 9,        // per tile: the value warpgroup's part of S^T is in shared memory (FLASHMLA_NARROW_QK_SPLIT)
 };
 
 template <int kDqk>

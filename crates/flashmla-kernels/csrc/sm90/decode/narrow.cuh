@@ -6,36 +6,21 @@
 // runs down the columns of S^T, P^T is stored as a K-major [row][key] B operand, and each consumer computes four
 // 64-column M tiles of O^T = V^T P^T (V read MN-major from the stage as A).
 //
-// Those MMAs take a fraction of a tile, so the pace is set by moving the keys: 64 rows of 656 (V3.2) or 576 + 8
-// (MODEL1) bytes per tile, dequantised to 72 / 64 KB of bf16. The CTA therefore streams raw rows and dequantises
-// them with all its threads:
-//   - one warp of warpgroup 0 copies the raw rows of tile i + kSlots while the CTA works on tile i: one bulk copy
-//     (cp.async.bulk, completing on the slot's barrier) per valid row into a ring of kSlots raw slots (MODEL1's
-//     8-byte scale records by cp.async), so the rows' DRAM latency never sits on a tile's path;
-//   - per tile, the 256 consumer threads dequantise the NoPE columns and warpgroup 0 moves the bf16 RoPE columns
-//     from the raw slot into the one bf16 stage (NarrowReady), the score warpgroup computes S^T and the softmax, both
-//     consumers their P V (Handoff), and all meet again once the stage is free (NarrowFree).
-// The bf16 stage is single: a tile's MMAs and the next tile's dequantisation do not overlap, but both are short; the
-// raw ring is what keeps the copies in flight. The raw slots take the room a second bf16 stage and a 64-row Q tile
-// would (Q here is kN rows).
-//
-// Per chunk: warpgroup 0 issues the chunk's first tiles, waits until the previous chunk's staged rows left
-// (NarrowChunk) and loads the Q rows; the epilogues are the split pipeline's (partials, staged final rows, combine).
+// The keys move as raw bytes, far ahead of their use, and are dequantised by the consumers just before it:
+//   copy      warpgroup 0: four warps, each issuing one bulk copy (cp.async.bulk, completing on the slot's barrier)
+//             per valid row of its 16 rows of a tile into a ring of kSlots raw slots (MODEL1's 8-byte scale records
+//             by cp.async); paced only by the slots' barriers, so up to kSlots tiles are in flight;
+//   per tile  the 256 consumer threads dequantise the slot into the one bf16 stage and release the slot
+//             (NarrowReady), the score warpgroup computes S^T and the softmax, both consumers their half of P V
+//             (Handoff), and both meet once the stage is free (NarrowFree).
+// The bf16 stage is single (the raw slots take the room a second one would): a tile's dequantisation and its MMAs do
+// not overlap. Per chunk, the consumers load the Q rows after the previous chunk's staged rows left (NarrowChunk); the
+// epilogues are the split pipeline's (partials, staged final rows, combine).
 #pragma once
 
 #include <cstdint>
 
 #include "sm90/decode/kernel.cuh"
-
-#ifndef FLASHMLA_NARROW_DIAG
-#define FLASHMLA_NARROW_DIAG 0  // diagnostic builds only: 1 no dequantisation, 2 no copies, 3 neither
-#endif
-#ifndef FLASHMLA_NARROW_COPY
-#define FLASHMLA_NARROW_COPY 0  // 0: one bulk copy per row; 1: 16-byte cp.async, two threads per row
-#endif
-#ifndef FLASHMLA_NARROW_QK_SPLIT
-#define FLASHMLA_NARROW_QK_SPLIT 0  // 1: the value warpgroup computes the second half of S^T's k-steps
-#endif
 
 namespace flashmla::decode {
 
@@ -98,7 +83,6 @@ struct NarrowPlan {
     alignas(kSw128AtomBytes) uint8_t p[kPBytes];
     alignas(128) uint8_t raw[kSlots][kSlotBytes];
     uint8_t valid[kSlots][kKeysPerTile];
-    float s_part[FLASHMLA_NARROW_QK_SPLIT ? kKeysPerTile * kN : 1];  // the value warpgroup's part of S^T
     float red_max[2][4][32];
     float red_sum[2][4][32];
     float row_scale[kN];
@@ -116,10 +100,10 @@ static_assert(kNarrowSmemBytes<576, 16> <= kMaxSmemPerBlock && kNarrowSmemBytes<
 inline constexpr int kCopyWarps = kWarpsPerWarpgroup;                // warpgroup 0: four copy warps
 inline constexpr int kCopyRowsPerWarp = kKeysPerTile / kCopyWarps;   // 16 rows of a tile each
 inline constexpr int kConsumerWarps = kConsumerThreads / 32;         // 8
-// Registers after setmaxnreg: the copy warps hold a few addresses; the consumers' O^T, S^T, Q rows in flight and the
-// dequantisation (at 168 each the kN = 32 kernels spilled).
-inline constexpr uint32_t kNarrowCopierRegs = FLASHMLA_NARROW_COPY ? 80 : 56;
-inline constexpr uint32_t kNarrowConsumerRegs = FLASHMLA_NARROW_COPY ? 208 : 224;
+// Registers after setmaxnreg: the copy warps hold a few addresses; the consumers hold O^T, S^T, the Q rows in flight
+// and the dequantisation's values (at 168 each the kN = 32 kernels spilled).
+inline constexpr uint32_t kNarrowCopierRegs = 56;
+inline constexpr uint32_t kNarrowConsumerRegs = 224;
 static_assert(kNarrowCopierRegs + 2 * kNarrowConsumerRegs <= 3 * kRegsAtLaunch, "setmaxnreg pool of the CTA");
 
 // Ring position of the CTA's tile `tile` (counted over its chunks) in the raw slots.
@@ -136,9 +120,9 @@ struct SlotPos {
 // Phase: copy (warpgroup 0, four warps of 16 rows each, paced only by the slots' barriers).
 
 // Issues warp w's raw copies of tile k of chunk c into `slot`: rows 16 w .. 16 w + 15, lane l < 16 row 16 w + l
-// (raw index `idx`). Lane 0 announces the bytes of the warp's valid rows; each of those lanes bulk-copies its row (MODEL1:
-// and cp.asyncs its scale record, zeros for a missing row) and records whether the row is valid; every lane arrives
-// once its cp.asyncs landed, and lane 0 once more after the flags.
+// (raw index `idx`). Lane 0 announces the bytes of the warp's valid rows; each of those lanes bulk-copies its row
+// (MODEL1: and cp.asyncs its scale record, zeros for a missing row) and records whether the row is valid; every lane
+// arrives once its cp.asyncs landed, and lane 0 once more after the flags.
 template <int kDqk, int kN>
 __device__ __forceinline__ void narrow_copy_rows(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Chunk& c, int k,
                                                  int slot, int idx, int warp, int lane) {
@@ -149,53 +133,25 @@ __device__ __forceinline__ void narrow_copy_rows(const DecodeParams& p, NarrowPl
     const int row = kCopyRowsPerWarp * warp + lane;
     const bool mine = lane < kCopyRowsPerWarp;
     const Fp8Row r = mine ? sparse_row(p, c, k * kKeysPerTile + row, idx) : Fp8Row{nullptr, 0, 1};
-    bool ok = r.block != nullptr;
-    if (FLASHMLA_NARROW_DIAG & 2) ok = false;
+    const bool ok = r.block != nullptr;
     const int valid_rows = __popc(__ballot_sync(kFullMask, ok));
     if (lane == 0) MBarrier::expect_tx(full, static_cast<uint32_t>(valid_rows * Plan::kRowBytes));
     __syncwarp();
-    if (ok) bulk_load_g2s(slot_addr + row * Plan::kRowBytes, r.block + F::nope_offset(r.t), Plan::kRowBytes, smem_addr(full));
+    if (ok) {
+        bulk_load_g2s(slot_addr + row * Plan::kRowBytes, r.block + F::nope_offset(r.t), Plan::kRowBytes,
+                      smem_addr(full));
+    }
     if (mine) {
         if constexpr (Plan::kScalesApart) {
             const uint8_t* src = ok ? r.block + F::scale_offset(r.t, r.page_size)
                                     : reinterpret_cast<const uint8_t*>(p.q);  // never read
             cp_async_8_zfill(slot_addr + Plan::kScaleAreaOff + row * F::kScaleRecordBytes, src, ok);
         }
-        sm.valid[slot][row] = ok || (FLASHMLA_NARROW_DIAG & 2) ? 1 : 0;
+        sm.valid[slot][row] = ok ? 1 : 0;
     }
     MBarrier::arrive_on_cp_async_noinc(full);
     __syncwarp();
     if (lane == 0) MBarrier::arrive(full);
-}
-
-// cp.async form: thread t copies chunks (t % 2) + 2 j of row t / 2 (raw index `idx`), arrives once they landed
-// and once more after the row's valid flag (thread t % 2 == 0).
-template <int kDqk, int kN>
-__device__ __forceinline__ void narrow_copy_rows_cp(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Chunk& c,
-                                                    int k, int slot, int idx, int t) {
-    using Plan = NarrowPlan<kDqk, kN>;
-    using F = Fp8Format<kDqk>;
-    constexpr int kChunks = Plan::kRowBytes / 16;
-    uint64_t* full = &sm.raw_full[slot];
-    const int row = t / 2, half = t % 2;
-    const Fp8Row r = sparse_row(p, c, k * kKeysPerTile + row, idx);
-    bool ok = r.block != nullptr;
-    if (FLASHMLA_NARROW_DIAG & 2) ok = false;
-    const uint32_t dst = smem_addr(sm.raw[slot]) + row * Plan::kRowBytes;
-    if (ok) {
-        const uint8_t* src = r.block + F::nope_offset(r.t);
-#pragma unroll
-        for (int j = half; j < kChunks; j += 2) cp_async_16_zfill_l2_256(dst + 16 * j, src + 16 * j, true);
-    }
-    if (half == 0) {
-        if constexpr (Plan::kScalesApart) {
-            const uint8_t* src = ok ? r.block + F::scale_offset(r.t, r.page_size) : reinterpret_cast<const uint8_t*>(p.q);
-            cp_async_8_zfill(smem_addr(sm.raw[slot]) + Plan::kScaleAreaOff + row * F::kScaleRecordBytes, src, ok);
-        }
-        sm.valid[slot][row] = ok || (FLASHMLA_NARROW_DIAG & 2) ? 1 : 0;
-    }
-    MBarrier::arrive_on_cp_async_noinc(full);
-    MBarrier::arrive(full);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -267,13 +223,11 @@ __device__ __forceinline__ void narrow_move_rope(NarrowPlan<kDqk, kN>& sm, int s
 // Every consumer thread: waits for tile `pos`'s raw rows, dequantises its part into the stage, releases the slot
 // (one arrival per warp) and fences its stores for wgmma. The caller then meets the other consumers (NarrowReady).
 template <int kDqk, int kN>
-__device__ __forceinline__ void narrow_dequant_tile(NarrowPlan<kDqk, kN>& sm, const SlotPos<NarrowPlan<kDqk, kN>::kSlots>& pos,
-                                                    int u) {
+__device__ __forceinline__ void narrow_dequant_tile(NarrowPlan<kDqk, kN>& sm,
+                                                    const SlotPos<NarrowPlan<kDqk, kN>::kSlots>& pos, int u) {
     MBarrier::wait(&sm.raw_full[pos.slot], pos.parity);
-    if (!(FLASHMLA_NARROW_DIAG & 1)) {
-        narrow_dequant_nope<kDqk, kN>(sm, pos.slot, u);
-        narrow_move_rope<kDqk, kN>(sm, pos.slot, u);
-    }
+    narrow_dequant_nope<kDqk, kN>(sm, pos.slot, u);
+    narrow_move_rope<kDqk, kN>(sm, pos.slot, u);
     __syncwarp();
     if (u % 32 == 0) MBarrier::arrive(&sm.raw_empty[pos.slot]);
     fence_proxy_async_shared();
@@ -319,8 +273,8 @@ __device__ __forceinline__ void narrow_load_q(const DecodeParams& p, NarrowPlan<
 // ---------------------------------------------------------------------------------------------------------------
 // Phase: MMAs.
 
-// S^T (+)= K Q^T over k-steps [kFirst, kEnd) of the stage's tile (16 d_qk columns each), waited for.
-template <int kDqk, int kN, int kFirst, int kEnd>
+// S^T = K Q^T of the stage's tile (every d_qk column), waited for.
+template <int kDqk, int kN>
 __device__ __forceinline__ void narrow_qk(const NarrowPlan<kDqk, kN>& sm, float (&s)[kN / 2]) {
     using C = Config<kDqk>;
     using Plan = NarrowPlan<kDqk, kN>;
@@ -328,21 +282,15 @@ __device__ __forceinline__ void narrow_qk(const NarrowPlan<kDqk, kN>& sm, float 
     const uint64_t desc_q = make_wgmma_desc_sw128(smem_addr(sm.q), kUnusedLbo, kSw128AtomBytes);
     wgmma_fence();
 #pragma unroll
-    for (int step = kFirst; step < kEnd; ++step) {
+    for (int step = 0; step < C::kDqkSlabs * C::kKStepsPerSlab; ++step) {
         const int slab = step / C::kKStepsPerSlab, ks = step % C::kKStepsPerSlab;
         wgmma_m64nk16_ss<kN, 0, 0>(s, wgmma_desc_advance(desc_k, slab * C::kSlabBytes + ks * 32),
-                                   wgmma_desc_advance(desc_q, slab * Plan::kQSlabBytes + ks * 32), step > kFirst);
+                                   wgmma_desc_advance(desc_q, slab * Plan::kQSlabBytes + ks * 32), step > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_regs(s);
 }
-// The k-steps of S^T the score warpgroup computes; with FLASHMLA_NARROW_QK_SPLIT the value warpgroup computes the
-// rest into its own accumulator and hands it over through shared memory (s_part).
-template <int kDqk>
-inline constexpr int kNarrowQkSteps = Config<kDqk>::kDqkSlabs * Config<kDqk>::kKStepsPerSlab;
-template <int kDqk>
-inline constexpr int kNarrowScoreSteps = FLASHMLA_NARROW_QK_SPLIT ? kNarrowQkSteps<kDqk> / 2 : kNarrowQkSteps<kDqk>;
 
 // O^T (this consumer's four M tiles, value slabs first_slab..) += V^T P^T, waited for.
 template <int kDqk, int kN>
@@ -446,8 +394,8 @@ __device__ __forceinline__ void narrow_store_out(const DecodeParams& p, const Ro
 
 // Warpgroup 0: the copy warps. Warp w copies rows 16 w .. 16 w + 15 of every tile of the CTA's chunks into the raw
 // slots, up to kSlots tiles ahead of the consumers: it waits for a slot's release (raw_empty) and issues the tile's
-// copies, with the raw index of its row loaded a tile ahead. Nothing else paces it (a single copy warp issuing between
-// the consumers' barriers held every tile up for its 64 serial bulk copies).
+// copies, with the raw index of its row loaded a tile ahead. Nothing else paces it: a warp issues its bulk copies one
+// lane after another (~15 GB/s per warp), so one copy warp between the consumers' barriers held up every tile.
 template <int kDqk, int kN>
 __device__ __forceinline__ void narrow_copier(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Schedule& sched) {
     using Plan = NarrowPlan<kDqk, kN>;
@@ -459,27 +407,22 @@ __device__ __forceinline__ void narrow_copier(const DecodeParams& p, NarrowPlan<
     int tile = 0;
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
         for_each_chunk(p, sched, part, [&](const Chunk& c) {
-            const int my_row = FLASHMLA_NARROW_COPY ? static_cast<int>(threadIdx.x) / 2 : row;
-            const bool has_row = FLASHMLA_NARROW_COPY || mine;
-            int idx = has_row && c.tile0 < c.tile1 ? sparse_index(p, c, c.tile0 * kKeysPerTile + my_row) : -1;
+            int idx = mine && c.tile0 < c.tile1 ? sparse_index(p, c, c.tile0 * kKeysPerTile + row) : -1;
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
                 const Slot pos = Slot::of(tile);
-                const int next = has_row && k + 1 < c.tile1 ? sparse_index(p, c, (k + 1) * kKeysPerTile + my_row) : -1;
+                const int next = mine && k + 1 < c.tile1 ? sparse_index(p, c, (k + 1) * kKeysPerTile + row) : -1;
                 MBarrier::wait(&sm.raw_empty[pos.slot], pos.parity ^ 1u);
-                if (FLASHMLA_NARROW_COPY) {
-                    narrow_copy_rows_cp<kDqk, kN>(p, sm, c, k, pos.slot, idx, static_cast<int>(threadIdx.x));
-                } else {
-                    narrow_copy_rows<kDqk, kN>(p, sm, c, k, pos.slot, idx, warp, lane);
-                }
+                narrow_copy_rows<kDqk, kN>(p, sm, c, k, pos.slot, idx, warp, lane);
                 idx = next;
             }
         });
     }
 }
 
-// Score warpgroup (WG 1). Per tile i: dequantise its half of the rows -> NarrowReady -> S^T(i) -> mask keys ->
-// column max (warp shuffles, then the four warps through shared memory) -> online softmax per column -> alpha(i),
-// P^T(i) -> Handoff -> PV(i) on value columns 0..255 -> NarrowFree. Per chunk, the epilogue.
+// Score warpgroup (WG 1). Per chunk, its half of the Q rows. Per tile i: dequantise its half of the rows ->
+// NarrowReady -> S^T(i) -> mask keys -> column max (warp shuffles, then the four warps through shared memory) ->
+// online softmax per column -> alpha(i), P^T(i) -> Handoff -> PV(i) on value columns 0..255 -> NarrowFree. Per
+// chunk, the epilogue.
 template <int kDqk, int kN>
 __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Schedule& sched) {
     using Plan = NarrowPlan<kDqk, kN>;
@@ -528,12 +471,7 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
                 named_barrier_sync_unaligned(Bar::NarrowReady, kConsumerThreads);
 
                 float s[kN / 2];
-                narrow_qk<kDqk, kN, 0, kNarrowScoreSteps<kDqk>>(sm, s);
-                if constexpr (FLASHMLA_NARROW_QK_SPLIT) {
-                    named_barrier_sync_unaligned(Bar::NarrowS, kConsumerThreads);
-#pragma unroll
-                    for (int i = 0; i < kN / 2; ++i) s[i] += sm.s_part[i * kWarpgroupThreads + t];
-                }
+                narrow_qk<kDqk, kN>(sm, s);
 
                 // Keys that are missing (bad index, past the request) score -inf (a select: no NaN from an inf).
                 const uint32_t bits = warp < 2 ? mask.lo : mask.hi;
@@ -634,8 +572,9 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
     }
 }
 
-// Value warpgroup (WG 2). Per tile i: dequantise its half of the rows -> NarrowReady -> Handoff -> rescale O^T by
-// alpha(i) -> O^T (value columns 256..511) += V^T P^T(i) -> NarrowFree. Per chunk, the epilogue.
+// Value warpgroup (WG 2). Per chunk, its half of the Q rows. Per tile i: dequantise its half of the rows ->
+// NarrowReady -> Handoff -> rescale O^T by alpha(i) -> O^T (value columns 256..511) += V^T P^T(i) -> NarrowFree. Per
+// chunk, the epilogue.
 template <int kDqk, int kN>
 __device__ __forceinline__ void narrow_value(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Schedule& sched) {
     using Plan = NarrowPlan<kDqk, kN>;
@@ -659,13 +598,6 @@ __device__ __forceinline__ void narrow_value(const DecodeParams& p, NarrowPlan<k
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
                 narrow_dequant_tile<kDqk, kN>(sm, Slot::of(tile), kWarpgroupThreads + t);
                 named_barrier_sync_unaligned(Bar::NarrowReady, kConsumerThreads);
-                if constexpr (FLASHMLA_NARROW_QK_SPLIT) {
-                    float sv[kN / 2];
-                    narrow_qk<kDqk, kN, kNarrowScoreSteps<kDqk>, kNarrowQkSteps<kDqk>>(sm, sv);
-#pragma unroll
-                    for (int i = 0; i < kN / 2; ++i) sm.s_part[i * kWarpgroupThreads + t] = sv[i];
-                    named_barrier_sync_unaligned(Bar::NarrowS, kConsumerThreads);
-                }
                 named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
 #pragma unroll
                 for (int ci = 0; ci < kCols; ++ci) {
@@ -715,7 +647,7 @@ __device__ __forceinline__ void decode_narrow(const DecodeParams& p, uint8_t* sm
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int s = 0; s < Plan::kSlots; ++s) {
-            MBarrier::init(&sm.raw_full[s], FLASHMLA_NARROW_COPY ? 2 * kWarpgroupThreads : kCopyWarps * (32 + 1));
+            MBarrier::init(&sm.raw_full[s], kCopyWarps * (32 + 1));
             MBarrier::init(&sm.raw_empty[s], kConsumerWarps);
         }
     }
