@@ -79,7 +79,6 @@ enum class Bar : uint32_t {
     NarrowValue = 5,    // the value warpgroup's staged partial rows
     // ... and between the two consumer warpgroups (256 threads):
     NarrowReady = 6,    // per tile: the key tile is dequantised into the stage and fenced for wgmma
-    NarrowLeft = 9,     // per tile: its left NoPE slabs are (the score warpgroup starts S^T on them)
     NarrowFree = 7,     // per tile: both PVs are done; the stage, P^T and alpha may be rewritten
     NarrowChunk = 8,    // per chunk after the first: the previous chunk's staged rows left the Q tile and the stage
 };

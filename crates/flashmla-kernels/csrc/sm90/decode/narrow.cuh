@@ -159,12 +159,12 @@ __device__ __forceinline__ void narrow_copy_rows(const DecodeParams& p, NarrowPl
 // quarter q = u % 4 of every 64-column slab (16 codes -> bf16 chunks 2 q, 2 q + 1), and moves the bf16 RoPE chunks
 // 2 (u % 4), + 1 of the same row. A missing row becomes zeros (its raw bytes were never copied).
 
-// NoPE slabs [kFirst, kEnd) of the thread's row and quarter.
-template <int kDqk, int kN, int kFirst, int kEnd>
+template <int kDqk, int kN>
 __device__ __forceinline__ void narrow_dequant_nope(NarrowPlan<kDqk, kN>& sm, int slot, int u) {
     using Plan = NarrowPlan<kDqk, kN>;
     using C = Config<kDqk>;
     using F = Fp8Format<kDqk>;
+    constexpr int kNopeSlabs = F::kDNope / kSw128ColsBf16;  // 8 (V3.2) or 7 (MODEL1)
     const int row = 8 * (u / 32) + (u % 32) / 4;
     const int q = u % 4;
     const uint32_t stage = smem_addr(sm.kv) + row * kSw128RowBytes;
@@ -172,7 +172,7 @@ __device__ __forceinline__ void narrow_dequant_nope(NarrowPlan<kDqk, kN>& sm, in
     const uint32_t src = smem_addr(sm.raw[slot]) + row * Plan::kRowBytes + 16 * q;  // NoPE bytes first
     if (sm.valid[slot][row] == 0) {
 #pragma unroll
-        for (int s = kFirst; s < kEnd; ++s) {
+        for (int s = 0; s < kNopeSlabs; ++s) {
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 st_shared_v4(stage + s * C::kSlabBytes + (((2 * q + j) ^ swz) << 4), make_uint4(0u, 0u, 0u, 0u));
@@ -187,11 +187,11 @@ __device__ __forceinline__ void narrow_dequant_nope(NarrowPlan<kDqk, kN>& sm, in
     } else {
         scales = ld_shared_v4(smem_addr(sm.raw[slot]) + row * Plan::kRowBytes + Plan::kScaleOff);
     }
-    uint4 raw = ld_shared_v4(src + 64 * kFirst);
+    uint4 raw = ld_shared_v4(src);
 #pragma unroll
-    for (int s = kFirst; s < kEnd; ++s) {
+    for (int s = 0; s < kNopeSlabs; ++s) {
         uint4 next = raw;
-        if (s + 1 < kEnd) next = ld_shared_v4(src + 64 * (s + 1));
+        if (s + 1 < kNopeSlabs) next = ld_shared_v4(src + 64 * (s + 1));
         const float scale = slab_scale<kDqk>(scales, s);
         const uint2 a = dequant4(raw.x, scale), b = dequant4(raw.y, scale);
         const uint2 c = dequant4(raw.z, scale), d = dequant4(raw.w, scale);
@@ -220,21 +220,13 @@ __device__ __forceinline__ void narrow_move_rope(NarrowPlan<kDqk, kN>& sm, int s
     }
 }
 
-// Every consumer thread, tile `pos` in two parts: the left NoPE slabs (value columns 0..255), then (narrow_dequant_right)
-// the rest, with the slot released (one arrival per warp) once read. Each part is fenced for wgmma; the caller meets
-// the other consumers after each (NarrowLeft, NarrowReady), and the score warpgroup issues S^T's k-steps over the left
-// slabs in between, so that they run while the right part is converted.
+// Every consumer thread: waits for tile `pos`'s raw rows, dequantises its part into the stage, releases the slot
+// (one arrival per warp) and fences its stores for wgmma. The caller then meets the other consumers (NarrowReady).
 template <int kDqk, int kN>
-__device__ __forceinline__ void narrow_dequant_left(NarrowPlan<kDqk, kN>& sm,
+__device__ __forceinline__ void narrow_dequant_tile(NarrowPlan<kDqk, kN>& sm,
                                                     const SlotPos<NarrowPlan<kDqk, kN>::kSlots>& pos, int u) {
     MBarrier::wait(&sm.raw_full[pos.slot], pos.parity);
-    narrow_dequant_nope<kDqk, kN, 0, kSlabsPerHalf>(sm, pos.slot, u);
-    fence_proxy_async_shared();
-}
-template <int kDqk, int kN>
-__device__ __forceinline__ void narrow_dequant_right(NarrowPlan<kDqk, kN>& sm,
-                                                     const SlotPos<NarrowPlan<kDqk, kN>::kSlots>& pos, int u) {
-    narrow_dequant_nope<kDqk, kN, kSlabsPerHalf, Fp8Format<kDqk>::kDNope / kSw128ColsBf16>(sm, pos.slot, u);
+    narrow_dequant_nope<kDqk, kN>(sm, pos.slot, u);
     narrow_move_rope<kDqk, kN>(sm, pos.slot, u);
     __syncwarp();
     if (u % 32 == 0) MBarrier::arrive(&sm.raw_empty[pos.slot]);
@@ -281,19 +273,23 @@ __device__ __forceinline__ void narrow_load_q(const DecodeParams& p, NarrowPlan<
 // ---------------------------------------------------------------------------------------------------------------
 // Phase: MMAs.
 
-// Issues S^T (+)= K Q^T over the k-steps of slabs [kFirst, kEnd) of the stage's tile (not committed, not waited for).
-template <int kDqk, int kN, int kFirst, int kEnd>
-__device__ __forceinline__ void narrow_issue_qk(const NarrowPlan<kDqk, kN>& sm, float (&s)[kN / 2]) {
+// S^T = K Q^T of the stage's tile (every d_qk column), waited for.
+template <int kDqk, int kN>
+__device__ __forceinline__ void narrow_qk(const NarrowPlan<kDqk, kN>& sm, float (&s)[kN / 2]) {
     using C = Config<kDqk>;
     using Plan = NarrowPlan<kDqk, kN>;
     const uint64_t desc_k = make_wgmma_desc_sw128(smem_addr(sm.kv), kUnusedLbo, kSw128AtomBytes);
     const uint64_t desc_q = make_wgmma_desc_sw128(smem_addr(sm.q), kUnusedLbo, kSw128AtomBytes);
+    wgmma_fence();
 #pragma unroll
-    for (int step = kFirst * C::kKStepsPerSlab; step < kEnd * C::kKStepsPerSlab; ++step) {
+    for (int step = 0; step < C::kDqkSlabs * C::kKStepsPerSlab; ++step) {
         const int slab = step / C::kKStepsPerSlab, ks = step % C::kKStepsPerSlab;
         wgmma_m64nk16_ss<kN, 0, 0>(s, wgmma_desc_advance(desc_k, slab * C::kSlabBytes + ks * 32),
                                    wgmma_desc_advance(desc_q, slab * Plan::kQSlabBytes + ks * 32), step > 0);
     }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_regs(s);
 }
 
 // O^T (this consumer's four M tiles, value slabs first_slab..) += V^T P^T, waited for.
@@ -471,20 +467,11 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
                 if (n_tiles > 1) keys_next = TileKeys<true>::load(p, c, c.tile0 + 1, lane);
             }
             for (int i = 0; i < n_tiles; ++i, ++tile) {
-                using C = Config<kDqk>;
-                const Slot pos = Slot::of(tile);
-                narrow_dequant_left<kDqk, kN>(sm, pos, t);
-                named_barrier_sync_unaligned(Bar::NarrowLeft, kConsumerThreads);
-                float s[kN / 2];
-                wgmma_fence();
-                narrow_issue_qk<kDqk, kN, 0, kSlabsPerHalf>(sm, s);
-                narrow_dequant_right<kDqk, kN>(sm, pos, t);
+                narrow_dequant_tile<kDqk, kN>(sm, Slot::of(tile), t);
                 named_barrier_sync_unaligned(Bar::NarrowReady, kConsumerThreads);
-                wgmma_fence();
-                narrow_issue_qk<kDqk, kN, kSlabsPerHalf, C::kDqkSlabs>(sm, s);
-                wgmma_commit();
-                wgmma_wait<0>();
-                wgmma_fence_regs(s);
+
+                float s[kN / 2];
+                narrow_qk<kDqk, kN>(sm, s);
 
                 // Keys that are missing (bad index, past the request) score -inf (a select: no NaN from an inf).
                 const uint32_t bits = warp < 2 ? mask.lo : mask.hi;
@@ -609,10 +596,7 @@ __device__ __forceinline__ void narrow_value(const DecodeParams& p, NarrowPlan<k
 #pragma unroll
             for (int mt = 0; mt < 4; ++mt) zero_regs(o[mt]);
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
-                const Slot pos = Slot::of(tile);
-                narrow_dequant_left<kDqk, kN>(sm, pos, kWarpgroupThreads + t);
-                named_barrier_sync_unaligned(Bar::NarrowLeft, kConsumerThreads);
-                narrow_dequant_right<kDqk, kN>(sm, pos, kWarpgroupThreads + t);
+                narrow_dequant_tile<kDqk, kN>(sm, Slot::of(tile), kWarpgroupThreads + t);
                 named_barrier_sync_unaligned(Bar::NarrowReady, kConsumerThreads);
                 named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
 #pragma unroll
