@@ -470,7 +470,7 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
                 narrow_dequant_tile<kDqk, kN>(sm, Slot::of(tile), t);
                 named_barrier_sync_unaligned(Bar::NarrowReady, kConsumerThreads);
 
-                float s[kN / 2];
+                float s[Nw::kSRegs];
                 narrow_qk<kDqk, kN>(sm, s);
 
                 // Keys that are missing (bad index, past the request) score -inf (a select: no NaN from an inf).
