@@ -9,6 +9,8 @@ cd "$(dirname "$0")/.."
 source scripts/toolchain.sh
 cargo build --workspace --locked --release --bins
 cargo test --workspace --locked
+# The API docs build without a warning (broken or private intra-doc links fail here).
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 # The Rust examples (the Python ones run in python/tests/test_examples.py): on a GPU machine they also run on the GPU.
 for example in crates/flashmla/examples/*.rs; do
   cargo run --release --locked -p flashmla --example "$(basename "$example" .rs)"

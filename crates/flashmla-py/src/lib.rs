@@ -1,12 +1,12 @@
 //! `flashmla._native`: the PyO3 extension module behind the `flashmla` Python package (`python/flashmla/`).
 //!
 //! Bindings only: one entry point per op that takes torch tensors, reads their metadata through the tensor
-//! protocol (see [`tensor`]), allocates the outputs through torch and runs on torch's current stream; the Python
-//! layer owns the rest of what is torch-specific (autograd, `torch.library` registration, `torch.compile`). The
+//! protocol (see the `tensor` module), allocates the outputs through torch and runs on torch's current stream; the
+//! Python layer owns the rest of what is torch-specific (autograd, `torch.library` registration, `torch.compile`). The
 //! module does not link torch: it calls the torch Python API it is handed. Built with the stable ABI (abi3,
 //! CPython 3.9+) by maturin from the repository's `pyproject.toml`.
 //!
-//! Errors: see [`errors`] for how `flashmla::Error` maps to Python exceptions; no panic reaches Python.
+//! Errors: see the `errors` module for how `flashmla::Error` maps to Python exceptions; no panic reaches Python.
 
 mod errors;
 mod gpu;

@@ -560,7 +560,7 @@ pub fn kv_token_values(format: KvFormat, flavour: KvFlavour, rng: &mut StdRng) -
     x
 }
 
-/// `num_tokens` tokens, flavours cycling through [`FLAVOURS`] with a seeded shuffle; returns values and flavours.
+/// `num_tokens` tokens, flavours cycling through `FLAVOURS` with a seeded shuffle; returns values and flavours.
 pub fn kv_cache_values(
     format: KvFormat,
     num_tokens: usize,

@@ -1,7 +1,7 @@
 //! The host/device contract of kernel parameters, checked by the compiler.
 //!
 //! Every kernel takes one struct by value, defined in `csrc/sm90/<family>/params.h` and mirrored here by a
-//! `#[repr(C)]` struct declared through [`device_params!`](crate::cuda::device_params). `build.rs` of
+//! `#[repr(C)]` struct declared through `device_params!`. `build.rs` of
 //! `flashmla-kernels` lays out every struct of every `params.h` with the host compiler
 //! ([`flashmla_kernels::PARAMS_LAYOUTS`]); the macro lists the mirror's fields ([`DeviceParams::FIELDS`]) and
 //! adds a constant check that fails the build unless
@@ -28,7 +28,7 @@ pub struct FieldLayout {
 
 /// A `#[repr(C)]` struct that the kernels of [`Self::FAMILY`] receive by value, mirroring struct
 /// [`Self::CXX_NAME`] of `csrc/sm90/<FAMILY>/params.h`. Implemented by
-/// [`device_params!`](crate::cuda::device_params), which checks the mirror at compile time.
+/// `device_params!`, which checks the mirror at compile time.
 pub trait DeviceParams: Copy {
     /// Kernel family (the directory under `csrc/sm90/`).
     const FAMILY: &'static str;

@@ -258,14 +258,15 @@ pub mod kernels {
     pub const SPLIT_FP8_V32_PAIR: &str = "decode_split_fp8_v32_pair";
     /// The same for the MODEL1 cache.
     pub const SPLIT_FP8_MODEL1_PAIR: &str = "decode_split_fp8_model1_pair";
-    /// Sparse split kernel for requests of at most 16 query rows, V3.2 cache: the narrow consumers
-    /// (`S^T = K Q^T` with the query rows as the MMA's N, so a tile costs the MMAs of 16 rows, not 64).
+    /// Sparse split kernel for requests of at most 16 query rows, V3.2 cache (16-byte aligned): the narrow kernel
+    /// (`S^T = K Q^T` with the query rows as the MMA's N, so a tile costs the MMAs of 16 rows, not 64; raw cache
+    /// rows streamed by bulk copies and dequantised by the consumers; [`super::SMEM_BYTES_NARROW`]).
     pub const SPLIT_FP8_V32_N16: &str = "decode_split_fp8_v32_n16";
     /// The same for up to 32 query rows.
     pub const SPLIT_FP8_V32_N32: &str = "decode_split_fp8_v32_n32";
-    /// Narrow consumers, MODEL1 cache, up to 16 query rows.
+    /// Narrow kernel, MODEL1 cache, up to 16 query rows.
     pub const SPLIT_FP8_MODEL1_N16: &str = "decode_split_fp8_model1_n16";
-    /// Narrow consumers, MODEL1 cache, up to 32 query rows.
+    /// Narrow kernel, MODEL1 cache, up to 32 query rows.
     pub const SPLIT_FP8_MODEL1_N32: &str = "decode_split_fp8_model1_n32";
     /// Combine, bf16 output.
     pub const COMBINE_BF16: &str = "decode_combine_bf16";

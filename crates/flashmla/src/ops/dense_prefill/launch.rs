@@ -442,7 +442,7 @@ pub fn kernel_for(d: usize, dtype: DType) -> Result<(&'static str, u32)> {
 }
 
 /// Checks the kernel's limits and builds its parameters and launch geometry for a device of `sm_count` SMs (pure:
-/// no GPU needed; `tile_counter` is left 0 for [`launch`] to point at the workspace). Returns `None` when there is
+/// no GPU needed; `tile_counter` is left 0 for `launch` to point at the workspace). Returns `None` when there is
 /// nothing to launch (no query rows).
 pub fn lower(
     dims: &DensePrefillDims,

@@ -19,10 +19,10 @@
 //! **Memory.** The accumulator is the f32 `d_kv` itself when its rows are 16-byte aligned;
 //! otherwise (bf16 `d_kv`, or an unaligned f32 one) an f32 workspace `[s_kv, d_qk]`, 16-byte aligned
 //! rows: the caller's, or allocated here with [`Gpu::alloc`] and released in stream order when
-//! [`launch`] returns. Nothing else is allocated (no `O(s_q * topk)` buffer; `delta` lives in its
+//! `launch` returns. Nothing else is allocated (no `O(s_q * topk)` buffer; `delta` lives in its
 //! output).
 //!
-//! Kernel limits checked here (beyond [`super::validate`]): `h_q <= 128`; `q`, `kv` and `d_out`
+//! Kernel limits checked here (beyond [`mod@super::validate`]): `h_q <= 128`; `q`, `kv` and `d_out`
 //! rows 16-byte aligned (the main kernel gathers 16-byte chunks); every other tensor aligned to its
 //! element size; every reachable offset fits `i64`; `topk`, `s_q * h_q` and the grid fit the
 //! kernels' 32-bit counters. `out`, `d_q` and `d_kv` take 16-byte accesses when their rows are
@@ -452,7 +452,7 @@ pub fn kv_buckets_with(dims: &SparseBwdDims, options: &SparseBwdOptions) -> Resu
 }
 
 /// Whether [`FLAG_DRAIN_FIRST`] is set: [`SparseBwdTuning::drain_first`], else when the f32
-/// accumulator plus the bf16 KV rows (`s_kv * d_qk * 6` bytes) exceed [`DRAIN_FIRST_MIN_BYTES`].
+/// accumulator plus the bf16 KV rows (`s_kv * d_qk * 6` bytes) exceed `DRAIN_FIRST_MIN_BYTES`.
 pub fn drain_first_for(dims: &SparseBwdDims, tuning: &SparseBwdTuning) -> bool {
     let f = &dims.fwd;
     tuning

@@ -9,7 +9,7 @@
 //! half of P V) for long contexts, and "alternating" (the consumers take alternate tiles, each
 //! running Q K^T, the softmax and its P V half, and exchange P) where the gathered KV fits in L2.
 //!
-//! Kernel limits checked here (beyond [`super::validate`]): `h_q <= 128`; `q` and `kv` rows 16-byte
+//! Kernel limits checked here (beyond [`mod@super::validate`]): `h_q <= 128`; `q` and `kv` rows 16-byte
 //! aligned (the gather copies 16-byte chunks); `indices`, `topk_length`, `attn_sink`, `max_logits`
 //! and `lse` aligned to their element size; every reachable offset fits `i64`; `topk` and the grid
 //! fit the kernel's 32-bit counters. `out` takes 16-byte stores when its rows are 16-byte aligned
