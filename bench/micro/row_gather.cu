@@ -33,7 +33,8 @@ __global__ void __launch_bounds__(32, 1) gather(const uint8_t* cache, const int*
     auto issue = [&](int tile, int k) {  // tile into slot k % kDepth
         const int s = k % kDepth;
         if (lane == 0) {
-            asm volatile("mbarrier.arrive.expect_tx.shared.b64 _, [%0], %1;" ::"r"(sa(&bar[s])), "r"(kRows * row_bytes));
+            asm volatile("mbarrier.arrive.expect_tx.shared.b64 _, [%0], %1;" ::"r"(sa(&bar[s])),
+                         "r"(kRows * row_bytes));
         }
         __syncwarp();
         for (int h = 0; h < 2; ++h) {
@@ -60,7 +61,9 @@ __global__ void __launch_bounds__(32, 1) gather(const uint8_t* cache, const int*
             : "memory");
         acc += sm[s * slot_bytes + lane];
         __syncwarp();
-        if (k + kDepth < n) issue(static_cast<int>(blockIdx.x) + (k + kDepth) * static_cast<int>(gridDim.x), k + kDepth);
+        if (k + kDepth < n) {
+            issue(static_cast<int>(blockIdx.x) + (k + kDepth) * static_cast<int>(gridDim.x), k + kDepth);
+        }
     }
     if (acc == 12345) sink[0] = acc;  // keeps the reads
 }
@@ -71,7 +74,8 @@ double run(const uint8_t* cache, const int* idx, int tiles, int row_bytes, int s
     const int smem = kDepth * kRows * row_bytes;
     if (smem > 227 * 1024) return 0.0;  // does not fit a CTA (printed as 0)
     CK(cudaFuncSetAttribute(gather<kDepth>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    const float ms = time_ms([&] { gather<kDepth><<<ctas, 32, smem>>>(cache, idx, tiles, row_bytes, stride, sink); }, 10);
+    const float ms =
+        time_ms([&] { gather<kDepth><<<ctas, 32, smem>>>(cache, idx, tiles, row_bytes, stride, sink); }, 10);
     CK(cudaGetLastError());
     return static_cast<double>(tiles) * kRows * row_bytes / (ms * 1e-3) / 1e9;
 }

@@ -3,7 +3,8 @@
 //!
 //! Layers, from the bottom:
 //! * [`tensor`] and [`validate`]: tensor descriptions and the checks every op runs before touching memory;
-//! * [`reference`](mod@crate::reference): the CPU truth for every op (f32 accumulation, or f64 for tests), rayon-parallel;
+//! * [`reference`](mod@crate::reference): the CPU truth for every op (f32 accumulation, or f64 for tests),
+//!   rayon-parallel;
 //! * [`cuda`]: the GPU plumbing (device, stream, embedded cubins, launches, events);
 //! * [`ops`]: the public operations, which validate once and then run on the CPU or the GPU.
 #![warn(missing_docs)]
