@@ -93,6 +93,7 @@ fn shapes(suite: BenchSuite) -> Vec<Shape> {
             v.push(v32(128, 2, 16));
             v.push(v32(128, 1, 32));
             v.push(model1(128, 16, 512, 64));
+            v.push(model1(128, 32, 512, 64));
             v.push(v32(128, 2, 64));
             v
         }

@@ -78,9 +78,7 @@ enum class Bar : uint32_t {
     NarrowScore = 4,    // the score warpgroup's column maxima / sums and staged partial rows
     NarrowValue = 5,    // the value warpgroup's staged partial rows
     // ... and between the two consumer warpgroups (256 threads):
-    NarrowReady = 6,    // per tile: the key tile is dequantised into the stage and fenced for wgmma
-    NarrowFree = 7,     // per tile: both PVs are done; the stage, P^T and alpha may be rewritten
-    NarrowChunk = 8,    // per chunk after the first: the previous chunk's staged rows left the Q tile and the stage
+    NarrowChunk = 6,    // per chunk after the first: the previous chunk's staged rows left the Q tile
 };
 
 template <int kDqk>

@@ -41,17 +41,16 @@ FLASHMLA_DECODE_SPLIT(decode_split_fp8_v32, Bf16, 576, true, false, false)
 FLASHMLA_DECODE_SPLIT(decode_split_fp8_model1, Bf16, 512, true, false, false)
 FLASHMLA_DECODE_SPLIT(decode_split_fp8_v32_pair, Bf16, 576, true, true, false)
 FLASHMLA_DECODE_SPLIT(decode_split_fp8_model1_pair, Bf16, 512, true, true, false)
-// Requests of at most 16 / 32 query rows (h_q 16, 32) over 16-byte aligned caches: the narrow decode (narrow.cuh:
-// S^T = K Q^T with the query rows as N, raw rows streamed by bulk copies), dynamic shared memory
-// kNarrowSmemBytes<d_qk, N> (launch.rs requests the 227 KB limit).
+// Requests of at most 16 query rows (MODEL1: 32; h_q 16, 32) over 16-byte aligned caches: the narrow decode (narrow.cuh:
+// S^T = K Q^T with the query rows as N, raw rows streamed by bulk copies), block (kNarrowThreads = 512), dynamic
+// shared memory kNarrowSmemBytes<d_qk, N> (launch.rs requests the 227 KB limit).
 #define FLASHMLA_DECODE_NARROW(NAME, DQK, N)                                                  \
-    extern "C" __global__ void __launch_bounds__(kThreads, 1)                                 \
+    extern "C" __global__ void __launch_bounds__(flashmla::decode::kNarrowThreads, 1)         \
         NAME(const __grid_constant__ DecodeParams p) {                                        \
         extern __shared__ __align__(1024) uint8_t smem[];                                     \
         flashmla::decode::decode_narrow<DQK, N>(p, smem);                                     \
     }
 FLASHMLA_DECODE_NARROW(decode_split_fp8_v32_n16, 576, 16)
-FLASHMLA_DECODE_NARROW(decode_split_fp8_v32_n32, 576, 32)
 FLASHMLA_DECODE_NARROW(decode_split_fp8_model1_n16, 512, 16)
 FLASHMLA_DECODE_NARROW(decode_split_fp8_model1_n32, 512, 32)
 

@@ -6,16 +6,17 @@
 // runs down the columns of S^T, P^T is stored as a K-major [row][key] B operand, and each consumer computes four
 // 64-column M tiles of O^T = V^T P^T (V read MN-major from the stage as A).
 //
-// The keys move as raw bytes, far ahead of their use, and are dequantised by the consumers just before it:
-//   copy      warpgroup 0: four warps, each issuing one bulk copy (cp.async.bulk, completing on the slot's barrier)
-//             per valid row of its 16 rows of a tile into a ring of kSlots raw slots (MODEL1's 8-byte scale records
-//             by cp.async); paced only by the slots' barriers, so up to kSlots tiles are in flight;
-//   per tile  the 256 consumer threads dequantise the slot into the one bf16 stage and release the slot
-//             (NarrowReady), the score warpgroup computes S^T and the softmax, both consumers their half of P V
-//             (Handoff), and both meet once the stage is free (NarrowFree).
-// The bf16 stage is single (the raw slots take the room a second one would): a tile's dequantisation and its MMAs do
-// not overlap. Per chunk, the consumers load the Q rows after the previous chunk's staged rows left (NarrowChunk); the
-// epilogues are the split pipeline's (partials, staged final rows, combine).
+// The keys move as raw bytes and are dequantised by the warps that copy them, so the consumers only compute:
+//   copy      warpgroup 0: four warps, warp w owning rows 16 w .. 16 w + 15 of every tile. Per tile it reads its rows
+//             of the one raw slot into registers, issues the next tile's bulk copies (cp.async.bulk, one per valid
+//             row, completing on the warp's own slot barrier; MODEL1's 8-byte scale records by cp.async) into the
+//             same rows, and, while those fly, converts the registers into a free bf16 stage and publishes it
+//             (kv_full). Nothing but the slot and the stages' barriers paces it.
+//   consumers per tile (kv_full): the score warpgroup computes S^T and the softmax, both consumers their half of P V
+//             (Handoff), and each warp releases the stage (kv_empty). With two stages (every plan but V3.2 at
+//             kN = 32, whose Q rows leave room for one) a tile's conversion overlaps the previous tile's MMAs.
+// Per chunk, the consumers load the Q rows after the previous chunk's staged rows left (NarrowChunk); the epilogues
+// are the split pipeline's (partials and final rows staged in the Q tile, combine).
 #pragma once
 
 #include <cstdint>
@@ -40,19 +41,43 @@ struct Narrow {
     static __device__ __forceinline__ int col(int ci, int quad) { return 8 * (ci / 2) + 2 * quad + (ci % 2); }
 };
 
+// The narrow kernels run four warpgroups: copy warps in warpgroups 0 and 3 (the conversion needs two warps per
+// scheduler: one alone converted a tile in ~3 us, longer than the consumers' tile), the consumers in 1 and 2.
+inline constexpr int kNarrowThreads = 4 * kWarpgroupThreads;                      // 512
+inline constexpr uint32_t kNarrowRegsAtLaunch = (65536u / kNarrowThreads) & ~7u;  // 128
+inline constexpr int kCopyWarps = 2 * kWarpsPerWarpgroup;                         // 8
+inline constexpr int kCopyRowsPerWarp = kKeysPerTile / kCopyWarps;                // 8 rows of a tile each
+inline constexpr int kConsumerWarps = kConsumerThreads / 32;                      // 8
+
+// How a copy warp's lanes split a raw row for the conversion: lane l converts row 8 w + l % 8, quarter l / 8. A
+// row's NoPE bytes are 16-byte units (32 at V3.2, 28 at MODEL1) of 16 codes; quarter q takes units 8 q .. 8 q + 7
+// (MODEL1's last quarter 4), i.e. NoPE slabs 2 q, 2 q + 1, and RoPE units (bf16, moved as they are) 2 q, 2 q + 1.
+// So a lane holds 40 registers of raw bytes.
+template <int kDqk>
+struct RawSplit {
+    using F = Fp8Format<kDqk>;
+    static constexpr int kNopeUnits = F::kDNope / 16;
+    static constexpr int kNopeQuarter = 8;
+    static constexpr int kRopeQuarter = kSw128RowBytes / 16 / 4;  // 2
+    static_assert(kNopeUnits > 3 * kNopeQuarter && kNopeUnits <= 4 * kNopeQuarter, "four quarters of NoPE units");
+    static __device__ __forceinline__ int nope_count(int q) {
+        return q < 3 ? kNopeQuarter : kNopeUnits - 3 * kNopeQuarter;
+    }
+};
+
 // The narrow decode's shared-memory plan (every operand 1024-byte aligned):
-//   q          [slab][kN rows][128 B]        Q of the chunk's rows, all d_qk columns (SW128, K-major B operand)
-//   kv         [slab][64 keys][128 B]        the bf16 key tile (the 64-row plan's stage layout)
-//   p          [kN rows][128 B]              P^T, 16-bit (SW128, K-major B operand)
-//   raw        [slot][64 rows][kRowBytes]    raw token records (V3.2: all 656 bytes; MODEL1: the 576 value bytes),
-//                                            then MODEL1's 64 scale records of 8 bytes
-//   valid      [slot][64]                    1 where the row's index names a token (its bytes were copied)
+//   q          [slab][kN rows][128 B]        Q of the chunk's rows, all d_qk columns (SW128, K-major B operand); the
+//                                            epilogues stage their rows here
+//   kv         [stage][slab][64 keys][128 B] bf16 key tiles (the 64-row plan's stage layout)
+//   p          [stage][kN rows][128 B]       P^T of the stage's tile, 16-bit (SW128, K-major B operand)
+//   raw        [64 rows][kSlotRowBytes]      the raw token records of the next tile (V3.2: all 656 bytes; MODEL1:
+//                                            the 576 value bytes), then MODEL1's 64 scale records of 8 bytes
 //   red_max / red_sum  [2][4 warps][32]      the score warpgroup's column reductions
-//   row_scale  [kN]                          alpha of the current tile
+//   row_scale  [stage][kN]                   alpha of the stage's tile
 //   row_inv    [2][64]                       per chunk c, in slot c % 2: 1 / softmax denominator
-//   raw_full   [slot]                        per copy warp 32 arrivals of its lanes (their cp.async) and one of lane
-//                                            0 after the valid flags; the bulk copies' bytes
-//   raw_empty  [slot]                        one arrival per consumer warp
+//   raw_full   [copy warp]                   the warp's 32 lanes (their cp.async) and lane 0 once more; the bytes
+//   kv_full    [stage]                       one arrival per copy warp (its rows converted and fenced)
+//   kv_empty   [stage]                       one arrival per consumer warp (its MMAs on the stage done)
 template <int kDqk, int kN>
 struct NarrowPlan {
     using C = Config<kDqk>;
@@ -62,175 +87,212 @@ struct NarrowPlan {
     static constexpr int kPBytes = kN * kSw128RowBytes;
     static constexpr bool kScalesApart = kDqk == 512;  // MODEL1 keeps a block's scale records after its tokens
     static constexpr int kRowBytes = kScalesApart ? F::kValueBytes : F::kBytesPerToken;  // 576 / 656
+    // A slot row is an odd number of 16-byte units, so that eight lanes reading eight consecutive rows at the same
+    // offset hit eight different bank groups (MODEL1: 576 -> 592).
+    static constexpr int kSlotRowBytes = (kRowBytes / 16) % 2 == 1 ? kRowBytes : kRowBytes + 16;
     static constexpr int kScaleOff = F::kDNope;  // V3.2: a row's scale record, after its NoPE bytes
     static constexpr int kRopeOff = kScalesApart ? F::kDNope : F::kDNope + F::kScaleRecordBytes;
-    static constexpr int kScaleAreaOff = kKeysPerTile * kRowBytes;  // MODEL1: the slot's scale records
+    static constexpr int kScaleAreaOff = kKeysPerTile * kSlotRowBytes;  // MODEL1: the slot's scale records
     static constexpr int kSlotBytes =
         (kScaleAreaOff + (kScalesApart ? kKeysPerTile * F::kScaleRecordBytes : 0) + 127) / 128 * 128;
-    // Everything but the raw slots, with room for the small arrays and the alignment padding.
-    static constexpr int kFixedBytes = kQBytes + C::kStageBytes + kPBytes + 4096;
-    static constexpr int kMaxSlots = 3;
-    static constexpr int kSlotsFit = (static_cast<int>(kMaxSmemPerBlock - kSmemAlignSlack) - kFixedBytes) / kSlotBytes;
-    static constexpr int kSlots = kSlotsFit < kMaxSlots ? kSlotsFit : kMaxSlots;
-    static_assert(kSlots >= 2, "the narrow plan needs two raw slots");
+    // Everything but the stages and their P^T, with room for the small arrays and the alignment padding.
+    static constexpr int kFixedBytes = kQBytes + kSlotBytes + 4096;
+    static constexpr int kMaxStages = 2;
+    static constexpr int kStagesFit = (static_cast<int>(kMaxSmemPerBlock - kSmemAlignSlack) - kFixedBytes) /
+                                      (C::kStageBytes + kPBytes);
+    static constexpr int kStages = kStagesFit < kMaxStages ? kStagesFit : kMaxStages;
+    static_assert(kStages >= 1, "the narrow plan needs a bf16 stage");
     static_assert(kRowBytes % 16 == 0 && kRopeOff % 16 == 0, "bulk copies and 16-byte moves of a row");
-    // The staged f32 partial (the score half in the Q tile, the value half in the stage) and the final rows.
-    static_assert(kN * kPartialRowBytes <= kQBytes && kN * kPartialRowBytes <= C::kStageBytes, "staged partials fit");
+    // The staged f32 partial halves (one after the other) and the final rows, in the Q tile.
+    static_assert(kN * kPartialRowBytes <= kQBytes, "a staged partial half fits the Q tile");
     static_assert(kN * kDv * 2 <= kQBytes, "staged final rows fit the Q tile");
 
     alignas(kSw128AtomBytes) uint8_t q[kQBytes];
-    alignas(kSw128AtomBytes) uint8_t kv[C::kStageBytes];
-    alignas(kSw128AtomBytes) uint8_t p[kPBytes];
-    alignas(128) uint8_t raw[kSlots][kSlotBytes];
-    uint8_t valid[kSlots][kKeysPerTile];
+    alignas(kSw128AtomBytes) uint8_t kv[kStages][C::kStageBytes];
+    alignas(kSw128AtomBytes) uint8_t p[kStages][kPBytes];
+    alignas(128) uint8_t raw[kSlotBytes];
     float red_max[2][4][32];
     float red_sum[2][4][32];
-    float row_scale[kN];
+    float row_scale[kStages][kN];
     float row_inv[2][kRowsPerCta];
-    uint64_t raw_full[kSlots];
-    uint64_t raw_empty[kSlots];  // one arrival per consumer warp once it read the slot
+    uint64_t raw_full[kCopyWarps];
+    uint64_t kv_full[kStages];
+    uint64_t kv_empty[kStages];
     int32_t sched[kInlineScheduleWords];
 };
 template <int kDqk, int kN>
 inline constexpr uint32_t kNarrowSmemBytes = static_cast<uint32_t>(sizeof(NarrowPlan<kDqk, kN>)) + kSmemAlignSlack;
-static_assert(kNarrowSmemBytes<576, 16> <= kMaxSmemPerBlock && kNarrowSmemBytes<576, 32> <= kMaxSmemPerBlock &&
-                  kNarrowSmemBytes<512, 16> <= kMaxSmemPerBlock && kNarrowSmemBytes<512, 32> <= kMaxSmemPerBlock,
+static_assert(kNarrowSmemBytes<576, 16> <= kMaxSmemPerBlock && kNarrowSmemBytes<512, 16> <= kMaxSmemPerBlock &&
+                  kNarrowSmemBytes<512, 32> <= kMaxSmemPerBlock,
               "narrow plans fit 227 KB (launch.rs requests SMEM_BYTES_NARROW = the limit)");
+// The built plans have two stages. V3.2 at kN = 32 (36 KB of Q rows) has room for one, whose conversions the MMAs
+// would wait for: its requests run the 64-row kernel (launch.rs).
+static_assert(NarrowPlan<576, 16>::kStages == 2 && NarrowPlan<512, 16>::kStages == 2 &&
+                  NarrowPlan<512, 32>::kStages == 2 && NarrowPlan<576, 32>::kStages == 1,
+              "narrow plans: two bf16 stages");
 
-inline constexpr int kCopyWarps = kWarpsPerWarpgroup;                // warpgroup 0: four copy warps
-inline constexpr int kCopyRowsPerWarp = kKeysPerTile / kCopyWarps;   // 16 rows of a tile each
-inline constexpr int kConsumerWarps = kConsumerThreads / 32;         // 8
-// Registers after setmaxnreg: the copy warps hold a few addresses; the consumers hold O^T, S^T, the Q rows in flight
-// and the dequantisation's values (at 168 each the kN = 32 kernels spilled).
-inline constexpr uint32_t kNarrowCopierRegs = 56;
-inline constexpr uint32_t kNarrowConsumerRegs = 224;
-static_assert(kNarrowCopierRegs + 2 * kNarrowConsumerRegs <= 3 * kRegsAtLaunch, "setmaxnreg pool of the CTA");
+// Registers after setmaxnreg: the copy warps hold a tile's share of raw rows (40) and addresses; the consumers O^T,
+// S^T and the Q rows in flight.
+// (kN = 32: O^T takes 64 registers, and its consumers need 160.)
+template <int kN>
+inline constexpr uint32_t kNarrowCopierRegs = kN == 16 ? 120 : 96;
+template <int kN>
+inline constexpr uint32_t kNarrowConsumerRegs = kN == 16 ? 136 : 160;
+static_assert(2 * kNarrowCopierRegs<16> + 2 * kNarrowConsumerRegs<16> <= 4 * kNarrowRegsAtLaunch &&
+                  2 * kNarrowCopierRegs<32> + 2 * kNarrowConsumerRegs<32> <= 4 * kNarrowRegsAtLaunch,
+              "setmaxnreg pool");
 
-// Ring position of the CTA's tile `tile` (counted over its chunks) in the raw slots.
-template <int kSlots>
-struct SlotPos {
-    int slot;
+// Ring position of the CTA's tile `tile` (counted over its chunks) in the bf16 stages.
+template <int kStages>
+struct StagePos {
+    int stage;
     uint32_t parity;
-    static __device__ __forceinline__ SlotPos of(int tile) {
-        return {tile % kSlots, static_cast<uint32_t>((tile / kSlots) & 1)};
+    static __device__ __forceinline__ StagePos of(int tile) {
+        return {tile % kStages, static_cast<uint32_t>((tile / kStages) & 1)};
     }
 };
 
 // ---------------------------------------------------------------------------------------------------------------
-// Phase: copy (warpgroup 0, four warps of 16 rows each, paced only by the slots' barriers).
+// Phase: copy (warpgroups 0 and 3; copy warp w, rows 8 w .. 8 w + 7 of every tile, the raw slot's rows of its own).
 
-// Issues warp w's raw copies of tile k of chunk c into `slot`: rows 16 w .. 16 w + 15, lane l < 16 row 16 w + l
-// (raw index `idx`). Lane 0 announces the bytes of the warp's valid rows; each of those lanes bulk-copies its row
-// (MODEL1: and cp.asyncs its scale record, zeros for a missing row) and records whether the row is valid; every lane
-// arrives once its cp.asyncs landed, and lane 0 once more after the flags.
+// Issues copy warp w's raw copies of tile k of chunk c: lane l < 8 copies row 8 w + l (raw index `idx`) with one bulk
+// copy if the index names a token (MODEL1: and cp.asyncs its scale record). Lane 0 announces the bytes of the warp's
+// valid rows; every lane arrives once its cp.asyncs landed, and lane 0 once more. Returns whether the lane's row is
+// valid (false for lanes 8..31).
 template <int kDqk, int kN>
-__device__ __forceinline__ void narrow_copy_rows(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Chunk& c, int k,
-                                                 int slot, int idx, int warp, int lane) {
+__device__ __forceinline__ bool narrow_copy_rows(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Chunk& c,
+                                                 int k, int idx, int warp, int lane) {
     using Plan = NarrowPlan<kDqk, kN>;
     using F = Fp8Format<kDqk>;
-    uint64_t* full = &sm.raw_full[slot];
-    const uint32_t slot_addr = smem_addr(sm.raw[slot]);
+    uint64_t* full = &sm.raw_full[warp];
+    const uint32_t slot = smem_addr(sm.raw);
     const int row = kCopyRowsPerWarp * warp + lane;
     const bool mine = lane < kCopyRowsPerWarp;
     const Fp8Row r = mine ? sparse_row(p, c, k * kKeysPerTile + row, idx) : Fp8Row{nullptr, 0, 1};
     const bool ok = r.block != nullptr;
     const int valid_rows = __popc(__ballot_sync(kFullMask, ok));
+#ifdef FLASHMLA_NARROW_DIAG_NO_COPY
+    if (lane == 0) MBarrier::expect_tx(full, 0u * static_cast<uint32_t>(valid_rows));
+#else
     if (lane == 0) MBarrier::expect_tx(full, static_cast<uint32_t>(valid_rows * Plan::kRowBytes));
+#endif
     __syncwarp();
+#ifdef FLASHMLA_NARROW_DIAG_NO_COPY
+    if (false) {
+#else
     if (ok) {
-        bulk_load_g2s(slot_addr + row * Plan::kRowBytes, r.block + F::nope_offset(r.t), Plan::kRowBytes,
+#endif
+        bulk_load_g2s(slot + row * Plan::kSlotRowBytes, r.block + F::nope_offset(r.t), Plan::kRowBytes,
                       smem_addr(full));
-    }
-    if (mine) {
         if constexpr (Plan::kScalesApart) {
-            const uint8_t* src = ok ? r.block + F::scale_offset(r.t, r.page_size)
-                                    : reinterpret_cast<const uint8_t*>(p.q);  // never read
-            cp_async_8_zfill(slot_addr + Plan::kScaleAreaOff + row * F::kScaleRecordBytes, src, ok);
+            cp_async_8_zfill(slot + Plan::kScaleAreaOff + row * F::kScaleRecordBytes,
+                             r.block + F::scale_offset(r.t, r.page_size), true);
         }
-        sm.valid[slot][row] = ok ? 1 : 0;
     }
     MBarrier::arrive_on_cp_async_noinc(full);
     __syncwarp();
     if (lane == 0) MBarrier::arrive(full);
+    return ok;
 }
 
-// ---------------------------------------------------------------------------------------------------------------
-// Phase: dequantise (the 256 consumer threads). Thread u converts the NoPE columns of row 8 (u / 32) + (u % 32) / 4,
-// quarter q = u % 4 of every 64-column slab (16 codes -> bf16 chunks 2 q, 2 q + 1), and moves the bf16 RoPE chunks
-// 2 (u % 4), + 1 of the same row. A missing row becomes zeros (its raw bytes were never copied).
+// A copy lane's share of one tile's raw rows (row 8 w + l % 8, quarter l / 8: RawSplit), zeros for a missing row.
+template <int kDqk>
+struct RawShare {
+    uint4 nope[RawSplit<kDqk>::kNopeQuarter];
+    uint4 rope[RawSplit<kDqk>::kRopeQuarter];
+    uint4 scales;  // the quarter's own: V3.2 one f32 in x; MODEL1 two e8m0 bytes in x (slab_scale of j / 4)
+};
 
+// Reads the lane's share out of the raw slot (`ok`: its row was copied; otherwise zeros, which convert to zeros).
 template <int kDqk, int kN>
-__device__ __forceinline__ void narrow_dequant_nope(NarrowPlan<kDqk, kN>& sm, int slot, int u) {
+__device__ __forceinline__ RawShare<kDqk> narrow_read_share(const NarrowPlan<kDqk, kN>& sm, int warp, int lane,
+                                                            bool ok) {
     using Plan = NarrowPlan<kDqk, kN>;
+    using S = RawSplit<kDqk>;
+    using F = Fp8Format<kDqk>;
+    const int row = kCopyRowsPerWarp * warp + lane % 8;
+    const int q = lane / 8;
+    const uint32_t src = smem_addr(sm.raw) + row * Plan::kSlotRowBytes;
+    RawShare<kDqk> v;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int j = 0; j < S::kNopeQuarter; ++j) {
+        v.nope[j] = ok && j < S::nope_count(q) ? ld_shared_v4(src + 16 * (S::kNopeQuarter * q + j)) : zero;
+    }
+#pragma unroll
+    for (int j = 0; j < S::kRopeQuarter; ++j) {
+        v.rope[j] = ok ? ld_shared_v4(src + Plan::kRopeOff + 16 * (S::kRopeQuarter * q + j)) : zero;
+    }
+    v.scales = zero;
+    if (ok) {
+        if constexpr (Plan::kScalesApart) {  // bytes 2 q, 2 q + 1 of the record: slabs 2 q, 2 q + 1
+            const uint32_t w =
+                ld_shared_u32(smem_addr(sm.raw) + Plan::kScaleAreaOff + row * F::kScaleRecordBytes + 4 * (q / 2));
+            v.scales.x = (w >> (16 * (q % 2))) & 0xFFFFu;
+        } else {  // f32 q: 128 columns
+            v.scales.x = ld_shared_u32(src + Plan::kScaleOff + 4 * q);
+        }
+    }
+    return v;
+}
+
+// Four e4m3 codes -> two bf16x2 words of code * scale, bit-exact with dequant4 for codes that are not NaN, with
+// integer and f32 multiply instructions only (dequant4's e4m3 -> f16 -> f32 conversions run on a quarter-rate
+// pipe): code k's sign and 7 magnitude bits placed at f32 bits 31 and 26..20 read as the code's value times
+// 2^-120 (its subnormals as f32 subnormals), so one unflushed multiply by 2^120 gives the code exactly.
+__device__ __forceinline__ float e4m3_byte_to_f32(uint32_t w, uint32_t sel) {
+    uint32_t x;
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(x) : "r"(w), "r"(sel));  // the byte on top, zeros below
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(x) >> 4) & 0x87F00000u;
+    float v;
+    asm("mul.rn.f32 %0, %1, 0f7B800000;" : "=f"(v) : "f"(__uint_as_float(bits)));  // * 2^120, subnormals kept
+    return v;
+}
+__device__ __forceinline__ uint2 dequant4_int(uint32_t codes, float scale) {
+    const float a0 = e4m3_byte_to_f32(codes, 0x0444u), a1 = e4m3_byte_to_f32(codes, 0x1444u);
+    const float b0 = e4m3_byte_to_f32(codes, 0x2444u), b1 = e4m3_byte_to_f32(codes, 0x3444u);
+    return make_uint2(pack_bf16x2(a0 * scale, a1 * scale), pack_bf16x2(b0 * scale, b1 * scale));
+}
+// Whether any of the four codes is NaN (magnitude bits 0x7F).
+__device__ __forceinline__ uint32_t e4m3x4_nan_bits(uint32_t w) {
+    return ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+}
+
+// Converts the lane's share into `stage` (the 64-row stage layout): NoPE unit u (16 codes of slab u / 4, quarter
+// u % 4) -> bf16 chunks 2 (u % 4), + 1 of its slab; RoPE unit v -> chunk v of the RoPE slab (swizzled by the row).
+template <int kDqk>
+__device__ __forceinline__ void narrow_convert_share(const RawShare<kDqk>& v, uint32_t stage, int warp, int lane) {
     using C = Config<kDqk>;
+    using S = RawSplit<kDqk>;
     using F = Fp8Format<kDqk>;
     constexpr int kNopeSlabs = F::kDNope / kSw128ColsBf16;  // 8 (V3.2) or 7 (MODEL1)
-    const int row = 8 * (u / 32) + (u % 32) / 4;
-    const int q = u % 4;
-    const uint32_t stage = smem_addr(sm.kv) + row * kSw128RowBytes;
+    const int row = kCopyRowsPerWarp * warp + lane % 8;
+    const int qt = lane / 8;
+    const uint32_t base = stage + row * kSw128RowBytes;
     const uint32_t swz = static_cast<uint32_t>(row % kSw128AtomRows);
-    const uint32_t src = smem_addr(sm.raw[slot]) + row * Plan::kRowBytes + 16 * q;  // NoPE bytes first
-    if (sm.valid[slot][row] == 0) {
 #pragma unroll
-        for (int s = 0; s < kNopeSlabs; ++s) {
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                st_shared_v4(stage + s * C::kSlabBytes + (((2 * q + j) ^ swz) << 4), make_uint4(0u, 0u, 0u, 0u));
-            }
+    for (int j = 0; j < S::kNopeQuarter; ++j) {
+        if (j < S::nope_count(qt)) {
+            const int u = S::kNopeQuarter * qt + j;
+            const int s = u / 4, q = u % 4;
+            const float scale = slab_scale<kDqk>(v.scales, j / 4);  // the quarter's slab j / 4
+#ifdef FLASHMLA_NARROW_INT_DEQUANT
+            const uint2 a = dequant4_int(v.nope[j].x, scale), b = dequant4_int(v.nope[j].y, scale);
+            const uint2 c = dequant4_int(v.nope[j].z, scale), d = dequant4_int(v.nope[j].w, scale);
+#else
+            const uint2 a = dequant4(v.nope[j].x, scale), b = dequant4(v.nope[j].y, scale);
+            const uint2 c = dequant4(v.nope[j].z, scale), d = dequant4(v.nope[j].w, scale);
+#endif
+            const uint32_t slab = base + s * C::kSlabBytes;
+            st_shared_v4(slab + (((2 * q) ^ swz) << 4), make_uint4(a.x, a.y, b.x, b.y));
+            st_shared_v4(slab + (((2 * q + 1) ^ swz) << 4), make_uint4(c.x, c.y, d.x, d.y));
         }
-        return;
     }
-    uint4 scales;
-    if constexpr (Plan::kScalesApart) {
-        const float2 v = ld_shared_v2_f32(smem_addr(sm.raw[slot]) + Plan::kScaleAreaOff + row * F::kScaleRecordBytes);
-        scales = make_uint4(__float_as_uint(v.x), __float_as_uint(v.y), 0u, 0u);
-    } else {
-        scales = ld_shared_v4(smem_addr(sm.raw[slot]) + row * Plan::kRowBytes + Plan::kScaleOff);
-    }
-    uint4 raw = ld_shared_v4(src);
 #pragma unroll
-    for (int s = 0; s < kNopeSlabs; ++s) {
-        uint4 next = raw;
-        if (s + 1 < kNopeSlabs) next = ld_shared_v4(src + 64 * (s + 1));
-        const float scale = slab_scale<kDqk>(scales, s);
-        const uint2 a = dequant4(raw.x, scale), b = dequant4(raw.y, scale);
-        const uint2 c = dequant4(raw.z, scale), d = dequant4(raw.w, scale);
-        const uint32_t slab = stage + s * C::kSlabBytes;
-        st_shared_v4(slab + (((2 * q) ^ swz) << 4), make_uint4(a.x, a.y, b.x, b.y));
-        st_shared_v4(slab + (((2 * q + 1) ^ swz) << 4), make_uint4(c.x, c.y, d.x, d.y));
-        raw = next;
+    for (int j = 0; j < S::kRopeQuarter; ++j) {
+        const uint32_t chunk = static_cast<uint32_t>(S::kRopeQuarter * qt + j);
+        st_shared_v4(base + kNopeSlabs * C::kSlabBytes + ((chunk ^ swz) << 4), v.rope[j]);
     }
-}
-
-template <int kDqk, int kN>
-__device__ __forceinline__ void narrow_move_rope(NarrowPlan<kDqk, kN>& sm, int slot, int u) {
-    using Plan = NarrowPlan<kDqk, kN>;
-    using C = Config<kDqk>;
-    using F = Fp8Format<kDqk>;
-    const int row = 8 * (u / 32) + (u % 32) / 4;
-    const int q = u % 4;
-    const bool ok = sm.valid[slot][row] != 0;
-    const uint32_t src = smem_addr(sm.raw[slot]) + row * Plan::kRowBytes + Plan::kRopeOff + 32 * q;
-    const uint32_t dst = smem_addr(sm.kv) + (F::kDNope / kSw128ColsBf16) * C::kSlabBytes + row * kSw128RowBytes;
-    const uint32_t swz = static_cast<uint32_t>(row % kSw128AtomRows);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        const uint4 v = ok ? ld_shared_v4(src + 16 * j) : make_uint4(0u, 0u, 0u, 0u);
-        st_shared_v4(dst + (((2 * q + j) ^ swz) << 4), v);
-    }
-}
-
-// Every consumer thread: waits for tile `pos`'s raw rows, dequantises its part into the stage, releases the slot
-// (one arrival per warp) and fences its stores for wgmma. The caller then meets the other consumers (NarrowReady).
-template <int kDqk, int kN>
-__device__ __forceinline__ void narrow_dequant_tile(NarrowPlan<kDqk, kN>& sm,
-                                                    const SlotPos<NarrowPlan<kDqk, kN>::kSlots>& pos, int u) {
-    MBarrier::wait(&sm.raw_full[pos.slot], pos.parity);
-    narrow_dequant_nope<kDqk, kN>(sm, pos.slot, u);
-    narrow_move_rope<kDqk, kN>(sm, pos.slot, u);
-    __syncwarp();
-    if (u % 32 == 0) MBarrier::arrive(&sm.raw_empty[pos.slot]);
-    fence_proxy_async_shared();
 }
 
 // Both consumers: the chunk's Q rows into the Q tile (zeros past the tile's rows), thread u moving 16-byte chunks u,
@@ -275,10 +337,10 @@ __device__ __forceinline__ void narrow_load_q(const DecodeParams& p, NarrowPlan<
 
 // S^T = K Q^T of the stage's tile (every d_qk column), waited for.
 template <int kDqk, int kN>
-__device__ __forceinline__ void narrow_qk(const NarrowPlan<kDqk, kN>& sm, float (&s)[kN / 2]) {
+__device__ __forceinline__ void narrow_qk(const NarrowPlan<kDqk, kN>& sm, uint32_t stage_addr, float (&s)[kN / 2]) {
     using C = Config<kDqk>;
     using Plan = NarrowPlan<kDqk, kN>;
-    const uint64_t desc_k = make_wgmma_desc_sw128(smem_addr(sm.kv), kUnusedLbo, kSw128AtomBytes);
+    const uint64_t desc_k = make_wgmma_desc_sw128(stage_addr, kUnusedLbo, kSw128AtomBytes);
     const uint64_t desc_q = make_wgmma_desc_sw128(smem_addr(sm.q), kUnusedLbo, kSw128AtomBytes);
     wgmma_fence();
 #pragma unroll
@@ -392,42 +454,79 @@ __device__ __forceinline__ void narrow_store_out(const DecodeParams& p, const Ro
 // ---------------------------------------------------------------------------------------------------------------
 // Roles.
 
-// Warpgroup 0: the copy warps. Warp w copies rows 16 w .. 16 w + 15 of every tile of the CTA's chunks into the raw
-// slots, up to kSlots tiles ahead of the consumers: it waits for a slot's release (raw_empty) and issues the tile's
-// copies, with the raw index of its row loaded a tile ahead. Nothing else paces it: a warp issues its bulk copies one
-// lane after another (~15 GB/s per warp), so one copy warp between the consumers' barriers held up every tile.
+// Warpgroups 0 and 3: the copy warps. Per tile T of the CTA's chunks, warp w: reads its rows of tile T - 1 out of the raw
+// slot into registers, issues tile T's copies into the same rows (the index of its row loaded a tile ahead), then
+// waits for a free stage and converts tile T - 1 into it while tile T's rows travel; after the last tile, the last
+// conversion. A warp issues its bulk copies one lane after another (~15 GB/s per warp), so each warp copies only its
+// own 8 rows and meets the others only through the stage's kv_full. `warp`: 0..7 over both warpgroups.
 template <int kDqk, int kN>
-__device__ __forceinline__ void narrow_copier(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Schedule& sched) {
+__device__ __forceinline__ void narrow_copier(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Schedule& sched,
+                                              int warp) {
     using Plan = NarrowPlan<kDqk, kN>;
-    using Slot = SlotPos<Plan::kSlots>;
-    const int warp = static_cast<int>(threadIdx.x) / 32;
+    using Stage = StagePos<Plan::kStages>;
     const int lane = static_cast<int>(threadIdx.x) % 32;
     const int row = kCopyRowsPerWarp * warp + lane;
     const bool mine = lane < kCopyRowsPerWarp;
-    int tile = 0;
+    int tile = 0;          // tiles whose copies were issued
+    bool prev_ok = false;  // whether the lane's conversion row of tile - 1 was copied
+    // Tile `tile - 1` out of the slot: its share into registers, ordered before the slot's next bulk writes.
+    const auto read_prev = [&]() {
+        MBarrier::wait(&sm.raw_full[warp], static_cast<uint32_t>((tile - 1) & 1));
+        const RawShare<kDqk> v = narrow_read_share<kDqk, kN>(sm, warp, lane, prev_ok);
+        fence_proxy_async_shared();
+        __syncwarp();
+        return v;
+    };
+    // ... converted into its stage once the consumers released it, and published.
+    const auto publish_prev = [&](const RawShare<kDqk>& v) {
+        const Stage pos = Stage::of(tile - 1);
+        MBarrier::wait(&sm.kv_empty[pos.stage], pos.parity ^ 1u);
+#ifndef FLASHMLA_NARROW_DIAG_NO_CONVERT
+        narrow_convert_share<kDqk>(v, smem_addr(sm.kv[pos.stage]), warp, lane);
+#else
+        (void)v;
+#endif
+        fence_proxy_async_shared();
+        __syncwarp();
+        if (lane == 0) MBarrier::arrive(&sm.kv_full[pos.stage]);
+    };
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
         for_each_chunk(p, sched, part, [&](const Chunk& c) {
             int idx = mine && c.tile0 < c.tile1 ? sparse_index(p, c, c.tile0 * kKeysPerTile + row) : -1;
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
-                const Slot pos = Slot::of(tile);
+                RawShare<kDqk> v;
+                if (tile > 0) v = read_prev();
+                // Loaded after the fence above, whose MEMBAR would wait for it.
                 const int next = mine && k + 1 < c.tile1 ? sparse_index(p, c, (k + 1) * kKeysPerTile + row) : -1;
-                MBarrier::wait(&sm.raw_empty[pos.slot], pos.parity ^ 1u);
-                narrow_copy_rows<kDqk, kN>(p, sm, c, k, pos.slot, idx, warp, lane);
+                const bool ok = narrow_copy_rows<kDqk, kN>(p, sm, c, k, idx, warp, lane);
+#ifdef FLASHMLA_NARROW_DIAG_PREFETCH
+                if (next >= 0) {
+                    const Fp8Row r = sparse_row(p, c, (k + 1) * kKeysPerTile + row, next);
+                    if (r.block != nullptr) {
+                        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(
+                                         r.block + Fp8Format<kDqk>::nope_offset(r.t)),
+                                     "r"(static_cast<uint32_t>(Plan::kRowBytes))
+                                     : "memory");
+                    }
+                }
+#endif
+                if (tile > 0) publish_prev(v);
+                prev_ok = __shfl_sync(kFullMask, ok, lane % 8);
                 idx = next;
             }
         });
     }
+    if (tile > 0) publish_prev(read_prev());
 }
 
-// Score warpgroup (WG 1). Per chunk, its half of the Q rows. Per tile i: dequantise its half of the rows ->
-// NarrowReady -> S^T(i) -> mask keys -> column max (warp shuffles, then the four warps through shared memory) ->
-// online softmax per column -> alpha(i), P^T(i) -> Handoff -> PV(i) on value columns 0..255 -> NarrowFree. Per
-// chunk, the epilogue.
+// Score warpgroup (WG 1). Per chunk, its half of the Q rows. Per tile i: kv_full -> S^T(i) -> mask keys -> column
+// max (warp shuffles, then the four warps through shared memory) -> online softmax per column -> alpha(i), P^T(i)
+// into the stage's slots -> Handoff -> PV(i) on value columns 0..255 -> kv_empty. Per chunk, the epilogue.
 template <int kDqk, int kN>
 __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Schedule& sched) {
     using Plan = NarrowPlan<kDqk, kN>;
     using Nw = Narrow<kN>;
-    using Slot = SlotPos<Plan::kSlots>;
+    using Stage = StagePos<Plan::kStages>;
     constexpr int kCols = Nw::kCols;
     const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Score);
     const int lane = t % 32;
@@ -437,8 +536,6 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
     const RowTile rt = RowTile::of(p);
     const bool bulk_out = (p.flags & kFlagOutBulk) != 0;
     const uint32_t q_addr = smem_addr(sm.q);
-    const uint32_t stage_addr = smem_addr(sm.kv);
-    const uint32_t p_addr = smem_addr(sm.p);
     // The thread's keys in the tile mask: warps 0-1 in .lo, 2-3 in .hi.
     const int key_bit = f.row0 - 32 * (warp / 2);
 
@@ -467,11 +564,13 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
                 if (n_tiles > 1) keys_next = TileKeys<true>::load(p, c, c.tile0 + 1, lane);
             }
             for (int i = 0; i < n_tiles; ++i, ++tile) {
-                narrow_dequant_tile<kDqk, kN>(sm, Slot::of(tile), t);
-                named_barrier_sync_unaligned(Bar::NarrowReady, kConsumerThreads);
+                const Stage pos = Stage::of(tile);
+                const uint32_t stage_addr = smem_addr(sm.kv[pos.stage]);
+                const uint32_t p_addr = smem_addr(sm.p[pos.stage]);
+                MBarrier::wait(&sm.kv_full[pos.stage], pos.parity);
 
                 float s[Nw::kSRegs];
-                narrow_qk<kDqk, kN>(sm, s);
+                narrow_qk<kDqk, kN>(sm, stage_addr, s);
 
                 // Keys that are missing (bad index, past the request) score -inf (a select: no NaN from an inf).
                 const uint32_t bits = warp < 2 ? mask.lo : mask.hi;
@@ -523,7 +622,7 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
                 red_buf ^= 1;
                 if (t < 4) {
 #pragma unroll
-                    for (int ci = 0; ci < kCols; ++ci) sm.row_scale[Nw::col(ci, f.quad)] = alpha[ci];
+                    for (int ci = 0; ci < kCols; ++ci) sm.row_scale[pos.stage][Nw::col(ci, f.quad)] = alpha[ci];
                 }
                 if (i + 1 < n_tiles) {
                     mask = keys_next.mask(p, c, c.tile0 + i + 1, lane);
@@ -532,7 +631,7 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
                 fence_proxy_async_shared();
                 named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
                 narrow_pv<kDqk, kN>(o, stage_addr, p_addr, 0);
-                named_barrier_sync_unaligned(Bar::NarrowFree, kConsumerThreads);
+                release_by_warp(&sm.kv_empty[pos.stage], lane);
             }
 
             // Column sums: the lanes of a column, then the four warps in order.
@@ -572,20 +671,19 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
     }
 }
 
-// Value warpgroup (WG 2). Per chunk, its half of the Q rows. Per tile i: dequantise its half of the rows ->
-// NarrowReady -> Handoff -> rescale O^T by alpha(i) -> O^T (value columns 256..511) += V^T P^T(i) -> NarrowFree. Per
-// chunk, the epilogue.
+// Value warpgroup (WG 2). Per chunk, its half of the Q rows. Per tile i: Handoff -> rescale O^T by alpha(i) -> O^T
+// (value columns 256..511) += V^T P^T(i) -> kv_empty. Per chunk, the epilogue.
 template <int kDqk, int kN>
 __device__ __forceinline__ void narrow_value(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Schedule& sched) {
     using Plan = NarrowPlan<kDqk, kN>;
     using Nw = Narrow<kN>;
-    using Slot = SlotPos<Plan::kSlots>;
+    using Stage = StagePos<Plan::kStages>;
     constexpr int kCols = Nw::kCols;
     const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Value);
+    const int lane = t % 32;
     const AccFrag f = AccFrag::of_thread(t);
     const RowTile rt = RowTile::of(p);
     const bool bulk_out = (p.flags & kFlagOutBulk) != 0;
-    const uint32_t stage_addr = smem_addr(sm.kv);
     int tile = 0;
     int chunks = 0;
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
@@ -596,12 +694,14 @@ __device__ __forceinline__ void narrow_value(const DecodeParams& p, NarrowPlan<k
 #pragma unroll
             for (int mt = 0; mt < 4; ++mt) zero_regs(o[mt]);
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
-                narrow_dequant_tile<kDqk, kN>(sm, Slot::of(tile), kWarpgroupThreads + t);
-                named_barrier_sync_unaligned(Bar::NarrowReady, kConsumerThreads);
+                const Stage pos = Stage::of(tile);
                 named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
+                // Complete already (the score warpgroup waited for it before Handoff): makes the copy warps' stores
+                // visible to this warpgroup's wgmma as well.
+                MBarrier::wait(&sm.kv_full[pos.stage], pos.parity);
 #pragma unroll
                 for (int ci = 0; ci < kCols; ++ci) {
-                    const float a = sm.row_scale[Nw::col(ci, f.quad)];
+                    const float a = sm.row_scale[pos.stage][Nw::col(ci, f.quad)];
                     const int j = ci / 2, e = ci % 2;
 #pragma unroll
                     for (int mt = 0; mt < 4; ++mt) {
@@ -609,17 +709,18 @@ __device__ __forceinline__ void narrow_value(const DecodeParams& p, NarrowPlan<k
                         o[mt][4 * j + 2 + e] *= a;
                     }
                 }
-                narrow_pv<kDqk, kN>(o, stage_addr, smem_addr(sm.p), kSlabsPerHalf);
-                named_barrier_sync_unaligned(Bar::NarrowFree, kConsumerThreads);
+                narrow_pv<kDqk, kN>(o, smem_addr(sm.kv[pos.stage]), smem_addr(sm.p[pos.stage]), kSlabsPerHalf);
+                release_by_warp(&sm.kv_empty[pos.stage], lane);
             }
             named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
             float inv[kCols];
 #pragma unroll
             for (int ci = 0; ci < kCols; ++ci) inv[ci] = sm.row_inv[chunks % 2][Nw::col(ci, f.quad)];
             if (c.split) {
-                // The stage is free (NarrowFree) and is not rewritten before NarrowChunk.
-                narrow_stage_partial<kN>(p, rt, c, f, 1, t, Bar::NarrowValue, o, inv, stage_addr);
+                // The copy warps may be filling every stage with the next chunk's keys: this half takes the Q tile
+                // once the score warpgroup's half left it (the next chunk's Q waits for NarrowChunk).
                 named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
+                narrow_stage_partial<kN>(p, rt, c, f, 1, t, Bar::NarrowValue, o, inv, smem_addr(sm.q));
             } else if (bulk_out && c.tile1 > c.tile0) {
                 narrow_stage_final<kN>(f, 1, o, inv, smem_addr(sm.q));
                 named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
@@ -646,24 +747,26 @@ __device__ __forceinline__ void decode_narrow(const DecodeParams& p, uint8_t* sm
     }
     if (threadIdx.x == 0) {
 #pragma unroll
-        for (int s = 0; s < Plan::kSlots; ++s) {
-            MBarrier::init(&sm.raw_full[s], kCopyWarps * (32 + 1));
-            MBarrier::init(&sm.raw_empty[s], kConsumerWarps);
+        for (int w = 0; w < kCopyWarps; ++w) MBarrier::init(&sm.raw_full[w], 32 + 1);
+#pragma unroll
+        for (int s = 0; s < Plan::kStages; ++s) {
+            MBarrier::init(&sm.kv_full[s], kCopyWarps);
+            MBarrier::init(&sm.kv_empty[s], kConsumerWarps);
         }
     }
     __syncthreads();
 
     const Schedule sched = Schedule::load(p, sched_line);
-    const Role role = static_cast<Role>(threadIdx.x / kWarpgroupThreads);
-    if (role == Role::Producer) {
-        setmaxnreg_dec<kNarrowCopierRegs>();
-        narrow_copier<kDqk, kN>(p, sm, sched);
-    } else if (role == Role::Score) {
-        setmaxnreg_inc<kNarrowConsumerRegs>();
+    const int wg = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
+    if (wg == 0 || wg == 3) {
+        setmaxnreg_dec<kNarrowCopierRegs<kN>>();
+        narrow_copier<kDqk, kN>(p, sm, sched, (wg == 0 ? 0 : kWarpsPerWarpgroup) + static_cast<int>(threadIdx.x) / 32 % 4);
+    } else if (wg == static_cast<int>(Role::Score)) {
+        setmaxnreg_inc<kNarrowConsumerRegs<kN>>();
         narrow_score<kDqk, kN>(p, sm, sched);
         bulk_wait_all();  // the partials' bulk stores are performed before the CTA ends
     } else {
-        setmaxnreg_inc<kNarrowConsumerRegs>();
+        setmaxnreg_inc<kNarrowConsumerRegs<kN>>();
         narrow_value<kDqk, kN>(p, sm, sched);
         bulk_wait_all();
     }

@@ -5,7 +5,7 @@
 //! 1. `decode_schedule` (one CTA) computes the split-KV schedule from `cache_seqlens` into the workspace; for at
 //!    most [`INLINE_SCHEDULE_MAX_BATCH`] requests it is not launched and every split CTA derives the schedule
 //!    ([`FLAG_INLINE_SCHEDULE`]), so a small step costs the host two launches;
-//! 2. `decode_split_*` (grid `head_tiles x grid_parts`, 384 threads) attends each query-row tile to the key
+//! 2. `decode_split_*` (grid `head_tiles x grid_parts`, 384 threads; the narrow sparse kernels 512) attends each query-row tile to the key
 //!    chunks of its parts, writing unsplit requests in final form and split ones as f32 partials;
 //! 3. `decode_combine_*` (grid `batch x head_tiles x 8`) merges the partials of split requests.
 //!
@@ -47,6 +47,8 @@ pub const ROWS_PER_CTA: usize = 64;
 pub const KEYS_PER_TILE: usize = 64;
 /// Threads of a split-kernel CTA (`kThreads`): a producer and two consumer warpgroups.
 pub const THREADS_PER_CTA: u32 = 384;
+/// Threads of a narrow sparse kernel's CTA (`kNarrowThreads`): two copy and two consumer warpgroups.
+pub const THREADS_PER_CTA_NARROW: u32 = 512;
 /// Threads of the schedule kernel's single CTA (`kScheduleThreads`).
 pub const SCHEDULE_THREADS: u32 = 1024;
 /// Threads of a combine CTA (`kCombineThreads`).
@@ -260,10 +262,10 @@ pub mod kernels {
     pub const SPLIT_FP8_MODEL1_PAIR: &str = "decode_split_fp8_model1_pair";
     /// Sparse split kernel for requests of at most 16 query rows, V3.2 cache (16-byte aligned): the narrow kernel
     /// (`S^T = K Q^T` with the query rows as the MMA's N, so a tile costs the MMAs of 16 rows, not 64; raw cache
-    /// rows streamed by bulk copies and dequantised by the consumers; [`super::SMEM_BYTES_NARROW`]).
+    /// rows streamed by bulk copies and dequantised by the copy warps into two bf16 stages;
+    /// [`super::SMEM_BYTES_NARROW`], [`super::THREADS_PER_CTA_NARROW`]). (V3.2 requests of 17..32 rows run the
+    /// 64-row kernel: 32 rows of Q leave room for one bf16 stage only.)
     pub const SPLIT_FP8_V32_N16: &str = "decode_split_fp8_v32_n16";
-    /// The same for up to 32 query rows.
-    pub const SPLIT_FP8_V32_N32: &str = "decode_split_fp8_v32_n32";
     /// Narrow kernel, MODEL1 cache, up to 16 query rows.
     pub const SPLIT_FP8_MODEL1_N16: &str = "decode_split_fp8_model1_n16";
     /// Narrow kernel, MODEL1 cache, up to 32 query rows.
@@ -296,7 +298,6 @@ pub mod kernels {
         SPLIT_FP8_V32_PAIR,
         SPLIT_FP8_MODEL1_PAIR,
         SPLIT_FP8_V32_N16,
-        SPLIT_FP8_V32_N32,
         SPLIT_FP8_MODEL1_N16,
         SPLIT_FP8_MODEL1_N32,
         COMBINE_BF16,
@@ -698,6 +699,7 @@ pub fn lower(
         params,
         geometry,
         split_kernel,
+        THREADS_PER_CTA,
         smem,
         combine_kernel_for(dims.dtype),
     ))
@@ -710,13 +712,14 @@ impl DecodePlan {
         mut params: DecodeParams,
         geometry: ScheduleGeometry,
         split_kernel: &'static str,
+        threads: u32,
         smem: u32,
         combine_kernel: &'static str,
     ) -> Self {
         let schedule = LaunchConfig::linear(1, SCHEDULE_THREADS);
         let split = LaunchConfig {
             grid: (geometry.head_tiles as u32, geometry.grid_parts as u32, 1),
-            block: (THREADS_PER_CTA, 1, 1),
+            block: (threads, 1, 1),
             shared_mem_bytes: smem,
             // The two row tiles of a 128-row problem read the same keys: co-scheduled as a cluster, the second
             // gather of a key finds it in L2.
@@ -777,9 +780,9 @@ fn opt_ptr(t: Option<&DeviceView>) -> u64 {
     t.map_or(0, DeviceView::ptr)
 }
 
-/// Query rows per request up to which the sparse decode takes the narrow kernels (`*_n16`, `*_n32`).
+/// Query rows per request up to which the sparse decode takes the narrow kernels (`*_n16`).
 pub const NARROW_ROWS_SMALL: usize = 16;
-/// See [`NARROW_ROWS_SMALL`].
+/// ... and, MODEL1 only, the `*_n32` kernel.
 pub const NARROW_ROWS: usize = 32;
 
 /// Lowers a validated sparse FP8 decode to its launches (workspace pointers left 0). Every query token is a
@@ -796,13 +799,13 @@ pub fn lower_sparse(
             kernels::SPLIT_FP8_V32,
             kernels::SPLIT_FP8_V32_PAIR,
             kernels::SPLIT_FP8_V32_N16,
-            kernels::SPLIT_FP8_V32_N32,
+            None,
         ),
         512 => (
             kernels::SPLIT_FP8_MODEL1,
             kernels::SPLIT_FP8_MODEL1_PAIR,
             kernels::SPLIT_FP8_MODEL1_N16,
-            kernels::SPLIT_FP8_MODEL1_N32,
+            Some(kernels::SPLIT_FP8_MODEL1_N32),
         ),
         d => {
             return Err(Error::unsupported(
@@ -864,13 +867,19 @@ pub fn lower_sparse(
     let shape = ScheduleShape::sparse(dims);
     let geometry = ScheduleGeometry::for_shape(&shape, options, sm_count)?;
     // Two row tiles run as a 2-CTA cluster (DecodePlan::new) whose producers each dequantise half of a tile's rows;
-    // requests of at most 16 / 32 query rows (every query token is a request of h_q rows) take the narrow kernels,
-    // whose bulk copies need 16-byte aligned rows (8-byte aligned caches take the 64-row tile).
-    let (split_kernel, smem) = match (geometry.head_tiles, dims.h_q, copy16) {
-        (2, _, _) => (split_kernels.1, smem),
-        (_, 0..=NARROW_ROWS_SMALL, true) => (split_kernels.2, SMEM_BYTES_NARROW),
-        (_, 0..=NARROW_ROWS, true) => (split_kernels.3, SMEM_BYTES_NARROW),
-        _ => (split_kernels.0, smem),
+    // requests of at most 16 (MODEL1: 32) query rows (every query token is a request of h_q rows) take the narrow
+    // kernels, whose bulk copies need 16-byte aligned rows (8-byte aligned caches take the 64-row tile).
+    let (split_kernel, threads, smem) = match (geometry.head_tiles, dims.h_q, copy16) {
+        (2, _, _) => (split_kernels.1, THREADS_PER_CTA, smem),
+        (_, 0..=NARROW_ROWS_SMALL, true) => {
+            (split_kernels.2, THREADS_PER_CTA_NARROW, SMEM_BYTES_NARROW)
+        }
+        (_, 0..=NARROW_ROWS, true) if split_kernels.3.is_some() => (
+            split_kernels.3.unwrap_or(split_kernels.0),
+            THREADS_PER_CTA_NARROW,
+            SMEM_BYTES_NARROW,
+        ),
+        _ => (split_kernels.0, THREADS_PER_CTA, smem),
     };
     let opt_stride =
         |arg: &str, t: Option<&DeviceView>| t.map_or(Ok(0), |t| stride_param(arg, t, 0));
@@ -952,6 +961,7 @@ pub fn lower_sparse(
         params,
         geometry,
         split_kernel,
+        threads,
         smem,
         kernels::COMBINE_BF16,
     ))
@@ -1406,23 +1416,40 @@ mod tests {
         assert_eq!(plan.launches[0].0, kernels::SCHEDULE);
         assert_eq!(plan.launches[1].0, kernels::SPLIT_FP8_MODEL1_N16);
         assert_eq!(plan.launches[1].1.grid, (1, 132, 1));
-        // Up to 16 / 32 query rows the narrow kernels, beyond them the 64-row tile.
-        for (h_q, kernel) in [
-            (1, kernels::SPLIT_FP8_V32_N16),
-            (16, kernels::SPLIT_FP8_V32_N16),
-            (17, kernels::SPLIT_FP8_V32_N32),
-            (32, kernels::SPLIT_FP8_V32_N32),
-            (33, kernels::SPLIT_FP8_V32),
-            (64, kernels::SPLIT_FP8_V32),
+        // Up to 16 query rows (MODEL1: 32) the narrow kernels (512 threads), beyond them the 64-row tile.
+        for (d_qk, h_q, kernel) in [
+            (576, 1, kernels::SPLIT_FP8_V32_N16),
+            (576, 16, kernels::SPLIT_FP8_V32_N16),
+            (576, 17, kernels::SPLIT_FP8_V32),
+            (576, 32, kernels::SPLIT_FP8_V32),
+            (576, 64, kernels::SPLIT_FP8_V32),
+            (512, 16, kernels::SPLIT_FP8_MODEL1_N16),
+            (512, 17, kernels::SPLIT_FP8_MODEL1_N32),
+            (512, 32, kernels::SPLIT_FP8_MODEL1_N32),
+            (512, 33, kernels::SPLIT_FP8_MODEL1),
         ] {
-            let plan = lower_sparse_case((2, 1, h_q), 576, (8, 64, 64 * 656), 64).unwrap();
-            assert_eq!(plan.launches[0].0, kernel, "h_q {h_q}");
-            let smem = if h_q <= NARROW_ROWS {
-                SMEM_BYTES_NARROW
+            let cache = if d_qk == 576 {
+                (8, 64, 64 * 656)
             } else {
-                SMEM_BYTES_D576
+                (8, 64, 64 * 584)
             };
-            assert_eq!(plan.launches[0].1.shared_mem_bytes, smem, "h_q {h_q}");
+            let plan = lower_sparse_case((2, 1, h_q), d_qk, cache, 64).unwrap();
+            assert_eq!(plan.launches[0].0, kernel, "d_qk {d_qk} h_q {h_q}");
+            let narrow = h_q <= NARROW_ROWS_SMALL || (d_qk == 512 && h_q <= NARROW_ROWS);
+            let (threads, smem) = match (narrow, d_qk) {
+                (true, _) => (THREADS_PER_CTA_NARROW, SMEM_BYTES_NARROW),
+                (false, 576) => (THREADS_PER_CTA, SMEM_BYTES_D576),
+                _ => (THREADS_PER_CTA, SMEM_BYTES_D512),
+            };
+            assert_eq!(
+                plan.launches[0].1.shared_mem_bytes, smem,
+                "d_qk {d_qk} h_q {h_q}"
+            );
+            assert_eq!(
+                plan.launches[0].1.block,
+                (threads, 1, 1),
+                "d_qk {d_qk} h_q {h_q}"
+            );
         }
     }
 
