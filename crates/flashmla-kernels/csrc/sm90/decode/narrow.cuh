@@ -135,9 +135,9 @@ static_assert(NarrowPlan<576, 16>::kStages == 2 && NarrowPlan<512, 16>::kStages 
 // S^T and the Q rows in flight.
 // (kN = 32: O^T takes 64 registers, and its consumers need 160.)
 template <int kN>
-inline constexpr uint32_t kNarrowCopierRegs = kN == 16 ? 120 : 96;
+inline constexpr uint32_t kNarrowCopierRegs = kN == 16 ? 104 : 96;
 template <int kN>
-inline constexpr uint32_t kNarrowConsumerRegs = kN == 16 ? 136 : 160;
+inline constexpr uint32_t kNarrowConsumerRegs = kN == 16 ? 152 : 160;
 static_assert(2 * kNarrowCopierRegs<16> + 2 * kNarrowConsumerRegs<16> <= 4 * kNarrowRegsAtLaunch &&
                   2 * kNarrowCopierRegs<32> + 2 * kNarrowConsumerRegs<32> <= 4 * kNarrowRegsAtLaunch,
               "setmaxnreg pool");
@@ -171,17 +171,9 @@ __device__ __forceinline__ bool narrow_copy_rows(const DecodeParams& p, NarrowPl
     const Fp8Row r = mine ? sparse_row(p, c, k * kKeysPerTile + row, idx) : Fp8Row{nullptr, 0, 1};
     const bool ok = r.block != nullptr;
     const int valid_rows = __popc(__ballot_sync(kFullMask, ok));
-#ifdef FLASHMLA_NARROW_DIAG_NO_COPY
-    if (lane == 0) MBarrier::expect_tx(full, 0u * static_cast<uint32_t>(valid_rows));
-#else
     if (lane == 0) MBarrier::expect_tx(full, static_cast<uint32_t>(valid_rows * Plan::kRowBytes));
-#endif
     __syncwarp();
-#ifdef FLASHMLA_NARROW_DIAG_NO_COPY
-    if (false) {
-#else
     if (ok) {
-#endif
         bulk_load_g2s(slot + row * Plan::kSlotRowBytes, r.block + F::nope_offset(r.t), Plan::kRowBytes,
                       smem_addr(full));
         if constexpr (Plan::kScalesApart) {
@@ -236,28 +228,6 @@ __device__ __forceinline__ RawShare<kDqk> narrow_read_share(const NarrowPlan<kDq
     return v;
 }
 
-// Four e4m3 codes -> two bf16x2 words of code * scale, bit-exact with dequant4 for codes that are not NaN, with
-// integer and f32 multiply instructions only (dequant4's e4m3 -> f16 -> f32 conversions run on a quarter-rate
-// pipe): code k's sign and 7 magnitude bits placed at f32 bits 31 and 26..20 read as the code's value times
-// 2^-120 (its subnormals as f32 subnormals), so one unflushed multiply by 2^120 gives the code exactly.
-__device__ __forceinline__ float e4m3_byte_to_f32(uint32_t w, uint32_t sel) {
-    uint32_t x;
-    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(x) : "r"(w), "r"(sel));  // the byte on top, zeros below
-    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(x) >> 4) & 0x87F00000u;
-    float v;
-    asm("mul.rn.f32 %0, %1, 0f7B800000;" : "=f"(v) : "f"(__uint_as_float(bits)));  // * 2^120, subnormals kept
-    return v;
-}
-__device__ __forceinline__ uint2 dequant4_int(uint32_t codes, float scale) {
-    const float a0 = e4m3_byte_to_f32(codes, 0x0444u), a1 = e4m3_byte_to_f32(codes, 0x1444u);
-    const float b0 = e4m3_byte_to_f32(codes, 0x2444u), b1 = e4m3_byte_to_f32(codes, 0x3444u);
-    return make_uint2(pack_bf16x2(a0 * scale, a1 * scale), pack_bf16x2(b0 * scale, b1 * scale));
-}
-// Whether any of the four codes is NaN (magnitude bits 0x7F).
-__device__ __forceinline__ uint32_t e4m3x4_nan_bits(uint32_t w) {
-    return ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
-}
-
 // Converts the lane's share into `stage` (the 64-row stage layout): NoPE unit u (16 codes of slab u / 4, quarter
 // u % 4) -> bf16 chunks 2 (u % 4), + 1 of its slab; RoPE unit v -> chunk v of the RoPE slab (swizzled by the row).
 template <int kDqk>
@@ -276,13 +246,8 @@ __device__ __forceinline__ void narrow_convert_share(const RawShare<kDqk>& v, ui
             const int u = S::kNopeQuarter * qt + j;
             const int s = u / 4, q = u % 4;
             const float scale = slab_scale<kDqk>(v.scales, j / 4);  // the quarter's slab j / 4
-#ifdef FLASHMLA_NARROW_INT_DEQUANT
-            const uint2 a = dequant4_int(v.nope[j].x, scale), b = dequant4_int(v.nope[j].y, scale);
-            const uint2 c = dequant4_int(v.nope[j].z, scale), d = dequant4_int(v.nope[j].w, scale);
-#else
             const uint2 a = dequant4(v.nope[j].x, scale), b = dequant4(v.nope[j].y, scale);
             const uint2 c = dequant4(v.nope[j].z, scale), d = dequant4(v.nope[j].w, scale);
-#endif
             const uint32_t slab = base + s * C::kSlabBytes;
             st_shared_v4(slab + (((2 * q) ^ swz) << 4), make_uint4(a.x, a.y, b.x, b.y));
             st_shared_v4(slab + (((2 * q + 1) ^ swz) << 4), make_uint4(c.x, c.y, d.x, d.y));
@@ -481,11 +446,7 @@ __device__ __forceinline__ void narrow_copier(const DecodeParams& p, NarrowPlan<
     const auto publish_prev = [&](const RawShare<kDqk>& v) {
         const Stage pos = Stage::of(tile - 1);
         MBarrier::wait(&sm.kv_empty[pos.stage], pos.parity ^ 1u);
-#ifndef FLASHMLA_NARROW_DIAG_NO_CONVERT
         narrow_convert_share<kDqk>(v, smem_addr(sm.kv[pos.stage]), warp, lane);
-#else
-        (void)v;
-#endif
         fence_proxy_async_shared();
         __syncwarp();
         if (lane == 0) MBarrier::arrive(&sm.kv_full[pos.stage]);
@@ -499,17 +460,6 @@ __device__ __forceinline__ void narrow_copier(const DecodeParams& p, NarrowPlan<
                 // Loaded after the fence above, whose MEMBAR would wait for it.
                 const int next = mine && k + 1 < c.tile1 ? sparse_index(p, c, (k + 1) * kKeysPerTile + row) : -1;
                 const bool ok = narrow_copy_rows<kDqk, kN>(p, sm, c, k, idx, warp, lane);
-#ifdef FLASHMLA_NARROW_DIAG_PREFETCH
-                if (next >= 0) {
-                    const Fp8Row r = sparse_row(p, c, (k + 1) * kKeysPerTile + row, next);
-                    if (r.block != nullptr) {
-                        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(
-                                         r.block + Fp8Format<kDqk>::nope_offset(r.t)),
-                                     "r"(static_cast<uint32_t>(Plan::kRowBytes))
-                                     : "memory");
-                    }
-                }
-#endif
                 if (tile > 0) publish_prev(v);
                 prev_ok = __shfl_sync(kFullMask, ok, lane % 8);
                 idx = next;
