@@ -41,7 +41,7 @@ FLASHMLA_DECODE_SPLIT(decode_split_fp8_v32, Bf16, 576, true, false, false)
 FLASHMLA_DECODE_SPLIT(decode_split_fp8_model1, Bf16, 512, true, false, false)
 FLASHMLA_DECODE_SPLIT(decode_split_fp8_v32_pair, Bf16, 576, true, true, false)
 FLASHMLA_DECODE_SPLIT(decode_split_fp8_model1_pair, Bf16, 512, true, true, false)
-// Requests of at most 16 query rows (MODEL1: 32; h_q 16, 32) over 16-byte aligned caches: the narrow decode (narrow.cuh:
+// Requests of at most 16 query rows (MODEL1: 32) over 16-byte aligned caches: the narrow decode (narrow.cuh:
 // S^T = K Q^T with the query rows as N, raw rows streamed by bulk copies), block (kNarrowThreads = 512), dynamic
 // shared memory kNarrowSmemBytes<d_qk, N> (launch.rs requests the 227 KB limit).
 #define FLASHMLA_DECODE_NARROW(NAME, DQK, N)                                                  \

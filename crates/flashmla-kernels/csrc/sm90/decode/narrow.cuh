@@ -7,14 +7,15 @@
 // 64-column M tiles of O^T = V^T P^T (V read MN-major from the stage as A).
 //
 // The keys move as raw bytes and are dequantised by the warps that copy them, so the consumers only compute:
-//   copy      warpgroup 0: four warps, warp w owning rows 16 w .. 16 w + 15 of every tile. Per tile it reads its rows
-//             of the one raw slot into registers, issues the next tile's bulk copies (cp.async.bulk, one per valid
-//             row, completing on the warp's own slot barrier; MODEL1's 8-byte scale records by cp.async) into the
-//             same rows, and, while those fly, converts the registers into a free bf16 stage and publishes it
+//   copy      warpgroups 0 and 3: eight warps, warp w owning rows 8 w .. 8 w + 7 of every tile. Per tile it reads
+//             its rows of the one raw slot into registers, issues the next tile's bulk copies (cp.async.bulk, one per
+//             valid row, completing on the warp's own slot barrier; MODEL1's 8-byte scale records by cp.async) into
+//             the same rows, and, while those fly, converts the registers into a free bf16 stage and publishes it
 //             (kv_full). Nothing but the slot and the stages' barriers paces it.
-//   consumers per tile (kv_full): the score warpgroup computes S^T and the softmax, both consumers their half of P V
-//             (Handoff), and each warp releases the stage (kv_empty). With two stages (every plan but V3.2 at
-//             kN = 32, whose Q rows leave room for one) a tile's conversion overlaps the previous tile's MMAs.
+//   consumers warpgroups 1 and 2, per tile (kv_full): the score warpgroup computes S^T and the softmax, both
+//             consumers their half of P V (Handoff), and each warp releases the stage (kv_empty). With two stages a
+//             tile's conversion overlaps the previous tile's MMAs (V3.2 at kN = 32, whose Q rows leave room for one
+//             stage, is not built: launch.rs sends those requests to the 64-row kernel).
 // Per chunk, the consumers load the Q rows after the previous chunk's staged rows left (NarrowChunk); the epilogues
 // are the split pipeline's (partials and final rows staged in the Q tile, combine).
 #pragma once
@@ -419,11 +420,11 @@ __device__ __forceinline__ void narrow_store_out(const DecodeParams& p, const Ro
 // ---------------------------------------------------------------------------------------------------------------
 // Roles.
 
-// Warpgroups 0 and 3: the copy warps. Per tile T of the CTA's chunks, warp w: reads its rows of tile T - 1 out of the raw
-// slot into registers, issues tile T's copies into the same rows (the index of its row loaded a tile ahead), then
-// waits for a free stage and converts tile T - 1 into it while tile T's rows travel; after the last tile, the last
-// conversion. A warp issues its bulk copies one lane after another (~15 GB/s per warp), so each warp copies only its
-// own 8 rows and meets the others only through the stage's kv_full. `warp`: 0..7 over both warpgroups.
+// Warpgroups 0 and 3: the copy warps. Per tile T of the CTA's chunks, warp w: reads its rows of tile T - 1 out of
+// the raw slot into registers, issues tile T's copies into the same rows (the index of its row loaded a tile ahead),
+// then waits for a free stage and converts tile T - 1 into it while tile T's rows travel; after the last tile, the
+// last conversion. A warp issues its bulk copies one lane after another (~15 GB/s per warp), so each warp copies
+// only its own 8 rows and meets the others only through the stage's kv_full. `warp`: 0..7 over both warpgroups.
 template <int kDqk, int kN>
 __device__ __forceinline__ void narrow_copier(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Schedule& sched,
                                               int warp) {
@@ -710,7 +711,8 @@ __device__ __forceinline__ void decode_narrow(const DecodeParams& p, uint8_t* sm
     const int wg = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
     if (wg == 0 || wg == 3) {
         setmaxnreg_dec<kNarrowCopierRegs<kN>>();
-        narrow_copier<kDqk, kN>(p, sm, sched, (wg == 0 ? 0 : kWarpsPerWarpgroup) + static_cast<int>(threadIdx.x) / 32 % 4);
+        const int warp = (wg == 0 ? 0 : kWarpsPerWarpgroup) + static_cast<int>(threadIdx.x) / 32 % kWarpsPerWarpgroup;
+        narrow_copier<kDqk, kN>(p, sm, sched, warp);
     } else if (wg == static_cast<int>(Role::Score)) {
         setmaxnreg_inc<kNarrowConsumerRegs<kN>>();
         narrow_score<kDqk, kN>(p, sm, sched);
