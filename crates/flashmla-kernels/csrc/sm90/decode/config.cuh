@@ -79,6 +79,7 @@ enum class Bar : uint32_t {
     NarrowValue = 5,    // the value warpgroup's staged partial rows
     // ... and between the two consumer warpgroups (256 threads):
     NarrowChunk = 6,    // per chunk after the first: the previous chunk's staged rows left the Q tile
+    NarrowQ = 7,        // per chunk with keys: both consumers' halves of the Q rows are stored and fenced
 };
 
 template <int kDqk>

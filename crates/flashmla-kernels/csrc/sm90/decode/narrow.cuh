@@ -262,7 +262,7 @@ __device__ __forceinline__ void narrow_convert_share(const RawShare<kDqk>& v, ui
 }
 
 // Both consumers: the chunk's Q rows into the Q tile (zeros past the tile's rows), thread u moving 16-byte chunks u,
-// u + 256, ...; fenced for wgmma (the caller meets the other consumers before the first S^T).
+// u + 256, ...; fenced for wgmma (the callers then meet at NarrowQ, before the first S^T).
 template <int kDqk, int kN>
 __device__ __forceinline__ void narrow_load_q(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const RowTile& rt,
                                               const Chunk& c, int u) {
@@ -497,7 +497,10 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
         for_each_chunk(p, sched, part, [&](const Chunk& c) {
             const int n_tiles = c.tile1 - c.tile0;
             if (chunks > 0) named_barrier_sync_unaligned(Bar::NarrowChunk, kConsumerThreads);
-            if (n_tiles > 0) narrow_load_q<kDqk, kN>(p, sm, rt, c, t);
+            if (n_tiles > 0) {
+                narrow_load_q<kDqk, kN>(p, sm, rt, c, t);
+                named_barrier_sync_unaligned(Bar::NarrowQ, kConsumerThreads);  // the value half, before S^T
+            }
             float o[4][kN / 2];
 #pragma unroll
             for (int mt = 0; mt < 4; ++mt) zero_regs(o[mt]);
@@ -640,7 +643,10 @@ __device__ __forceinline__ void narrow_value(const DecodeParams& p, NarrowPlan<k
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
         for_each_chunk(p, sched, part, [&](const Chunk& c) {
             if (chunks > 0) named_barrier_sync_unaligned(Bar::NarrowChunk, kConsumerThreads);
-            if (c.tile1 > c.tile0) narrow_load_q<kDqk, kN>(p, sm, rt, c, kWarpgroupThreads + t);
+            if (c.tile1 > c.tile0) {
+                narrow_load_q<kDqk, kN>(p, sm, rt, c, kWarpgroupThreads + t);
+                named_barrier_sync_unaligned(Bar::NarrowQ, kConsumerThreads);
+            }
             float o[4][kN / 2];
 #pragma unroll
             for (int mt = 0; mt < 4; ++mt) zero_regs(o[mt]);
