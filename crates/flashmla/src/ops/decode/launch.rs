@@ -869,18 +869,17 @@ pub fn lower_sparse(
     // Two row tiles run as a 2-CTA cluster (DecodePlan::new) whose producers each dequantise half of a tile's rows;
     // requests of at most 16 (MODEL1: 32) query rows (every query token is a request of h_q rows) take the narrow
     // kernels, whose bulk copies need 16-byte aligned rows (8-byte aligned caches take the 64-row tile).
-    let (split_kernel, threads, smem) = match (geometry.head_tiles, dims.h_q, copy16) {
-        (2, _, _) => (split_kernels.1, THREADS_PER_CTA, smem),
-        (_, 0..=NARROW_ROWS_SMALL, true) => {
-            (split_kernels.2, THREADS_PER_CTA_NARROW, SMEM_BYTES_NARROW)
-        }
-        (_, 0..=NARROW_ROWS, true) if split_kernels.3.is_some() => (
-            split_kernels.3.unwrap_or(split_kernels.0),
-            THREADS_PER_CTA_NARROW,
-            SMEM_BYTES_NARROW,
-        ),
-        _ => (split_kernels.0, THREADS_PER_CTA, smem),
-    };
+    let (split_kernel, threads, smem) =
+        match (geometry.head_tiles, dims.h_q, copy16, split_kernels.3) {
+            (2, ..) => (split_kernels.1, THREADS_PER_CTA, smem),
+            (_, 0..=NARROW_ROWS_SMALL, true, _) => {
+                (split_kernels.2, THREADS_PER_CTA_NARROW, SMEM_BYTES_NARROW)
+            }
+            (_, 0..=NARROW_ROWS, true, Some(n32)) => {
+                (n32, THREADS_PER_CTA_NARROW, SMEM_BYTES_NARROW)
+            }
+            _ => (split_kernels.0, THREADS_PER_CTA, smem),
+        };
     let opt_stride =
         |arg: &str, t: Option<&DeviceView>| t.map_or(Ok(0), |t| stride_param(arg, t, 0));
     // Block counts beyond i32 are clamped: an index is an i32, so it can never name a block past i32::MAX.
