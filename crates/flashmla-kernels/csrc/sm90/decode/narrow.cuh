@@ -143,16 +143,6 @@ static_assert(2 * kNarrowCopierRegs<16> + 2 * kNarrowConsumerRegs<16> <= 4 * kNa
                   2 * kNarrowCopierRegs<32> + 2 * kNarrowConsumerRegs<32> <= 4 * kNarrowRegsAtLaunch,
               "setmaxnreg pool");
 
-// Ring position of the CTA's tile `tile` (counted over its chunks) in the bf16 stages.
-template <int kStages>
-struct StagePos {
-    int stage;
-    uint32_t parity;
-    static __device__ __forceinline__ StagePos of(int tile) {
-        return {tile % kStages, static_cast<uint32_t>((tile / kStages) & 1)};
-    }
-};
-
 // ---------------------------------------------------------------------------------------------------------------
 // Phase: copy (warpgroups 0 and 3; copy warp w, rows 8 w .. 8 w + 7 of every tile, the raw slot's rows of its own).
 
@@ -429,7 +419,7 @@ template <int kDqk, int kN>
 __device__ __forceinline__ void narrow_copier(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Schedule& sched,
                                               int warp) {
     using Plan = NarrowPlan<kDqk, kN>;
-    using Stage = StagePos<Plan::kStages>;
+    using Stage = RingPos<Plan::kStages>;  // the CTA's tile, counted over its chunks
     const int lane = static_cast<int>(threadIdx.x) % 32;
     const int row = kCopyRowsPerWarp * warp + lane;
     const bool mine = lane < kCopyRowsPerWarp;
@@ -446,7 +436,7 @@ __device__ __forceinline__ void narrow_copier(const DecodeParams& p, NarrowPlan<
     // ... converted into its stage once the consumers released it, and published.
     const auto publish_prev = [&](const RawShare<kDqk>& v) {
         const Stage pos = Stage::of(tile - 1);
-        MBarrier::wait(&sm.kv_empty[pos.stage], pos.parity ^ 1u);
+        MBarrier::wait(&sm.kv_empty[pos.stage], pos.empty_parity);
         narrow_convert_share<kDqk>(v, smem_addr(sm.kv[pos.stage]), warp, lane);
         fence_proxy_async_shared();
         __syncwarp();
@@ -477,7 +467,7 @@ template <int kDqk, int kN>
 __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Schedule& sched) {
     using Plan = NarrowPlan<kDqk, kN>;
     using Nw = Narrow<kN>;
-    using Stage = StagePos<Plan::kStages>;
+    using Stage = RingPos<Plan::kStages>;  // the CTA's tile, counted over its chunks
     constexpr int kCols = Nw::kCols;
     const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Score);
     const int lane = t % 32;
@@ -521,7 +511,7 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
                 const Stage pos = Stage::of(tile);
                 const uint32_t stage_addr = smem_addr(sm.kv[pos.stage]);
                 const uint32_t p_addr = smem_addr(sm.p[pos.stage]);
-                MBarrier::wait(&sm.kv_full[pos.stage], pos.parity);
+                MBarrier::wait(&sm.kv_full[pos.stage], pos.full_parity);
 
                 float s[Nw::kSRegs];
                 narrow_qk<kDqk, kN>(sm, stage_addr, s);
@@ -631,7 +621,7 @@ template <int kDqk, int kN>
 __device__ __forceinline__ void narrow_value(const DecodeParams& p, NarrowPlan<kDqk, kN>& sm, const Schedule& sched) {
     using Plan = NarrowPlan<kDqk, kN>;
     using Nw = Narrow<kN>;
-    using Stage = StagePos<Plan::kStages>;
+    using Stage = RingPos<Plan::kStages>;  // the CTA's tile, counted over its chunks
     constexpr int kCols = Nw::kCols;
     const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Value);
     const int lane = t % 32;
@@ -655,7 +645,7 @@ __device__ __forceinline__ void narrow_value(const DecodeParams& p, NarrowPlan<k
                 named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
                 // Complete already (the score warpgroup waited for it before Handoff): makes the copy warps' stores
                 // visible to this warpgroup's wgmma as well.
-                MBarrier::wait(&sm.kv_full[pos.stage], pos.parity);
+                MBarrier::wait(&sm.kv_full[pos.stage], pos.full_parity);
 #pragma unroll
                 for (int ci = 0; ci < kCols; ++ci) {
                     const float a = sm.row_scale[pos.stage][Nw::col(ci, f.quad)];
