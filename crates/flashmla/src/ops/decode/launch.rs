@@ -5,8 +5,9 @@
 //! 1. `decode_schedule` (one CTA) computes the split-KV schedule from `cache_seqlens` into the workspace; for at
 //!    most [`INLINE_SCHEDULE_MAX_BATCH`] requests it is not launched and every split CTA derives the schedule
 //!    ([`FLAG_INLINE_SCHEDULE`]), so a small step costs the host two launches;
-//! 2. `decode_split_*` (grid `head_tiles x grid_parts`, 384 threads; the narrow sparse kernels 512) attends each query-row tile to the key
-//!    chunks of its parts, writing unsplit requests in final form and split ones as f32 partials;
+//! 2. `decode_split_*` (grid `head_tiles x grid_parts`, 384 threads; the narrow sparse kernels 512) attends each
+//!    query-row tile to the key chunks of its parts, writing unsplit requests in final form and split ones as f32
+//!    partials;
 //! 3. `decode_combine_*` (grid `batch x head_tiles x 8`) merges the partials of split requests.
 //!
 //! Kernel limits checked here (beyond [`super::validate_dense`]): `q` and `k_cache` rows 16-byte aligned (the
