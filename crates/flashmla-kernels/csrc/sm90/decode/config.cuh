@@ -80,6 +80,8 @@ enum class Bar : uint32_t {
     // ... and between the two consumer warpgroups (256 threads):
     NarrowChunk = 6,    // per chunk after the first: the previous chunk's staged rows left the Q tile
     NarrowQ = 7,        // per chunk with keys: both consumers' halves of the Q rows are stored and fenced
+    SDone = 8,          // "S first" (kernel.cuh), per tile i >= 1: S(i) is in, the value warpgroup multiplies
+                        // tile i - 1
 };
 
 template <int kDqk>

@@ -446,6 +446,15 @@ __device__ __forceinline__ bool consumers_fence(const DecodeParams& p) {
     return !kSparse && (p.flags & kFlagKTma) == 0;
 }
 
+// "S first" (dense decode without the causal mask, two or more row tiles per key head): the value warpgroup multiplies
+// tile i - 1 only once S(i) is in (Bar::SDone). S = Q K^T reads both operands from shared memory at N = 64, so the
+// value warpgroup's P V beside it slowed it; after it, that P V overlaps the score warpgroup's softmax instead
+// (h_q 128 at 16K / 32K keys: +2 to +8%). With one row tile (the `*_once` kernels, HBM-bound) the later release of
+// the right group costs as much as it gains, and with the causal mask it measured 2-3% slower (docs/decode.md).
+__device__ __forceinline__ bool s_first_pipeline(const DecodeParams& p) {
+    return (p.flags & (kFlagSparse | kFlagCausal)) == 0 && p.row_tiles > 1;
+}
+
 // Key references of keys `lane` and `lane + 32` of tile k of chunk c (the score warpgroup's view of the producer's
 // test: block ids when dense, raw indices when sparse), loaded a tile before the mask is formed from them.
 template <bool kSparse>
@@ -719,8 +728,8 @@ __device__ __forceinline__ void score_epilogue(const DecodeParams& p, float* row
 }
 
 // Score warpgroup (WG 1). Per chunk: wait Q; per tile i (stage i % 2), with QK(i) issued one iteration earlier:
-//   wait QK(i) -> release rope group (and Q after the chunk's last QK) -> mask, online softmax, P -> PV(i) on
-//   O[:, 0:256] -> publish P(i), alpha(i) -> wait PV(i) -> release left group -> QK(i + 1) -> Handoff.
+//   wait QK(i) -> (S first: SDone) -> release rope group (and Q after the chunk's last QK) -> mask, online softmax,
+//   P -> PV(i) on O[:, 0:256] -> publish P(i), alpha(i) -> wait PV(i) -> release left group -> QK(i + 1) -> Handoff.
 // Then the epilogue.
 // `split_dequant`: a *_pair kernel, whose peer's producer writes this CTA's stages too (it credits both).
 template <class E, int kDqk, bool kSparse>
@@ -738,6 +747,7 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
     const bool bulk_out = (p.flags & kFlagOutBulk) != 0;
     const uint32_t peer = split_dequant ? cluster_ctarank() ^ 1u : 0u;
     const bool consumer_fence = consumers_fence<kSparse>(p);
+    const bool s_first = s_first_pipeline(p);
 
     int tile = 0;
     int q_uses = 0;
@@ -776,6 +786,9 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 wgmma_wait<0>();
                 wgmma_fence_regs(s);
                 wgmma_fence_regs(o);
+                // S first (s_first_pipeline): the value warpgroup multiplies tile i - 1 only now, so that S(i) had
+                // the tensor cores and the shared-memory reads to itself.
+                if (!kSparse && s_first && i > 0) named_barrier_arrive(Bar::SDone, kConsumerThreads);
                 if constexpr (C::kRopeSlabs > 0) release_by_warp(&sm.kv_empty[pos.stage][kGroupRope], lane);
                 // The chunk's last QK has read Q. A split chunk keeps it until its epilogue has staged the partial
                 // there (the producer loads nothing of the next chunk before Q).
@@ -875,8 +888,8 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
     }
 }
 
-// Value warpgroup (WG 2). Per tile i: wait for the right group -> Handoff -> rescale O[:, 256:512] by alpha(i) ->
-// O += P(i) V -> wait -> release the right group. Per chunk, the epilogue.
+// Value warpgroup (WG 2). Per tile i: wait for the right group -> Handoff -> (S first: SDone, S(i + 1) is in) ->
+// rescale O[:, 256:512] by alpha(i) -> O += P(i) V -> wait -> release the right group. Per chunk, the epilogue.
 // kFillRight (the sparse pair kernels): this warpgroup also fills the right group of the tiles, two ahead of its PV
 // (fill_right_split): a chunk's first two before its first tile, tile i + 2 after releasing tile i's. The producer's
 // chain set the sparse decode's pace while this warpgroup idled at Handoff for most of a tile (docs/decode.md).
@@ -893,6 +906,7 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
 
     const uint32_t rank = kFillRight ? cluster_ctarank() : 0u;
     const bool copy8 = (p.flags & kFlagCopy8) != 0;
+    const bool s_first = s_first_pipeline(p);
     int tile = 0;
     int chunks = 0;
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
@@ -914,6 +928,7 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
                 MBarrier::wait(&sm.kv_full[pos.stage][kGroupRight], pos.full_parity);
                 if (consumer_fence) fence_proxy_async_shared();
                 named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
+                if (s_first && k + 1 < c.tile1) named_barrier_sync_unaligned(Bar::SDone, kConsumerThreads);
 
                 const float alpha[2] = {sm.row_scale[pos.stage][rows[0]], sm.row_scale[pos.stage][rows[1]]};
                 if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) scale_o_rows(o, alpha[0], alpha[1]);
