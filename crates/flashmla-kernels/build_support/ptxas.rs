@@ -59,7 +59,11 @@ fn is_known_info(line: &str) -> bool {
 /// one `setmaxnreg` before the branch that splits two consumer roles (C7520; each role sets its own); an accumulator
 /// zero-initialised on one path and left by an in-flight wgmma on another, merged at a loop head (C7515); registers
 /// spilled around a wgmma because the compiler hoisted loop-invariant addresses out of the loop (C7520; opaque copies
-/// through `asm volatile` keep them in the loop, as decode's `StagingGeometry` does).
+/// through `asm volatile` keep them in the loop, as decode's `StagingGeometry` does). From a two-role kernel without
+/// a producer (docs/perf-log.md, the dual-score decode): roles without any `setmaxnreg` (C7518 / C7520; one per role,
+/// even to the full budget, splits ptxas's analysis by role); an accumulator left undefined on one path and written by
+/// an in-flight wgmma on another, merged at a loop head (C7520, as the zero-initialised case above); an accumulator
+/// scaled under one branch and multiplied into under another (C7520).
 const SERIALISED_WGMMA: &[&str] = &["(C7520)", "wgmma.mma_async instructions are serialized"];
 
 /// Something in a ptxas report worth showing.
