@@ -1,9 +1,9 @@
 """flashmla and FlashMLA (the peer) side by side: one process, one card, the same inputs, the two implementations
 alternating inside every round, in two regimes.
 
-* ``short``: each round idles ``--idle-s`` (1 s), then runs a block of ~``--block-ms`` (25 ms) of back-to-back
-  calls of one implementation, then of the other; which one goes first alternates per round. The card starts
-  every block cool, at full clock.
+* ``short``: per round, one block of ~``--block-ms`` (25 ms) of back-to-back calls of each implementation, each
+  block after ``--idle-s`` (1 s) of idle; which one goes first alternates per round. The card starts every block
+  cool, at full clock.
 * ``sustained``: ``--load-s`` (1.5 s) of back-to-back calls first (the card reaches its power cap), then the same
   alternating blocks with no idle.
 
@@ -773,7 +773,7 @@ def parse_args(argv=None):
     p.add_argument("--peer-commit", help="the peer's commit, recorded as given")
     p.add_argument("--rounds-short", type=int, help="rounds in the short regime (default 5; 3 with --quick)")
     p.add_argument("--rounds-sustained", type=int, help="rounds in the sustained regime (default 8; 4 with --quick)")
-    p.add_argument("--idle-s", type=float, default=1.0, help="idle seconds before each short round")
+    p.add_argument("--idle-s", type=float, default=1.0, help="idle seconds before each short block")
     p.add_argument("--load-s", type=float, default=1.5, help="seconds of load before the sustained rounds")
     p.add_argument("--block-ms", type=float, default=25.0, help="GPU time of one timed block")
     p.add_argument("--max-sets", type=int, default=64, help="most input sets rotated for small shapes")

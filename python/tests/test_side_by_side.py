@@ -284,12 +284,13 @@ def test_round_orders_alternate_who_goes_first():
     assert core.round_orders([], 2) == []
 
 
-def test_short_regime_idles_before_every_round_and_alternates():
+def test_short_regime_idles_before_every_block_and_alternates():
     runner = FakeRunner({OURS: 2.0, PEER: 2.5})
     calls = {OURS: 12, PEER: 10}
     blocks = core.run_short(runner, [OURS, PEER], calls, rounds=4, idle_s=1.0)
     kinds = [entry[0] for entry in runner.log]
-    assert kinds == ["sleep", OURS, PEER, "sleep", PEER, OURS, "sleep", OURS, PEER, "sleep", PEER, OURS]
+    rounds = [[OURS, PEER], [PEER, OURS], [OURS, PEER], [PEER, OURS]]
+    assert kinds == [kind for order in rounds for name in order for kind in ("sleep", name)]
     assert all(entry[1] == 1.0 for entry in runner.log if entry[0] == "sleep")
     assert all(entry[1] == calls[entry[0]] for entry in runner.log if entry[0] != "sleep")
     assert [len(blocks[n]) for n in (OURS, PEER)] == [4, 4]
@@ -324,7 +325,7 @@ def test_summarize_median_and_host_bound():
 
 def test_estimate_seconds():
     short = core.estimate_seconds([2], ["short"], 5, 8, 1.0, 1.5, 25.0, setup_s=0.0)
-    assert short == pytest.approx(0.05 + 5 * 1.05)
+    assert short == pytest.approx(0.05 + 5 * 2 * 1.025)
     both = core.estimate_seconds([2, 3], ["short", "sustained"], 5, 8, 1.0, 1.5, 25.0, setup_s=0.0)
     assert both > short * 2
 
