@@ -5,10 +5,11 @@
 //          also zeroes the f32 dQ accumulator.
 // Fused (the default at d 128): one pass and a conversion.
 //   fused: one CTA per 128 keys of one (sequence, key head), two consumer warpgroups of 64 keys each that share every
-//          streamed 64-row tile of Q and dO (of every query head of the group). S^T = K Q^T, dP^T = V dO^T (in two
-//          halves of 32 rows), P^T and dS^T go to shared memory; dV += P^T dO, dK += dS^T Q; then the consumers split
-//          dQ(tile) = dS K over the CTA's 128 keys by 64-column slabs and add each slab into the f32 accumulator with
-//          one bulk (TMA) reduction of a 16 KB block. Five MMAs per (query tile, key tile).
+//          streamed 64-row tile of Q and dO (of every query head of the group). S^T = K Q^T, dP^T = V dO^T (in full
+//          at d 128, in two halves of 32 rows at d 192), P^T and dS^T go to shared memory; dV += P^T dO,
+//          dK += dS^T Q; then the consumers split dQ(tile) = dS K over the CTA's 128 keys by 64-column slabs and add
+//          each slab into the f32 accumulator with one bulk (TMA) reduction of a 16 KB block. Five MMAs per (query
+//          tile, key tile).
 //   dq_convert: dQ = accumulator * scale in the element type.
 // Separate (deterministic; the default at d 192), no atomics, each kernel owns the rows it writes:
 //   dQ:    one CTA per 128 query rows of one (sequence, query head), two consumer warpgroups of 64 rows each that
@@ -648,15 +649,23 @@ __device__ __forceinline__ uint32_t tile_zero(const uint32_t* zero) {
     return v;
 }
 
-// dP^T for query rows 32 h .. 32 h + 31 of the tile: V (64 keys, K-major) times those rows of dO; committed.
-template <class E>
-__device__ __forceinline__ void issue_dp_half(float (&dp)[16], uint64_t desc_v, uint64_t desc_do, int h) {
+// dP^T for query rows N h .. N h + N - 1 of the tile (N = 2 * the accumulator's registers, 32 or 64): V (64 keys,
+// K-major) times those rows of dO; committed.
+template <class E, int N>
+__device__ __forceinline__ void issue_dp_part(float (&dp)[N], uint64_t desc_v, uint64_t desc_do, int h) {
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kDv / 16; ++ks) {
         const uint32_t off = (ks / 4) * kSlab64 + (ks % 4) * 32;
-        const uint32_t off_rows = off + h * 32 * kSw128RowBytes;
-        wgmma_m64n32k16_ss_kk<E>(dp, wgmma_desc_advance(desc_v, off), wgmma_desc_advance(desc_do, off_rows), ks > 0);
+        const uint32_t off_rows = off + h * 2 * N * kSw128RowBytes;
+        if constexpr (N == 16) {
+            wgmma_m64n32k16_ss_kk<E>(dp, wgmma_desc_advance(desc_v, off), wgmma_desc_advance(desc_do, off_rows),
+                                     ks > 0);
+        } else {
+            static_assert(N == 32, "dP^T of 32 or 64 query rows");
+            wgmma_m64n64k16_ss_kk<E>(dp, wgmma_desc_advance(desc_v, off), wgmma_desc_advance(desc_do, off_rows),
+                                     ks > 0);
+        }
     }
     wgmma_commit();
 }
@@ -805,10 +814,12 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
         const uint32_t do_addr = smem_addr(sm.d_out[pos.stage]);
         const uint64_t desc_q = make_wgmma_desc_sw128(q_addr, kUnusedLbo, kSw128AtomBytes);
         const uint64_t desc_do = make_wgmma_desc_sw128(do_addr, kUnusedLbo, kSw128AtomBytes);
-        // S^T in full, dP^T in two halves of 32 query rows: dK (d / 2 registers), dV (64), S^T (32) and a dP^T half
-        // (16) leave the registers the rest of the tile needs (with dP^T in full, d 192 spilled and serialized).
+        // S^T in full; dP^T in full at d 128 (its MMAs run under the softmax of P^T), in two halves of 32 query rows
+        // at d 192: there dK (96 registers), dV (64), S^T (32) and a dP^T half (16) leave the registers the rest of
+        // the tile needs (with dP^T in full, d 192 spilled and serialized).
+        constexpr int kDpParts = kD == 192 ? 2 : 1;
         float s[kQ / 2];
-        float dp[kQ / 4];
+        float dp[kQ / 2 / kDpParts];
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kD / 16; ++ks) {
@@ -816,10 +827,14 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
             mma_ss_kk<E>(s, wgmma_desc_advance(desc_k, off), wgmma_desc_advance(desc_q, off), ks > 0);
         }
         wgmma_commit();
-        issue_dp_half<E>(dp, desc_v, desc_do, 0);
-        wgmma_wait<0>();
+        issue_dp_part<E>(dp, desc_v, desc_do, 0);
+        if constexpr (kDpParts == 1) {
+            wgmma_wait<1>();  // S^T
+        } else {
+            wgmma_wait<0>();
+            wgmma_fence_regs(dp);
+        }
         wgmma_fence_regs(s);
-        wgmma_fence_regs(dp);
         // Keys past the sequence (zero rows of K) get P = 0 too: their dS^T feeds dQ, and with a very negative lse
         // an unmasked exp2(0 - lse) overflows (then dS * 0 = NaN).
         const bool masked = (causal && c_t0 + kRows - 1 > m0 + shift) || c_t0 + kRows > w.len;
@@ -845,15 +860,15 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
         const uint32_t ds_g = (smem_addr(sm.ds[c]) ^ z) + row_g;
         const uint32_t pt_g = (smem_addr(sm.pt[c]) ^ z) + row_g;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            if (h == 1) {
-                issue_dp_half<E>(dp, desc_v, desc_do, 1);
+        for (int h = 0; h < kDpParts; ++h) {
+            if (h == 1 || kDpParts == 1) {
+                if (h == 1) issue_dp_part<E>(dp, desc_v, desc_do, 1);
                 wgmma_wait<0>();
                 wgmma_fence_regs(dp);
             }
 #pragma unroll
-            for (int jh = 0; jh < kQ / 16; ++jh) {
-                const int j = h * (kQ / 16) + jh;
+            for (int jh = 0; jh < kQ / 8 / kDpParts; ++jh) {
+                const int j = h * (kQ / 8 / kDpParts) + jh;
 #pragma unroll
                 for (int rr = 0; rr < 2; ++rr) {
                     float ds[2];
