@@ -16,8 +16,9 @@
 //          share every streamed 64-key tile of K and V. S = Q K^T and dP = dO V^T (wgmma, shared-memory operands),
 //          P = exp2(S * scale_log2 - lse2), dS = P (dP - delta), dQ += dS K (A from registers); dQ * scale is
 //          written at the end. While one consumer forms dS the other's MMAs keep the tensor cores busy.
-//   dK/dV: one CTA per 64 keys of one (sequence, key head); streams 64-row tiles of Q and dO of every query head of
-//          the group. S^T = K Q^T and dP^T = V dO^T, P^T and dS^T as above, dV += P^T dO and dK += dS^T Q.
+//   dK/dV: one CTA per 128 keys of one (sequence, key head), two consumer warpgroups of 64 keys each that share every
+//          streamed 64-row tile of Q and dO (of every query head of the group) and nothing else. S^T = K Q^T and
+//          dP^T = V dO^T, P^T and dS^T as above, dV += P^T dO and dK += dS^T Q (A from registers).
 // Each CTA has a producer warpgroup (a 2-stage ring, the CTA's own rows loaded once): with kFlagTma, whole 64-row
 // tiles and whole own rows by TMA, else (the sequence's partial tiles, or no maps) cp.async published after a proxy
 // fence, so the consumers never fence. Masked and padded entries get P = 0: a padded row of a streamed tile is
@@ -43,7 +44,14 @@
 
 namespace flashmla::dense_prefill::bwd {
 
-inline constexpr int kThreads = 2 * kWarpgroupThreads;  // dK / dV: producer + consumer
+// dK / dV: a producer and two consumer warpgroups of 64 keys each (128 keys per CTA).
+inline constexpr int kDkvConsumers = 2;
+inline constexpr int kThreads = (1 + kDkvConsumers) * kWarpgroupThreads;
+// dK / dV register split (3 x 168 at launch): the producer only issues copies.
+inline constexpr uint32_t kDkvProducerRegs = 24;
+inline constexpr uint32_t kDkvConsumerRegs = 240;
+static_assert(kDkvProducerRegs + kDkvConsumers * kDkvConsumerRegs <= 3 * ((65536u / kThreads) & ~7u),
+              "setmaxnreg pool of the dK / dV CTA");
 inline constexpr int kDqConsumers = 2;
 inline constexpr int kDqThreads = (1 + kDqConsumers) * kWarpgroupThreads;  // dQ: producer + two consumers
 // dQ register split (3 x 168 at launch): the producer only issues copies.
@@ -52,7 +60,7 @@ inline constexpr uint32_t kDqConsumerRegs = 224;
 static_assert(kDqProducerRegs + kDqConsumers * kDqConsumerRegs <= 3 * ((65536u / kDqThreads) & ~7u),
               "setmaxnreg pool of the dQ CTA");
 inline constexpr int kStages = 2;
-inline constexpr int kRows = 64;        // the CTA's own rows (queries for dQ, keys for dK / dV); the wgmma M
+inline constexpr int kRows = 64;        // a consumer's own rows (queries for dQ, keys for dK / dV); the wgmma M
 inline constexpr int kKeyTile = 64;     // dQ: keys per streamed tile
 // dK / dV: query rows per streamed tile, the N of S^T and dP^T. At d 192, dK (96 registers), dV (64), the two 64 x 64
 // score tiles and the fragments take all 255 registers without a spill (ptxas); 64-row tiles measured 12-16% faster
@@ -87,8 +95,8 @@ struct DqPlan {
 template <int kD>
 struct DkvPlan {
     static constexpr int kDSlabs = kD / kSw128ColsBf16;
-    alignas(kSw128AtomBytes) uint8_t k[kDSlabs * kSlab64];              // the CTA's 64 keys
-    alignas(kSw128AtomBytes) uint8_t v[2 * kSlab64];
+    alignas(kSw128AtomBytes) uint8_t k[kDkvConsumers][kDSlabs * kSlab64];  // the CTA's 128 keys, 64 per consumer
+    alignas(kSw128AtomBytes) uint8_t v[kDkvConsumers][2 * kSlab64];
     static constexpr int kQ = kQueryTile<kD>;
     alignas(kSw128AtomBytes) uint8_t q[kStages][kDSlabs * kQuerySlab<kD>];  // Q tiles of kQ rows
     alignas(kSw128AtomBytes) uint8_t d_out[kStages][2 * kQuerySlab<kD>];    // d_out tiles
@@ -97,9 +105,10 @@ struct DkvPlan {
     uint64_t own_full;
     uint64_t full[kStages];
     uint64_t empty[kStages];
-    SeqTile work;         // the CTA's 64 keys
+    SeqTile work;         // the CTA's 128 keys
     int32_t other_start;  // the sequence's first query (global)
     int32_t other_len;    // its queries
+    uint32_t zero;        // 0, read (volatile) once per tile: see tile_zero
 };
 
 inline constexpr uint32_t kSmemAlignSlack = kSw128AtomBytes;
@@ -110,8 +119,8 @@ inline constexpr uint32_t kDkvSmemBytes = static_cast<uint32_t>(sizeof(DkvPlan<k
 // launch.rs requests these exact sizes; keep both in step.
 static_assert(kDqSmemBytes<192> == 165888, "update launch.rs BWD_DQ_SMEM_D192");
 static_assert(kDqSmemBytes<128> == 133120, "update launch.rs BWD_DQ_SMEM_D128");
-static_assert(kDkvSmemBytes<192> == 125952, "update launch.rs BWD_DKV_SMEM_D192");
-static_assert(kDkvSmemBytes<128> == 101376, "update launch.rs BWD_DKV_SMEM_D128");
+static_assert(kDkvSmemBytes<192> == 166912, "update launch.rs BWD_DKV_SMEM_D192");
+static_assert(kDkvSmemBytes<128> == 134144, "update launch.rs BWD_DKV_SMEM_D128");
 
 template <class Plan>
 __device__ __forceinline__ Plan& plan_of(uint8_t* smem) {
@@ -448,64 +457,112 @@ __device__ __forceinline__ void stream_query_tiles(const DensePrefillBwdParams& 
 // ---------------------------------------------------------------------------------------------------------------
 // dK / dV
 
+// 0, read from shared memory with a volatile load. The consumer adds it to the shared addresses its tile derives
+// swizzled store addresses and MMA descriptors from: the compiler cannot prove those loop-invariant, so it computes
+// them next to their uses instead of hoisting dozens of them out of the tile loop into registers (which at d 192
+// spilled and serialized the MMAs).
+__device__ __forceinline__ uint32_t tile_zero(const uint32_t* zero) {
+    uint32_t v;
+    asm volatile("ld.volatile.shared.u32 %0, [%1];" : "=r"(v) : "r"(smem_addr(zero)) : "memory");
+    return v;
+}
+
+// dP^T for query rows N h .. N h + N - 1 of the tile (N = 2 * the accumulator's registers, 32 or 64): V (64 keys,
+// K-major) times those rows of dO; committed.
+template <class E, int N>
+__device__ __forceinline__ void issue_dp_part(float (&dp)[N], uint64_t desc_v, uint64_t desc_do, int h) {
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kDv / 16; ++ks) {
+        const uint32_t off = (ks / 4) * kSlab64 + (ks % 4) * 32;
+        const uint32_t off_rows = off + h * 2 * N * kSw128RowBytes;
+        if constexpr (N == 16) {
+            wgmma_m64n32k16_ss_kk<E>(dp, wgmma_desc_advance(desc_v, off), wgmma_desc_advance(desc_do, off_rows),
+                                     ks > 0);
+        } else {
+            static_assert(N == 32, "dP^T of 32 or 64 query rows");
+            wgmma_m64n64k16_ss_kk<E>(dp, wgmma_desc_advance(desc_v, off), wgmma_desc_advance(desc_do, off_rows),
+                                     ks > 0);
+        }
+    }
+    wgmma_commit();
+}
+
+
 template <int kD, class E>
 __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8_t* smem) {
     using Plan = DkvPlan<kD>;
     constexpr int kDSlabs = Plan::kDSlabs;
     constexpr int kQ = Plan::kQ;
+    constexpr int kKeys = kDkvConsumers * kRows;  // the CTA's keys
     constexpr uint32_t kQSlab = kQuerySlab<kD>;
     if (static_cast<int64_t>(blockIdx.x) >= static_cast<int64_t>(p.k_tiles) * p.h_k) return;
     Plan& sm = plan_of<Plan>(smem);
-    begin_cta<kRows, 1>(sm, p.batch, p.cu_seqlens_k, p.total_k, p.k_tiles, p.cu_seqlens_q, p.total_q);
+    if (threadIdx.x == 0) sm.zero = 0;  // published by begin_cta's barrier
+    begin_cta<kKeys, kDkvConsumers>(sm, p.batch, p.cu_seqlens_k, p.total_k, p.k_tiles, p.cu_seqlens_q, p.total_q);
     const SeqTile w = sm.work;
     if (!w.found) return;
     const int q0 = sm.other_start;
     const int s_q = sm.other_len;
-    const int keys = min(kRows, w.len - w.t0);
+    const int keys = min(kKeys, w.len - w.t0);
     const int k0 = w.start + w.t0;
     const int shift = w.len - s_q;
     const bool causal = (p.flags & kFlagCausal) != 0;
-    // Query tiles that see any of the CTA's keys: under the mask, row r sees key c iff c <= r + shift.
+    // Query tiles that see any of the CTA's keys: under the mask, row r sees key c iff c <= r + shift. The second
+    // consumer's keys see one tile fewer; it computes that tile under the mask (P = 0) rather than skip it.
     const int first_row = causal ? clamp_to(w.t0 - shift, 0, s_q) : 0;
     const int m_first = first_row / kQ;
     const int m_count = (s_q + kQ - 1) / kQ - m_first;
     const int n_iter = m_count > 0 ? m_count * p.h_per_k : 0;
+    const int wg = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
 
-    if (threadIdx.x < kWarpgroupThreads) {  // producer
+    if (wg == 0) {  // producer
+        setmaxnreg_dec<kDkvProducerRegs>();
         if (n_iter == 0) return;
         const Sw128CopyThread ct = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
         const uint16_t* dummy = p.q;
-        if ((p.flags & kFlagTma) != 0 && keys == kRows) {  // the CTA's keys by TMA
+        if ((p.flags & kFlagTma) != 0 && keys == kKeys) {  // the CTA's keys by TMA
             if (threadIdx.x == 0) {
-                MBarrier::expect_tx(&sm.own_full, (kDSlabs + 2) * kSlab64);
-                tma_slabs<kDSlabs, kRows>(smem_addr(sm.k), &p.k_tmap, w.head, k0, &sm.own_full);
-                tma_slabs<2, kRows>(smem_addr(sm.v), &p.v_tmap, w.head, k0, &sm.own_full);
+                MBarrier::expect_tx(&sm.own_full, kDkvConsumers * (kDSlabs + 2) * kSlab64);
+#pragma unroll
+                for (int c = 0; c < kDkvConsumers; ++c) {
+                    tma_slabs<kDSlabs, kRows>(smem_addr(sm.k[c]), &p.k_tmap, w.head, k0 + c * kRows, &sm.own_full);
+                    tma_slabs<2, kRows>(smem_addr(sm.v[c]), &p.v_tmap, w.head, k0 + c * kRows, &sm.own_full);
+                }
                 MBarrier::arrive(&sm.own_full, kWarpgroupThreads);
             }
         } else {
-            copy_tile<kDSlabs, kRows>(smem_addr(sm.k), p.k + k0 * p.k_stride_t + w.head * p.k_stride_h, p.k_stride_t,
-                                      0, keys, ct, dummy);
-            copy_tile<2, kRows>(smem_addr(sm.v), p.v + k0 * p.v_stride_t + w.head * p.v_stride_h, p.v_stride_t, 0,
-                                keys, ct, dummy);
+            const uint16_t* k = p.k + k0 * p.k_stride_t + w.head * p.k_stride_h;
+            const uint16_t* v = p.v + k0 * p.v_stride_t + w.head * p.v_stride_h;
+#pragma unroll
+            for (int c = 0; c < kDkvConsumers; ++c) {
+                copy_tile<kDSlabs, kRows>(smem_addr(sm.k[c]), k, p.k_stride_t, c * kRows, keys, ct, dummy);
+                copy_tile<2, kRows>(smem_addr(sm.v[c]), v, p.v_stride_t, c * kRows, keys, ct, dummy);
+            }
             publish_landed(&sm.own_full);
         }
         stream_query_tiles<kDSlabs, kQ>(p, sm, w.head, q0, s_q, m_first, m_count, n_iter, ct);
         return;
     }
 
-    // Consumer: rows of S^T are the CTA's keys, columns the tile's query rows.
-    const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads;
+    // Consumer c: rows of S^T are the CTA's keys 64 c .. 64 c + 63, columns the tile's query rows. The two consumers
+    // share every streamed tile and nothing else: while one forms P^T and dS^T, the other's MMAs run.
+    setmaxnreg_inc<kDkvConsumerRegs>();
+    const int c = wg - 1;
+    const int t = static_cast<int>(threadIdx.x) - wg * kWarpgroupThreads;
     const int lane = t % 32;
     const AccFrag f = AccFrag::of_thread(t);
-    const int key[2] = {w.t0 + f.row0, w.t0 + f.row1()};  // keys inside the sequence
+    const int c_t0 = w.t0 + c * kRows;  // the consumer's first key inside the sequence
+    const int key[2] = {c_t0 + f.row0, c_t0 + f.row1()};
     float dk[kD / 2];
     float dv[kDv / 2];
     zero_regs(dk);
     zero_regs(dv);
     if (n_iter > 0) MBarrier::wait(&sm.own_full, 0);
-    const uint64_t desc_k = make_wgmma_desc_sw128(smem_addr(sm.k), kUnusedLbo, kSw128AtomBytes);
-    const uint64_t desc_v = make_wgmma_desc_sw128(smem_addr(sm.v), kUnusedLbo, kSw128AtomBytes);
     for (int it = 0; it < n_iter; ++it) {
+        const uint32_t z = tile_zero(&sm.zero);
+        const uint64_t desc_k = make_wgmma_desc_sw128(smem_addr(sm.k[c]) + z, kUnusedLbo, kSw128AtomBytes);
+        const uint64_t desc_v = make_wgmma_desc_sw128(smem_addr(sm.v[c]) + z, kUnusedLbo, kSw128AtomBytes);
         const int m0 = (m_first + it % m_count) * kQ;
         const RingPos<kStages> pos = RingPos<kStages>::of(it);
         MBarrier::wait(&sm.full[pos.stage], pos.full_parity);  // TMA, or cp.async published after a proxy fence
@@ -513,8 +570,12 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
         const uint32_t do_addr = smem_addr(sm.d_out[pos.stage]);
         const uint64_t desc_q = make_wgmma_desc_sw128(q_addr, kUnusedLbo, kSw128AtomBytes);
         const uint64_t desc_do = make_wgmma_desc_sw128(do_addr, kUnusedLbo, kSw128AtomBytes);
+        // dP^T in full at d 128; at d 192 in two halves of 32 query rows, each turned into dS^T fragments at once
+        // (dK's 96 registers, dV's 64 and both score tiles in full do not fit the consumer's 240).
+        constexpr int kDpParts = kD == 192 ? 2 : 1;
+        constexpr int kPartBlocks = kQ / 8 / kDpParts;  // accumulator blocks (8 query columns) per part
         float s[kQ / 2];
-        float dp[kQ / 2];
+        float dp[kQ / 2 / kDpParts];
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kD / 16; ++ks) {
@@ -522,18 +583,13 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
             const uint32_t off_q = (ks / 4) * kQSlab + (ks % 4) * 32;
             mma_ss_kk<E>(s, wgmma_desc_advance(desc_k, off_k), wgmma_desc_advance(desc_q, off_q), ks > 0);
         }
-#pragma unroll
-        for (int ks = 0; ks < kDv / 16; ++ks) {
-            const uint32_t off_v = (ks / 4) * kSlab64 + (ks % 4) * 32;
-            const uint32_t off_o = (ks / 4) * kQSlab + (ks % 4) * 32;
-            mma_ss_kk<E>(dp, wgmma_desc_advance(desc_v, off_v), wgmma_desc_advance(desc_do, off_o), ks > 0);
-        }
         wgmma_commit();
+        issue_dp_part<E>(dp, desc_v, desc_do, 0);
         wgmma_wait<0>();
         wgmma_fence_regs(s);
         wgmma_fence_regs(dp);
         // Under the mask, key c and query row r pair iff c <= r + shift; tiles wholly below the diagonal skip it.
-        const bool masked = causal && w.t0 + kRows - 1 > m0 + shift;
+        const bool masked = causal && c_t0 + kRows - 1 > m0 + shift;
 #pragma unroll
         for (int j = 0; j < kQ / 8; ++j) {
 #pragma unroll
@@ -542,15 +598,37 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
                 const int col = f.col(j) + (e % 2);  // query row m0 + col
                 const float lse2 = sm.lse[pos.stage][col] * kLog2e;
                 const float x = masked && key[rr] > m0 + col + shift ? -kInf : s[4 * j + e];
-                const float prob = exp2f(fmaf(x, p.sm_scale_log2, -lse2));
-                s[4 * j + e] = prob;
-                dp[4 * j + e] = prob * (dp[4 * j + e] - sm.delta[pos.stage][col]);  // dS^T
+                s[4 * j + e] = exp2f(fmaf(x, p.sm_scale_log2, -lse2));  // P^T
             }
         }
         uint32_t pt[kQ / 16][4];
         uint32_t dst[kQ / 16][4];
-        to_frags<E>(s, pt);
-        to_frags<E>(dp, dst);
+#pragma unroll
+        for (int h = 0; h < kDpParts; ++h) {
+            if (h == 1) {
+                issue_dp_part<E>(dp, desc_v, desc_do, 1);
+                wgmma_wait<0>();
+                wgmma_fence_regs(dp);
+            }
+#pragma unroll
+            for (int jh = 0; jh < kPartBlocks; ++jh) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = f.col(h * kPartBlocks + jh) + (e % 2);
+                    dp[4 * jh + e] = s[4 * (h * kPartBlocks + jh) + e] * (dp[4 * jh + e] - sm.delta[pos.stage][col]);
+                }
+            }
+            // k-steps 2 h and 2 h + 1 (d 192) or all four (d 128) of dS^T and P^T as A fragments.
+#pragma unroll
+            for (int kk = 0; kk < kPartBlocks / 2; ++kk) {
+                const int kb = h * (kPartBlocks / 2) + kk;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    dst[kb][i] = pack_x2<E>(dp[8 * kk + 2 * i], dp[8 * kk + 2 * i + 1]);
+                    pt[kb][i] = pack_x2<E>(s[8 * kb + 2 * i], s[8 * kb + 2 * i + 1]);
+                }
+            }
+        }
         wgmma_fence();
         mma_rs_mn<E, kDv>(dv, pt, do_addr, kQSlab);
         mma_rs_mn<E, kD>(dk, dst, q_addr, kQSlab);
@@ -560,9 +638,12 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
         wgmma_fence_regs(dk);
         release_by_warp(&sm.empty[pos.stage], lane);
     }
-    store_rows<E, kD>(p.d_k + k0 * p.d_k_stride_t + w.head * p.d_k_stride_h, p.d_k_stride_t, keys, f, dk,
+    // Keys past the sequence (zero rows of K and V) computed rows that are not stored.
+    const int c_keys = clamp_to(keys - c * kRows, 0, kRows);
+    const int64_t kc0 = k0 + c * kRows;
+    store_rows<E, kD>(p.d_k + kc0 * p.d_k_stride_t + w.head * p.d_k_stride_h, p.d_k_stride_t, c_keys, f, dk,
                       p.sm_scale);
-    store_rows<E, kDv>(p.d_v + k0 * p.d_v_stride_t + w.head * p.d_v_stride_h, p.d_v_stride_t, keys, f, dv, 1.f);
+    store_rows<E, kDv>(p.d_v + kc0 * p.d_v_stride_t + w.head * p.d_v_stride_h, p.d_v_stride_t, c_keys, f, dv, 1.f);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -639,36 +720,6 @@ __device__ __forceinline__ void mma_ss_kmn(float (&acc)[N], uint32_t a, uint32_t
     }
 }
 
-// 0, read from shared memory with a volatile load. The consumer adds it to the shared addresses its tile derives
-// swizzled store addresses and MMA descriptors from: the compiler cannot prove those loop-invariant, so it computes
-// them next to their uses instead of hoisting dozens of them out of the tile loop into registers (which at d 192
-// spilled and serialized the MMAs).
-__device__ __forceinline__ uint32_t tile_zero(const uint32_t* zero) {
-    uint32_t v;
-    asm volatile("ld.volatile.shared.u32 %0, [%1];" : "=r"(v) : "r"(smem_addr(zero)) : "memory");
-    return v;
-}
-
-// dP^T for query rows N h .. N h + N - 1 of the tile (N = 2 * the accumulator's registers, 32 or 64): V (64 keys,
-// K-major) times those rows of dO; committed.
-template <class E, int N>
-__device__ __forceinline__ void issue_dp_part(float (&dp)[N], uint64_t desc_v, uint64_t desc_do, int h) {
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kDv / 16; ++ks) {
-        const uint32_t off = (ks / 4) * kSlab64 + (ks % 4) * 32;
-        const uint32_t off_rows = off + h * 2 * N * kSw128RowBytes;
-        if constexpr (N == 16) {
-            wgmma_m64n32k16_ss_kk<E>(dp, wgmma_desc_advance(desc_v, off), wgmma_desc_advance(desc_do, off_rows),
-                                     ks > 0);
-        } else {
-            static_assert(N == 32, "dP^T of 32 or 64 query rows");
-            wgmma_m64n64k16_ss_kk<E>(dp, wgmma_desc_advance(desc_v, off), wgmma_desc_advance(desc_do, off_rows),
-                                     ks > 0);
-        }
-    }
-    wgmma_commit();
-}
 
 // One 64-column chunk of dQ(tile) = dS[64 rows x 128 keys] K[keys, columns of slab `slab`], both operands MN-major
 // (dS^T stored [key][row], K stored [key][d]); waited for.

@@ -26,7 +26,7 @@ FLASHMLA_DENSE_PREFILL_FWD(dense_prefill_fwd_d128_f16, 128, F16)
 // Backward (bwd.cuh): delta (block 256 threads, one warp per (row, head); also zeroes dq_accum when set), then
 // either the fused pass (block bwd::kFusedThreads = 384, 128-key tiles, dynamic shared memory bwd::kFusedSmemBytes<d>)
 // followed by dq_convert (block 256, one thread per 8 columns of a (row, head)), or, deterministic, dQ (block
-// bwd::kDqThreads = 384, grid of 128-row tiles) and dK / dV (block bwd::kThreads = 256, 64-key tiles), dynamic shared
+// bwd::kDqThreads = 384, grid of 128-row tiles) and dK / dV (block bwd::kThreads = 384, 128-key tiles), dynamic shared
 // memory bwd::kDqSmemBytes<d> / kDkvSmemBytes<d>, in any order after delta.
 #define FLASHMLA_DENSE_PREFILL_BWD(SUFFIX, D, E)                                                                  \
     extern "C" __global__ void __launch_bounds__(flashmla::dense_prefill::bwd::kDqThreads, 1)                     \

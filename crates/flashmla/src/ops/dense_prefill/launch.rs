@@ -303,12 +303,12 @@ pub mod kernels {
     ];
 }
 
-/// Keys per CTA of the backward's dK / dV kernel (`bwd::kRows`).
-pub const BWD_TILE: usize = 64;
+/// Keys per CTA of the backward's dK / dV kernel (two consumers of `bwd::kRows` = 64 keys).
+pub const BWD_TILE: usize = 128;
 /// Query rows per CTA of the backward's dQ kernel (`bwd::kDqRows`: two consumers of 64 rows).
 pub const BWD_DQ_TILE: usize = 128;
-/// Threads per CTA of the backward's dK / dV kernel (`bwd::kThreads`).
-pub const BWD_THREADS: u32 = 256;
+/// Threads per CTA of the backward's dK / dV kernel (`bwd::kThreads`: a producer and two consumer warpgroups).
+pub const BWD_THREADS: u32 = 384;
 /// Threads per CTA of the backward's dQ kernel (`bwd::kDqThreads`: a producer and two consumer warpgroups).
 pub const BWD_DQ_THREADS: u32 = 384;
 /// Threads per CTA of the delta kernel (one warp per (row, head)).
@@ -318,9 +318,9 @@ pub const BWD_DQ_SMEM_D192: u32 = 165_888;
 /// The same, `d` 128.
 pub const BWD_DQ_SMEM_D128: u32 = 133_120;
 /// Dynamic shared memory of the dK / dV kernel, `d` 192 (`bwd::kDkvSmemBytes<192>`).
-pub const BWD_DKV_SMEM_D192: u32 = 125_952;
+pub const BWD_DKV_SMEM_D192: u32 = 166_912;
 /// The same, `d` 128.
-pub const BWD_DKV_SMEM_D128: u32 = 101_376;
+pub const BWD_DKV_SMEM_D128: u32 = 134_144;
 
 /// Keys per CTA of the fused backward kernel (`bwd::kFusedKeys`: two consumers of 64 keys).
 pub const BWD_FUSED_TILE: usize = 128;
@@ -1060,10 +1060,11 @@ mod tests {
         let (_, delta_cfg, p) = &launches[0];
         // One warp per (row, head), 8 warps per block.
         assert_eq!(delta_cfg.grid.0, (1000 * 16usize).div_ceil(8) as u32);
-        assert_eq!((p.q_tiles, p.k_tiles), (8 + 3, 47 + 3));
+        assert_eq!((p.q_tiles, p.k_tiles), (8 + 3, 24 + 3));
         assert_eq!(launches[1].1.grid.0, 11 * 16);
         assert_eq!(launches[1].1.block.0, BWD_DQ_THREADS);
-        assert_eq!(launches[2].1.grid.0, 50 * 4);
+        assert_eq!(launches[2].1.grid.0, 27 * 4);
+        assert_eq!(launches[2].1.block.0, BWD_THREADS);
         assert_eq!(
             (
                 launches[1].1.shared_mem_bytes,
