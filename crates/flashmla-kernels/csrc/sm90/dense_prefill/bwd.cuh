@@ -132,7 +132,7 @@ __device__ __forceinline__ Plan& plan_of(uint8_t* smem) {
 
 // The prologue of the dQ and dK / dV kernels: warp 0 finds the CTA's tile of kTile rows of the tensor that `cu`
 // offsets and the sequence's range in the other tensor (offsets `cu_other`) and publishes them in `sm.work`,
-// `sm.other_start`, `sm.other_len`; thread 32 initialises the barriers (a stage is released by each consumer warp).
+// `sm.other_start`, `sm.other_len`; thread 32 initialises the barriers (a stage is released by every consumer thread).
 template <int kTile, int kConsumers, class Plan>
 __device__ __forceinline__ void begin_cta(Plan& sm, int batch, const int32_t* cu, int total, int tiles,
                                           const int32_t* cu_other, int total_other) {
@@ -152,7 +152,7 @@ __device__ __forceinline__ void begin_cta(Plan& sm, int batch, const int32_t* cu
         MBarrier::init(&sm.own_full, kWarpgroupThreads);
         for (int st = 0; st < kStages; ++st) {
             MBarrier::init(&sm.full[st], kWarpgroupThreads);
-            MBarrier::init(&sm.empty[st], kConsumers * kWarpsPerWarpgroup);
+            MBarrier::init(&sm.empty[st], kConsumers * kWarpgroupThreads);
         }
     }
     __syncthreads();
@@ -331,7 +331,6 @@ __device__ __forceinline__ void dq_kernel(const DensePrefillBwdParams& p, uint8_
     const int c_rows = clamp_to(rows - c * kRows, 0, kRows);
     const int c_t0 = w.t0 + c * kRows;  // the consumer's first row inside the sequence
     const int t = static_cast<int>(threadIdx.x) - wg * kWarpgroupThreads;
-    const int lane = t % 32;
     const AccFrag f = AccFrag::of_thread(t);
     const int r[2] = {f.row0, f.row1()};
     float lse2[2];
@@ -394,7 +393,7 @@ __device__ __forceinline__ void dq_kernel(const DensePrefillBwdParams& p, uint8_
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_regs(dq);
-        release_by_warp(&sm.empty[pos.stage], lane);
+        MBarrier::arrive(&sm.empty[pos.stage]);  // every thread: its reads of the stage are done
     }
     store_rows<E, kD>(p.d_q + (q0 + c * kRows) * p.d_q_stride_t + w.head * p.d_q_stride_h, p.d_q_stride_t, c_rows,
                       f, dq, p.sm_scale);
@@ -550,7 +549,6 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
     setmaxnreg_inc<kDkvConsumerRegs>();
     const int c = wg - 1;
     const int t = static_cast<int>(threadIdx.x) - wg * kWarpgroupThreads;
-    const int lane = t % 32;
     const AccFrag f = AccFrag::of_thread(t);
     const int c_t0 = w.t0 + c * kRows;  // the consumer's first key inside the sequence
     const int key[2] = {c_t0 + f.row0, c_t0 + f.row1()};
@@ -636,7 +634,7 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
         wgmma_wait<0>();
         wgmma_fence_regs(dv);
         wgmma_fence_regs(dk);
-        release_by_warp(&sm.empty[pos.stage], lane);
+        MBarrier::arrive(&sm.empty[pos.stage]);  // every thread: its reads of the stage are done
     }
     // Keys past the sequence (zero rows of K and V) computed rows that are not stored.
     const int c_keys = clamp_to(keys - c * kRows, 0, kRows);
@@ -949,7 +947,7 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
         wgmma_wait<0>();
         wgmma_fence_regs(dv);
         wgmma_fence_regs(dk);
-        release_by_warp(&sm.empty[pos.stage], lane);
+        MBarrier::arrive(&sm.empty[pos.stage]);  // every thread: its reads of the stage are done
         const uint32_t ds_addr[kFusedConsumers] = {smem_addr(sm.ds[0]) + z, smem_addr(sm.ds[1]) + z};
         const uint32_t k_addr[kFusedConsumers] = {smem_addr(sm.k[0]) + z, smem_addr(sm.k[1]) + z};
         // This tile's accumulator blocks: (head, tile, slab) with p.q_tiles 64-row tiles per head. Offsets that
