@@ -62,9 +62,8 @@ static_assert(kDqProducerRegs + kDqConsumers * kDqConsumerRegs <= 3 * ((65536u /
 inline constexpr int kStages = 2;
 inline constexpr int kRows = 64;        // a consumer's own rows (queries for dQ, keys for dK / dV); the wgmma M
 inline constexpr int kKeyTile = 64;     // dQ: keys per streamed tile
-// dK / dV: query rows per streamed tile, the N of S^T and dP^T. At d 192, dK (96 registers), dV (64), the two 64 x 64
-// score tiles and the fragments take all 255 registers without a spill (ptxas); 64-row tiles measured 12-16% faster
-// than 32-row ones there, and 16% at d 128 (docs/perf-log.md).
+// dK / dV: query rows per streamed tile, the N of S^T and dP^T. 64-row tiles measured 12-16% faster than 32-row ones
+// at d 192 and 16% at d 128 (docs/perf-log.md); at d 192 the consumers take dP^T in two halves of 32 rows.
 template <int kD>
 inline constexpr int kQueryTile = 64;
 inline constexpr uint32_t kSlab64 = kRows * kSw128RowBytes;       // 8 KB: a 64-row slab
@@ -487,7 +486,6 @@ __device__ __forceinline__ void issue_dp_part(float (&dp)[N], uint64_t desc_v, u
     wgmma_commit();
 }
 
-
 template <int kD, class E>
 __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8_t* smem) {
     using Plan = DkvPlan<kD>;
@@ -717,7 +715,6 @@ __device__ __forceinline__ void mma_ss_kmn(float (&acc)[N], uint32_t a, uint32_t
         }
     }
 }
-
 
 // One 64-column chunk of dQ(tile) = dS[64 rows x 128 keys] K[keys, columns of slab `slab`], both operands MN-major
 // (dS^T stored [key][row], K stored [key][d]); waited for.
