@@ -157,6 +157,37 @@ __device__ __forceinline__ void begin_cta(Plan& sm, int batch, const int32_t* cu
     __syncthreads();
 }
 
+// The producer's load of the CTA's own rows, 64 per consumer, of two tensors of one head: `a` (kASlabs slabs: q or
+// k) and `b` (two slabs: d_out or v), from row `row0` on, `rows` of them real. Whole by TMA when `tma` (thread 0
+// announces the bytes and arrives for the warpgroup), else with cp.async, rows past `rows` zero-filled, published
+// after a proxy fence; `full` completes either way.
+template <int kASlabs, int kConsumers>
+__device__ __forceinline__ void load_own_rows(uint8_t (&a)[kConsumers][kASlabs * kSlab64],
+                                              uint8_t (&b)[kConsumers][2 * kSlab64], const TensorMapBytes* a_map,
+                                              const TensorMapBytes* b_map, const uint16_t* a_src, int64_t a_stride,
+                                              const uint16_t* b_src, int64_t b_stride, int head, int row0, int rows,
+                                              bool tma, uint64_t* full, const Sw128CopyThread& ct,
+                                              const uint16_t* dummy) {
+    if (tma) {
+        if (threadIdx.x == 0) {
+            MBarrier::expect_tx(full, kConsumers * (kASlabs + 2) * kSlab64);
+#pragma unroll
+            for (int c = 0; c < kConsumers; ++c) {
+                tma_slabs<kASlabs, kRows>(smem_addr(a[c]), a_map, head, row0 + c * kRows, full);
+                tma_slabs<2, kRows>(smem_addr(b[c]), b_map, head, row0 + c * kRows, full);
+            }
+            MBarrier::arrive(full, kWarpgroupThreads);
+        }
+    } else {
+#pragma unroll
+        for (int c = 0; c < kConsumers; ++c) {
+            copy_tile<kASlabs, kRows>(smem_addr(a[c]), a_src, a_stride, c * kRows, rows, ct, dummy);
+            copy_tile<2, kRows>(smem_addr(b[c]), b_src, b_stride, c * kRows, rows, ct, dummy);
+        }
+        publish_landed(full);
+    }
+}
+
 // O += A B with A from registers and B = rows of an SW128 tile read MN-major (N = kN columns over kN / 64 slabs of
 // `slab` bytes), k-step kb covering rows 16 kb .. 16 kb + 15.
 template <class E, int kN, int kSteps, int N>
@@ -279,27 +310,11 @@ __device__ __forceinline__ void dq_kernel(const DensePrefillBwdParams& p, uint8_
         const bool tma = (p.flags & kFlagTma) != 0;
         const Sw128CopyThread ct = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
         const uint16_t* dummy = p.q;
-        if (tma && rows == kDqRows) {  // the CTA's rows by TMA
-            if (threadIdx.x == 0) {
-                MBarrier::expect_tx(&sm.own_full, kDqConsumers * (kDSlabs + 2) * kSlab64);
-#pragma unroll
-                for (int c = 0; c < kDqConsumers; ++c) {
-                    tma_slabs<kDSlabs, kRows>(smem_addr(sm.q[c]), &p.q_tmap, w.head, q0 + c * kRows, &sm.own_full);
-                    tma_slabs<2, kRows>(smem_addr(sm.d_out[c]), &p.d_out_tmap, w.head, q0 + c * kRows,
-                                        &sm.own_full);
-                }
-                MBarrier::arrive(&sm.own_full, kWarpgroupThreads);
-            }
-        } else {
-            const uint16_t* q = p.q + q0 * p.q_stride_t + w.head * p.q_stride_h;
-            const uint16_t* d_out = p.d_out + q0 * p.d_out_stride_t + w.head * p.d_out_stride_h;
-#pragma unroll
-            for (int c = 0; c < kDqConsumers; ++c) {
-                copy_tile<kDSlabs, kRows>(smem_addr(sm.q[c]), q, p.q_stride_t, c * kRows, rows, ct, dummy);
-                copy_tile<2, kRows>(smem_addr(sm.d_out[c]), d_out, p.d_out_stride_t, c * kRows, rows, ct, dummy);
-            }
-            publish_landed(&sm.own_full);
-        }
+        load_own_rows<kDSlabs, kDqConsumers>(sm.q, sm.d_out, &p.q_tmap, &p.d_out_tmap,
+                                             p.q + q0 * p.q_stride_t + w.head * p.q_stride_h, p.q_stride_t,
+                                             p.d_out + q0 * p.d_out_stride_t + w.head * p.d_out_stride_h,
+                                             p.d_out_stride_t, w.head, q0, rows, tma && rows == kDqRows,
+                                             &sm.own_full, ct, dummy);
         const uint16_t* k = p.k + static_cast<int64_t>(k0) * p.k_stride_t + kv_head * p.k_stride_h;
         const uint16_t* v = p.v + static_cast<int64_t>(k0) * p.v_stride_t + kv_head * p.v_stride_h;
         for (int i = 0; i < n_tiles; ++i) {
@@ -518,26 +533,11 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
         if (n_iter == 0) return;
         const Sw128CopyThread ct = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
         const uint16_t* dummy = p.q;
-        if ((p.flags & kFlagTma) != 0 && keys == kKeys) {  // the CTA's keys by TMA
-            if (threadIdx.x == 0) {
-                MBarrier::expect_tx(&sm.own_full, kDkvConsumers * (kDSlabs + 2) * kSlab64);
-#pragma unroll
-                for (int c = 0; c < kDkvConsumers; ++c) {
-                    tma_slabs<kDSlabs, kRows>(smem_addr(sm.k[c]), &p.k_tmap, w.head, k0 + c * kRows, &sm.own_full);
-                    tma_slabs<2, kRows>(smem_addr(sm.v[c]), &p.v_tmap, w.head, k0 + c * kRows, &sm.own_full);
-                }
-                MBarrier::arrive(&sm.own_full, kWarpgroupThreads);
-            }
-        } else {
-            const uint16_t* k = p.k + k0 * p.k_stride_t + w.head * p.k_stride_h;
-            const uint16_t* v = p.v + k0 * p.v_stride_t + w.head * p.v_stride_h;
-#pragma unroll
-            for (int c = 0; c < kDkvConsumers; ++c) {
-                copy_tile<kDSlabs, kRows>(smem_addr(sm.k[c]), k, p.k_stride_t, c * kRows, keys, ct, dummy);
-                copy_tile<2, kRows>(smem_addr(sm.v[c]), v, p.v_stride_t, c * kRows, keys, ct, dummy);
-            }
-            publish_landed(&sm.own_full);
-        }
+        load_own_rows<kDSlabs, kDkvConsumers>(sm.k, sm.v, &p.k_tmap, &p.v_tmap,
+                                              p.k + k0 * p.k_stride_t + w.head * p.k_stride_h, p.k_stride_t,
+                                              p.v + k0 * p.v_stride_t + w.head * p.v_stride_h, p.v_stride_t, w.head,
+                                              k0, keys, (p.flags & kFlagTma) != 0 && keys == kKeys, &sm.own_full,
+                                              ct, dummy);
         stream_query_tiles<kDSlabs, kQ>(p, sm, w.head, q0, s_q, m_first, m_count, n_iter, ct);
         return;
     }
@@ -810,26 +810,11 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
         if (n_iter == 0) return;
         const Sw128CopyThread ct = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
         const uint16_t* dummy = p.q;
-        const uint16_t* k = p.k + k0 * p.k_stride_t + w.head * p.k_stride_h;
-        const uint16_t* v = p.v + k0 * p.v_stride_t + w.head * p.v_stride_h;
-        if ((p.flags & kFlagTma) != 0 && keys == kFusedKeys) {  // the CTA's keys by TMA
-            if (threadIdx.x == 0) {
-                MBarrier::expect_tx(&sm.own_full, kFusedConsumers * (kDSlabs + 2) * kSlab64);
-#pragma unroll
-                for (int c = 0; c < kFusedConsumers; ++c) {
-                    tma_slabs<kDSlabs, kRows>(smem_addr(sm.k[c]), &p.k_tmap, w.head, k0 + c * kRows, &sm.own_full);
-                    tma_slabs<2, kRows>(smem_addr(sm.v[c]), &p.v_tmap, w.head, k0 + c * kRows, &sm.own_full);
-                }
-                MBarrier::arrive(&sm.own_full, kWarpgroupThreads);
-            }
-        } else {
-#pragma unroll
-            for (int c = 0; c < kFusedConsumers; ++c) {
-                copy_tile<kDSlabs, kRows>(smem_addr(sm.k[c]), k, p.k_stride_t, c * kRows, keys, ct, dummy);
-                copy_tile<2, kRows>(smem_addr(sm.v[c]), v, p.v_stride_t, c * kRows, keys, ct, dummy);
-            }
-            publish_landed(&sm.own_full);
-        }
+        load_own_rows<kDSlabs, kFusedConsumers>(sm.k, sm.v, &p.k_tmap, &p.v_tmap,
+                                                p.k + k0 * p.k_stride_t + w.head * p.k_stride_h, p.k_stride_t,
+                                                p.v + k0 * p.v_stride_t + w.head * p.v_stride_h, p.v_stride_t,
+                                                w.head, k0, keys, (p.flags & kFlagTma) != 0 && keys == kFusedKeys,
+                                                &sm.own_full, ct, dummy);
         stream_query_tiles<kDSlabs, kQ>(p, sm, w.head, q0, s_q, m_first, m_count, n_iter, ct);
         return;
     }
