@@ -748,6 +748,10 @@ def estimate_seconds(impl_counts: Sequence[int], regimes: Sequence[str], rounds_
 
 #: Implementation names used by the scheduler and in records.
 OURS, PEER, PEER_META = "flashmla", "peer", "peer+metadata"
+# The timing method's version, written into every record as ``harness``, so that records taken with different
+# methods are not compared as if they were one: 1 (records without the field), the short regime idled once per round,
+# before its first block; 2, it idles before every block.
+HARNESS = 2
 #: Each regime's name in the ``timing`` field of bench records (docs/benchmarking.md, section 7).
 TIMING = {"short": "full-clock", "sustained": "sustained"}
 
@@ -777,7 +781,8 @@ def make_record(
     """One JSON record for (op, shape, regime): both times, ``vs_peer = peer_time_us / time_us``, TFLOPS (and
     GB/s where ``nbytes`` is given) for each, per-block samples, clocks, the pair check and the environment.
 
-    Besides ``regime``, the record carries the fields docs/benchmarking.md gives every bench record: ``timing``
+    Besides ``regime`` and ``harness`` (the timing method's version, ``HARNESS``), the record carries the fields
+    docs/benchmarking.md gives every bench record: ``timing``
     (``full-clock`` for short blocks, ``sustained``) and what ``regime_fields`` adds (``cooldown_ms``...),
     ``reps`` (timed calls) and ``run_sm_clock_mhz`` (the SM clock read after each timed block, mean); the
     peer's figures carry the prefix ``peer_`` (``peer_with_metadata_`` for the variant computing its metadata)."""
@@ -786,7 +791,7 @@ def make_record(
     t_peer = round(peer.time_us, 2) if peer else None
     rec = dict(op=op, name=name)
     rec.update(fields)
-    rec.update(regime=regime, timing=TIMING[regime])
+    rec.update(regime=regime, timing=TIMING[regime], harness=HARNESS)
     rec.update(regime_fields or {})
     rec.update(
         time_us=t_ours,

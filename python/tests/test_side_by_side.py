@@ -351,6 +351,7 @@ def test_make_record_ratios_rates_and_fields():
     for key in ("b", "s_q", "s_k", "h_q", "h_kv", "d_qk", "d_v", "causal", "page_size"):
         assert key in rec
     assert rec["op"] == "decode_dense" and rec["regime"] == "short" and rec["timing"] == "full-clock"
+    assert rec["harness"] == core.HARNESS == 2
     assert rec["reps"] == 10 and rec["run_sm_clock_mhz"] == 1980.0 and rec["peer_run_sm_clock_mhz"] == 1980.0
     assert rec["time_us"] == 100.0 and rec["peer_time_us"] == 110.0 and rec["vs_peer"] == pytest.approx(1.1)
     assert rec["tflops"] == pytest.approx(round(shape.flop() / 100e-6 / 1e12, 1))
