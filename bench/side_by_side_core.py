@@ -748,9 +748,9 @@ def estimate_seconds(impl_counts: Sequence[int], regimes: Sequence[str], rounds_
 
 #: Implementation names used by the scheduler and in records.
 OURS, PEER, PEER_META = "flashmla", "peer", "peer+metadata"
-# The timing method's version, written into every record as ``harness``, so that records taken with different
-# methods are not compared as if they were one: 1 (records without the field), the short regime idled once per round,
-# before its first block; 2, it idles before every block.
+#: The timing method's version, written into every timing record as ``harness``, so that records taken with
+#: different methods are not compared as if they were one: 1 (records without the field), the short regime idled once
+#: per round, before its first block; 2, it idles before every block.
 HARNESS = 2
 #: Each regime's name in the ``timing`` field of bench records (docs/benchmarking.md, section 7).
 TIMING = {"short": "full-clock", "sustained": "sustained"}

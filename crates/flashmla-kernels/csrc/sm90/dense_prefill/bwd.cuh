@@ -480,6 +480,12 @@ __device__ __forceinline__ uint32_t tile_zero(const uint32_t* zero) {
     return v;
 }
 
+// How many parts of 32 query rows the dK / dV and fused consumers compute dP^T in: at d 128 the whole 64 x 64 tile
+// (its MMAs run under the softmax of P^T); at d 192 two, since dK's 96 registers, dV's 64 and both score tiles in
+// full do not fit a consumer's 240 (ptxas spilled and serialised the MMAs).
+template <int kD>
+inline constexpr int kDpParts = kD == 192 ? 2 : 1;
+
 // dP^T for query rows N h .. N h + N - 1 of the tile (N = 2 * the accumulator's registers, 32 or 64): V (64 keys,
 // K-major) times those rows of dO; committed.
 template <class E, int N>
@@ -566,9 +572,8 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
         const uint32_t do_addr = smem_addr(sm.d_out[pos.stage]);
         const uint64_t desc_q = make_wgmma_desc_sw128(q_addr, kUnusedLbo, kSw128AtomBytes);
         const uint64_t desc_do = make_wgmma_desc_sw128(do_addr, kUnusedLbo, kSw128AtomBytes);
-        // dP^T in full at d 128; at d 192 in two halves of 32 query rows, each turned into dS^T fragments at once
-        // (dK's 96 registers, dV's 64 and both score tiles in full do not fit the consumer's 240).
-        constexpr int kDpParts = kD == 192 ? 2 : 1;
+        // dP^T in kDpParts parts, each turned into dS^T fragments at once.
+        constexpr int kDpParts = bwd::kDpParts<kD>;
         constexpr int kPartBlocks = kQ / 8 / kDpParts;  // accumulator blocks (8 query columns) per part
         float s[kQ / 2];
         float dp[kQ / 2 / kDpParts];
@@ -845,10 +850,8 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
         const uint32_t do_addr = smem_addr(sm.d_out[pos.stage]);
         const uint64_t desc_q = make_wgmma_desc_sw128(q_addr, kUnusedLbo, kSw128AtomBytes);
         const uint64_t desc_do = make_wgmma_desc_sw128(do_addr, kUnusedLbo, kSw128AtomBytes);
-        // S^T in full; dP^T in full at d 128 (its MMAs run under the softmax of P^T), in two halves of 32 query rows
-        // at d 192: there dK (96 registers), dV (64), S^T (32) and a dP^T half (16) leave the registers the rest of
-        // the tile needs (with dP^T in full, d 192 spilled and serialized).
-        constexpr int kDpParts = kD == 192 ? 2 : 1;
+        // S^T in full, dP^T in kDpParts parts.
+        constexpr int kDpParts = bwd::kDpParts<kD>;
         float s[kQ / 2];
         float dp[kQ / 2 / kDpParts];
         wgmma_fence();
