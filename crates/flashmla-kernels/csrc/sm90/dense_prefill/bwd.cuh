@@ -895,8 +895,8 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
         const uint32_t pt_g = (smem_addr(sm.pt[c]) ^ z) + row_g;
 #pragma unroll
         for (int h = 0; h < kDpParts; ++h) {
-            if (h == 1 || kDpParts == 1) {
-                if (h == 1) issue_dp_part<E>(dp, desc_v, desc_do, 1);
+            if (h == 1) issue_dp_part<E>(dp, desc_v, desc_do, 1);
+            if (h == 1 || kDpParts == 1) {  // part h not waited for yet (at d 128 it ran beside the softmax)
                 wgmma_wait<0>();
                 wgmma_fence_regs(dp);
             }
