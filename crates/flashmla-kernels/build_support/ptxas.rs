@@ -35,8 +35,8 @@ pub const KNOWN_SPILLS: &[(&str, u64, u64)] = &[
     ("dense_prefill_bwd_fused_d128_f16", 8, 24),
     // The dK / dV kernel at d 192 (dK 96 + dV 64 accumulator registers of the consumers' 240, both consumers' score
     // tiles in flight): a few values of the tile walk, reloaded per tile. Its MMAs are not serialised.
-    ("dense_prefill_bwd_dkv_d192_bf16", 68, 88),
-    ("dense_prefill_bwd_dkv_d192_f16", 68, 88),
+    ("dense_prefill_bwd_dkv_d192_bf16", 28, 28),
+    ("dense_prefill_bwd_dkv_d192_f16", 28, 28),
 ];
 
 /// Markers of ptxas lines that carry known information wherever they appear: the injected `warpgroup.arrive`

@@ -467,6 +467,45 @@ __device__ __forceinline__ void stream_query_tiles(const DensePrefillBwdParams& 
     }
 }
 
+// The query tiles that a CTA of kKeys keys (`w`, of a sequence with s_q queries) streams, in the dK / dV and fused
+// kernels: tiles m_first .. m_first + m_count - 1 of every query head of the key head's group.
+struct KeyBlockWalk {
+    int keys;     // the CTA's keys inside the sequence (1..kKeys)
+    int k0;       // its first key (global row)
+    int shift;    // s_k - s_q: under the mask, row r sees key c iff c <= r + shift
+    int m_first;  // the first query tile that sees any of the CTA's keys
+    int m_count;  // query tiles per head
+    int n_iter;   // tiles streamed
+    template <int kKeys, int kQ>
+    static __device__ __forceinline__ KeyBlockWalk of(const DensePrefillBwdParams& p, const SeqTile& w, int s_q) {
+        KeyBlockWalk k;
+        k.keys = min(kKeys, w.len - w.t0);
+        k.k0 = w.start + w.t0;
+        k.shift = w.len - s_q;
+        const int first_row = (p.flags & kFlagCausal) != 0 ? clamp_to(w.t0 - k.shift, 0, s_q) : 0;
+        k.m_first = first_row / kQ;
+        k.m_count = (s_q + kQ - 1) / kQ - k.m_first;
+        k.n_iter = k.m_count > 0 ? k.m_count * p.h_per_k : 0;
+        return k;
+    }
+};
+
+// The producer of the dK / dV and fused kernels: the CTA's own K and V rows (64 per consumer), then the walk's query
+// tiles. Nothing when the walk is empty.
+template <int kDSlabs, int kQ, int kConsumers, class Plan>
+__device__ __forceinline__ void produce_key_block(const DensePrefillBwdParams& p, Plan& sm, const SeqTile& w, int q0,
+                                                  int s_q, const KeyBlockWalk& k) {
+    if (k.n_iter == 0) return;
+    const Sw128CopyThread ct = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
+    const uint16_t* dummy = p.q;
+    load_own_rows<kDSlabs, kConsumers>(sm.k, sm.v, &p.k_tmap, &p.v_tmap,
+                                       p.k + k.k0 * p.k_stride_t + w.head * p.k_stride_h, p.k_stride_t,
+                                       p.v + k.k0 * p.v_stride_t + w.head * p.v_stride_h, p.v_stride_t, w.head, k.k0,
+                                       k.keys, (p.flags & kFlagTma) != 0 && k.keys == kConsumers * kRows,
+                                       &sm.own_full, ct, dummy);
+    stream_query_tiles<kDSlabs, kQ>(p, sm, w.head, q0, s_q, k.m_first, k.m_count, k.n_iter, ct);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // dK / dV
 
@@ -520,31 +559,20 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
     begin_cta<kKeys, kDkvConsumers>(sm, p.batch, p.cu_seqlens_k, p.total_k, p.k_tiles, p.cu_seqlens_q, p.total_q);
     const SeqTile w = sm.work;
     if (!w.found) return;
-    const int q0 = sm.other_start;
     const int s_q = sm.other_len;
-    const int keys = min(kKeys, w.len - w.t0);
-    const int k0 = w.start + w.t0;
-    const int shift = w.len - s_q;
+    // The second consumer's keys see one tile fewer; it computes that tile under the mask (P = 0) rather than skip
+    // it (a consumer a tile ahead of the other waits for every refill, docs/perf-log.md).
+    const KeyBlockWalk kw = KeyBlockWalk::of<kKeys, kQ>(p, w, s_q);
+    const int shift = kw.shift;
+    const int m_first = kw.m_first;
+    const int m_count = kw.m_count;
+    const int n_iter = kw.n_iter;
     const bool causal = (p.flags & kFlagCausal) != 0;
-    // Query tiles that see any of the CTA's keys: under the mask, row r sees key c iff c <= r + shift. The second
-    // consumer's keys see one tile fewer; it computes that tile under the mask (P = 0) rather than skip it.
-    const int first_row = causal ? clamp_to(w.t0 - shift, 0, s_q) : 0;
-    const int m_first = first_row / kQ;
-    const int m_count = (s_q + kQ - 1) / kQ - m_first;
-    const int n_iter = m_count > 0 ? m_count * p.h_per_k : 0;
     const int wg = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
 
     if (wg == 0) {  // producer
         setmaxnreg_dec<kDkvProducerRegs>();
-        if (n_iter == 0) return;
-        const Sw128CopyThread ct = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
-        const uint16_t* dummy = p.q;
-        load_own_rows<kDSlabs, kDkvConsumers>(sm.k, sm.v, &p.k_tmap, &p.v_tmap,
-                                              p.k + k0 * p.k_stride_t + w.head * p.k_stride_h, p.k_stride_t,
-                                              p.v + k0 * p.v_stride_t + w.head * p.v_stride_h, p.v_stride_t, w.head,
-                                              k0, keys, (p.flags & kFlagTma) != 0 && keys == kKeys, &sm.own_full,
-                                              ct, dummy);
-        stream_query_tiles<kDSlabs, kQ>(p, sm, w.head, q0, s_q, m_first, m_count, n_iter, ct);
+        produce_key_block<kDSlabs, kQ, kDkvConsumers>(p, sm, w, sm.other_start, s_q, kw);
         return;
     }
 
@@ -640,8 +668,8 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
         MBarrier::arrive(&sm.empty[pos.stage]);  // every thread: its reads of the stage are done
     }
     // Keys past the sequence (zero rows of K and V) computed rows that are not stored.
-    const int c_keys = clamp_to(keys - c * kRows, 0, kRows);
-    const int64_t kc0 = k0 + c * kRows;
+    const int c_keys = clamp_to(kw.keys - c * kRows, 0, kRows);
+    const int64_t kc0 = kw.k0 + c * kRows;
     store_rows<E, kD>(p.d_k + kc0 * p.d_k_stride_t + w.head * p.d_k_stride_h, p.d_k_stride_t, c_keys, f, dk,
                       p.sm_scale);
     store_rows<E, kDv>(p.d_v + kc0 * p.d_v_stride_t + w.head * p.d_v_stride_h, p.d_v_stride_t, c_keys, f, dv, 1.f);
@@ -799,28 +827,17 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
     if (!w.found) return;
     const int q0 = sm.other_start;
     const int s_q = sm.other_len;
-    const int keys = min(kFusedKeys, w.len - w.t0);
-    const int k0 = w.start + w.t0;
-    const int shift = w.len - s_q;
+    const KeyBlockWalk kw = KeyBlockWalk::of<kFusedKeys, kQ>(p, w, s_q);
+    const int shift = kw.shift;
+    const int m_first = kw.m_first;
+    const int m_count = kw.m_count;
+    const int n_iter = kw.n_iter;
     const bool causal = (p.flags & kFlagCausal) != 0;
-    // Query tiles that see any of the CTA's keys: under the mask, row r sees key c iff c <= r + shift.
-    const int first_row = causal ? clamp_to(w.t0 - shift, 0, s_q) : 0;
-    const int m_first = first_row / kQ;
-    const int m_count = (s_q + kQ - 1) / kQ - m_first;
-    const int n_iter = m_count > 0 ? m_count * p.h_per_k : 0;
     const int wg = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
 
     if (wg == 0) {  // producer
         setmaxnreg_dec<kFusedProducerRegs>();
-        if (n_iter == 0) return;
-        const Sw128CopyThread ct = Sw128CopyThread::of(static_cast<int>(threadIdx.x));
-        const uint16_t* dummy = p.q;
-        load_own_rows<kDSlabs, kFusedConsumers>(sm.k, sm.v, &p.k_tmap, &p.v_tmap,
-                                                p.k + k0 * p.k_stride_t + w.head * p.k_stride_h, p.k_stride_t,
-                                                p.v + k0 * p.v_stride_t + w.head * p.v_stride_h, p.v_stride_t,
-                                                w.head, k0, keys, (p.flags & kFlagTma) != 0 && keys == kFusedKeys,
-                                                &sm.own_full, ct, dummy);
-        stream_query_tiles<kDSlabs, kQ>(p, sm, w.head, q0, s_q, m_first, m_count, n_iter, ct);
+        produce_key_block<kDSlabs, kQ, kFusedConsumers>(p, sm, w, q0, s_q, kw);
         return;
     }
 
@@ -957,8 +974,8 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
         }
     }
     if (t == 0) bulk_wait_all();  // the bulk reductions read shared memory until they complete
-    const int c_keys = clamp_to(keys - c * kRows, 0, kRows);
-    const int64_t kc0 = k0 + c * kRows;
+    const int c_keys = clamp_to(kw.keys - c * kRows, 0, kRows);
+    const int64_t kc0 = kw.k0 + c * kRows;
     store_rows<E, kD>(p.d_k + kc0 * p.d_k_stride_t + w.head * p.d_k_stride_h, p.d_k_stride_t, c_keys, f, dk,
                       p.sm_scale);
     store_rows<E, kDv>(p.d_v + kc0 * p.d_v_stride_t + w.head * p.d_v_stride_h, p.d_v_stride_t, c_keys, f, dv, 1.f);
