@@ -29,14 +29,14 @@ pub const KNOWN_SPILLS: &[(&str, u64, u64)] = &[
     // The fused dense backward (dK 96 + dV 64 accumulator registers of its 240 at d 192): a few loop-invariant
     // values of the tile walk; at d 128 since its consumers stopped fencing each tile (TMA tiles). Its MMAs are not
     // serialised.
-    ("dense_prefill_bwd_fused_d192_bf16", 28, 36),
-    ("dense_prefill_bwd_fused_d192_f16", 28, 36),
+    ("dense_prefill_bwd_fused_d192_bf16", 20, 24),
+    ("dense_prefill_bwd_fused_d192_f16", 20, 24),
     ("dense_prefill_bwd_fused_d128_bf16", 8, 24),
     ("dense_prefill_bwd_fused_d128_f16", 8, 24),
-    // The dK / dV kernel at d 192 (dK 96 + dV 64 accumulator registers of the consumers' 240, both consumers' score
-    // tiles in flight): a few values of the tile walk, reloaded per tile. Its MMAs are not serialised.
-    ("dense_prefill_bwd_dkv_d192_bf16", 28, 28),
-    ("dense_prefill_bwd_dkv_d192_f16", 28, 28),
+    // The dK / dV kernel at d 192 (dK 96 + dV 64 accumulator registers of the consumers' 240, P^T in f32 and dP^T
+    // in halves): two values of the tile walk, reloaded per tile. Its MMAs are not serialised.
+    ("dense_prefill_bwd_dkv_d192_bf16", 8, 12),
+    ("dense_prefill_bwd_dkv_d192_f16", 8, 12),
 ];
 
 /// Markers of ptxas lines that carry known information wherever they appear: the injected `warpgroup.arrive`

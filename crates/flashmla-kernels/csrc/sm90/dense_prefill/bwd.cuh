@@ -18,7 +18,8 @@
 //          written at the end. While one consumer forms dS the other's MMAs keep the tensor cores busy.
 //   dK/dV: one CTA per 128 keys of one (sequence, key head), two consumer warpgroups of 64 keys each that share every
 //          streamed 64-row tile of Q and dO (of every query head of the group) and nothing else. S^T = K Q^T and
-//          dP^T = V dO^T, P^T and dS^T as above, dV += P^T dO and dK += dS^T Q (A from registers).
+//          dP^T = V dO^T, P^T and dS^T as above, dV += P^T dO (queued behind dP^T's last part, under dS^T) and
+//          dK += dS^T Q (A from registers).
 // Each CTA has a producer warpgroup (a 2-stage ring, the CTA's own rows loaded once): with kFlagTma, whole 64-row
 // tiles and whole own rows by TMA, else (the sequence's partial tiles, or no maps) cp.async published after a proxy
 // fence, so the consumers never fence. Masked and padded entries get P = 0: a padded row of a streamed tile is
@@ -600,7 +601,7 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
         const uint32_t do_addr = smem_addr(sm.d_out[pos.stage]);
         const uint64_t desc_q = make_wgmma_desc_sw128(q_addr, kUnusedLbo, kSw128AtomBytes);
         const uint64_t desc_do = make_wgmma_desc_sw128(do_addr, kUnusedLbo, kSw128AtomBytes);
-        // dP^T in kDpParts parts, each turned into dS^T fragments at once.
+        // S^T, then dP^T in kDpParts parts; dV += P^T dO runs while dS^T is formed (from P^T in f32).
         constexpr int kDpParts = bwd::kDpParts<kD>;
         constexpr int kPartBlocks = kQ / 8 / kDpParts;  // accumulator blocks (8 query columns) per part
         float s[kQ / 2];
@@ -614,9 +615,8 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
         }
         wgmma_commit();
         issue_dp_part<E>(dp, desc_v, desc_do, 0);
-        wgmma_wait<0>();
+        wgmma_wait<1>();  // S^T
         wgmma_fence_regs(s);
-        wgmma_fence_regs(dp);
         // Under the mask, key c and query row r pair iff c <= r + shift; tiles wholly below the diagonal skip it.
         const bool masked = causal && c_t0 + kRows - 1 > m0 + shift;
 #pragma unroll
@@ -634,9 +634,24 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
         uint32_t dst[kQ / 16][4];
 #pragma unroll
         for (int h = 0; h < kDpParts; ++h) {
-            if (h == 1) {
-                issue_dp_part<E>(dp, desc_v, desc_do, 1);
-                wgmma_wait<0>();
+            // k-steps 2 h and 2 h + 1 (d 192) or all four (d 128) of P^T as A fragments.
+#pragma unroll
+            for (int kk = 0; kk < kPartBlocks / 2; ++kk) {
+                const int kb = h * (kPartBlocks / 2) + kk;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) pt[kb][i] = pack_x2<E>(s[8 * kb + 2 * i], s[8 * kb + 2 * i + 1]);
+            }
+            if (h == 0 && kDpParts == 2) {
+                wgmma_wait<0>();  // dP^T's first part
+                wgmma_fence_regs(dp);
+            }
+            if (h == kDpParts - 1) {
+                // dV += P^T dO, queued behind dP^T's last part; it runs while that part becomes dS^T.
+                if (h == 1) issue_dp_part<E>(dp, desc_v, desc_do, 1);
+                wgmma_fence();
+                mma_rs_mn<E, kDv>(dv, pt, do_addr, kQSlab);
+                wgmma_commit();
+                wgmma_wait<1>();
                 wgmma_fence_regs(dp);
             }
 #pragma unroll
@@ -647,19 +662,15 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
                     dp[4 * jh + e] = s[4 * (h * kPartBlocks + jh) + e] * (dp[4 * jh + e] - sm.delta[pos.stage][col]);
                 }
             }
-            // k-steps 2 h and 2 h + 1 (d 192) or all four (d 128) of dS^T and P^T as A fragments.
+            // The same k-steps of dS^T.
 #pragma unroll
             for (int kk = 0; kk < kPartBlocks / 2; ++kk) {
                 const int kb = h * (kPartBlocks / 2) + kk;
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    dst[kb][i] = pack_x2<E>(dp[8 * kk + 2 * i], dp[8 * kk + 2 * i + 1]);
-                    pt[kb][i] = pack_x2<E>(s[8 * kb + 2 * i], s[8 * kb + 2 * i + 1]);
-                }
+                for (int i = 0; i < 4; ++i) dst[kb][i] = pack_x2<E>(dp[8 * kk + 2 * i], dp[8 * kk + 2 * i + 1]);
             }
         }
         wgmma_fence();
-        mma_rs_mn<E, kDv>(dv, pt, do_addr, kQSlab);
         mma_rs_mn<E, kD>(dk, dst, q_addr, kQSlab);
         wgmma_commit();
         wgmma_wait<0>();
