@@ -26,13 +26,10 @@ pub const KNOWN_SPILLS: &[(&str, u64, u64)] = &[
     // The narrow MODEL1 kN = 32 kernel (96 / 160 / 160 registers, narrow.cuh): its score warpgroup keeps a few
     // values of the chunk loop on the stack, reloaded per chunk; its tile loop does not spill.
     ("decode_split_fp8_model1_n32", 60, 68),
-    // The fused dense backward (dK 96 + dV 64 accumulator registers of its 240 at d 192): a few loop-invariant
-    // values of the tile walk; at d 128 since its consumers stopped fencing each tile (TMA tiles). Its MMAs are not
-    // serialised.
+    // The fused dense backward at d 192 (dK 96 + dV 64 accumulator registers of its 240): a few loop-invariant
+    // values of the tile walk. Its MMAs are not serialised.
     ("dense_prefill_bwd_fused_d192_bf16", 20, 24),
     ("dense_prefill_bwd_fused_d192_f16", 20, 24),
-    ("dense_prefill_bwd_fused_d128_bf16", 8, 24),
-    ("dense_prefill_bwd_fused_d128_f16", 8, 24),
     // The dK / dV kernel at d 192 (dK 96 + dV 64 accumulator registers of the consumers' 240, P^T in f32 and dP^T
     // in halves): two values of the tile walk, reloaded per tile. Its MMAs are not serialised.
     ("dense_prefill_bwd_dkv_d192_bf16", 8, 12),

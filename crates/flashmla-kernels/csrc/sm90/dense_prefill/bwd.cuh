@@ -717,7 +717,8 @@ struct FusedPlan {
     alignas(kSw128AtomBytes) uint8_t d_out[kStages][2 * kSlab64];         // d_out tiles
     // dS^T of the tile, one [64 keys][64 rows] slab per consumer; both consumers' dQ MMAs read both.
     alignas(kSw128AtomBytes) uint8_t ds[kFusedConsumers][kSlab64];
-    // The tile's P^T ([64 keys][64 rows], an SW128 slab) per consumer, the A operand of dV += P^T dO.
+    // The tile's P^T ([64 keys][64 rows], an SW128 slab) per consumer, the A operand of dV += P^T dO at d 192
+    // (at d 128 the consumers keep P^T in registers).
     alignas(kSw128AtomBytes) uint8_t pt[kFusedConsumers][kSlab64];
     // Each consumer's 64 x 64 f32 dQ chunk on its way to the bulk add (block order). The bulk reduction reads it
     // while the consumer goes on (its next write waits for that read): P^T lives apart (sharing this buffer made
@@ -912,19 +913,33 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
                 s[4 * j + e] = exp2f(fmaf(x, p.sm_scale_log2, -lse2));  // P^T
             }
         }
+        // At d 128 P^T stays in registers, the A operand of dV += P^T dO, whose MMAs then run while dP^T becomes
+        // dS^T; at d 192 (dK's 96 registers) that spilled 192 bytes and ran 15% slower, so P^T goes to shared memory
+        // beside dS^T and dV's MMAs follow dS^T.
+        constexpr bool kPtInRegs = kD == 128;
+        if constexpr (kPtInRegs) {
+            uint32_t pt[kQ / 16][4];
+            to_frags<E>(s, pt);
+            wgmma_fence();
+            mma_rs_mn<E, kDv>(dv, pt, do_addr, kSlab64);
+            wgmma_commit();
+        }
         // The other consumer's dQ MMAs of the previous tile read dS^T: wait until both retired them.
         if (it > 0) named_barrier_sync_unaligned(FusedBar::DsFree, kFusedConsumers * kWarpgroupThreads);
-        // P^T and dS^T to shared memory (SW128 slabs [key][row]): accumulator block j holds query columns 8 j + 2 quad
-        // (+1), chunk j of rows g and g + 8.
-        // Row g of both slabs at chunk 0 (xor z: the compiler cannot reassociate it with the chunk offsets and
+        // dS^T (and P^T) to shared memory, SW128 slabs [key][row]: accumulator block j holds query columns
+        // 8 j + 2 quad (+1), chunk j of rows g and g + 8.
+        // Row g of the slabs at chunk 0 (xor z: the compiler cannot reassociate it with the chunk offsets and
         // hoist them); chunk j of rows g and g + 8 is that address xor 16 j, plus 1024 for g + 8 (smem_layout.cuh).
         const uint32_t row_g = static_cast<uint32_t>(f.row0 * kSw128RowBytes + (f.row0 % kSw128AtomRows) * 16 + 4 * f.quad);
         const uint32_t ds_g = (smem_addr(sm.ds[c]) ^ z) + row_g;
         const uint32_t pt_g = (smem_addr(sm.pt[c]) ^ z) + row_g;
 #pragma unroll
         for (int h = 0; h < kDpParts; ++h) {
-            if (h == 1) issue_dp_part<E>(dp, desc_v, desc_do, 1);
-            if (h == 1 || kDpParts == 1) {  // part h not waited for yet (at d 128 it ran beside the softmax)
+            if constexpr (kPtInRegs) {
+                wgmma_wait<1>();  // dP^T (it ran beside the softmax); dV runs on
+                wgmma_fence_regs(dp);
+            } else if (h == 1) {
+                issue_dp_part<E>(dp, desc_v, desc_do, 1);
                 wgmma_wait<0>();
                 wgmma_fence_regs(dp);
             }
@@ -941,18 +956,20 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
                     }
                     const uint32_t off = static_cast<uint32_t>(j * 16);
                     const uint32_t row_off = rr * 8 * kSw128RowBytes;
-                    st_shared_u32((pt_g ^ off) + row_off, pack_x2<E>(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]));
+                    if constexpr (!kPtInRegs) {
+                        st_shared_u32((pt_g ^ off) + row_off, pack_x2<E>(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]));
+                    }
                     st_shared_u32((ds_g ^ off) + row_off, pack_x2<E>(ds[0], ds[1]));
                 }
             }
         }
-        fence_proxy_async_shared();  // P^T, dS^T: generic stores -> the MMAs' reads (async proxy)
+        fence_proxy_async_shared();  // dS^T (P^T): generic stores -> the MMAs' reads (async proxy)
         __syncwarp();
-        // Each warp's MMA rows are its own 16 keys' rows of P^T / dS^T, but wgmma reads the whole warpgroup's tile:
+        // Each warp's MMA rows are its own 16 keys' rows of dS^T (P^T), but wgmma reads the whole warpgroup's tile:
         // the consumer's four warps meet first.
         named_barrier_sync_unaligned(c == 0 ? FusedBar::Staged0 : FusedBar::Staged1, kWarpgroupThreads);
         wgmma_fence();
-        mma_ss_kmn<E, kDv>(dv, smem_addr(sm.pt[c]) + z, do_addr);
+        if constexpr (!kPtInRegs) mma_ss_kmn<E, kDv>(dv, smem_addr(sm.pt[c]) + z, do_addr);
         mma_ss_kmn<E, kD>(dk, smem_addr(sm.ds[c]) + z, q_addr);
         wgmma_commit();
         // Both halves of dS^T stored.
