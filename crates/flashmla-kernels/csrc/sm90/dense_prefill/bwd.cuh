@@ -14,8 +14,8 @@
 // Separate (deterministic; the default at d 192), no atomics, each kernel owns the rows it writes:
 //   dQ:    one CTA per 128 query rows of one (sequence, query head), two consumer warpgroups of 64 rows each that
 //          share every streamed 64-key tile of K and V. S = Q K^T and dP = dO V^T (wgmma, shared-memory operands),
-//          P = exp2(S * scale_log2 - lse2), dS = P (dP - delta), dQ += dS K (A from registers); dQ * scale is
-//          written at the end. While one consumer forms dS the other's MMAs keep the tensor cores busy.
+//          P = exp2(S * scale_log2 - lse2) (while dP's MMAs run), dS = P (dP - delta), dQ += dS K (A from registers);
+//          dQ * scale is written at the end. While one consumer forms dS the other's MMAs keep the tensor cores busy.
 //   dK/dV: one CTA per 128 keys of one (sequence, key head), two consumer warpgroups of 64 keys each that share every
 //          streamed 64-row tile of Q and dO (of every query head of the group) and nothing else. S^T = K Q^T and
 //          dP^T = V dO^T, P^T and dS^T as above, dV += P^T dO (queued behind dP^T's last part, under dS^T) and
@@ -380,15 +380,15 @@ __device__ __forceinline__ void dq_kernel(const DensePrefillBwdParams& p, uint8_
             const uint32_t off = (ks / 4) * kSlab64 + (ks % 4) * 32;
             wgmma_m64n64k16_ss_kk<E>(s, wgmma_desc_advance(desc_q, off), wgmma_desc_advance(desc_k, off), ks > 0);
         }
+        wgmma_commit();
 #pragma unroll
         for (int ks = 0; ks < kDv / 16; ++ks) {
             const uint32_t off = (ks / 4) * kSlab64 + (ks % 4) * 32;
             wgmma_m64n64k16_ss_kk<E>(dp, wgmma_desc_advance(desc_do, off), wgmma_desc_advance(desc_v, off), ks > 0);
         }
         wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_wait<1>();  // S; P is formed while dP's MMAs run
         wgmma_fence_regs(s);
-        wgmma_fence_regs(dp);
         const bool masked = i * kKeyTile + kKeyTile - 1 > mask_from;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -397,10 +397,13 @@ __device__ __forceinline__ void dq_kernel(const DensePrefillBwdParams& p, uint8_
                 const int rr = e / 2;
                 const int col = i * kKeyTile + f.col(j) + (e % 2);
                 const float x = masked && col > limit[rr] ? -kInf : s[4 * j + e];
-                const float prob = exp2f(fmaf(x, p.sm_scale_log2, -lse2[rr]));
-                dp[4 * j + e] = prob * (dp[4 * j + e] - delta[rr]);  // dS
+                s[4 * j + e] = exp2f(fmaf(x, p.sm_scale_log2, -lse2[rr]));  // P
             }
         }
+        wgmma_wait<0>();
+        wgmma_fence_regs(dp);
+#pragma unroll
+        for (int e = 0; e < 32; ++e) dp[e] = s[e] * (dp[e] - delta[(e % 4) / 2]);  // dS
         uint32_t ds[kKeyTile / 16][4];
         to_frags<E>(dp, ds);
         wgmma_fence();
