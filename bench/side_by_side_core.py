@@ -782,10 +782,10 @@ def make_record(
     GB/s where ``nbytes`` is given) for each, per-block samples, clocks, the pair check and the environment.
 
     Besides ``regime`` and ``harness`` (the timing method's version, ``HARNESS``), the record carries the fields
-    docs/benchmarking.md gives every bench record: ``timing``
-    (``full-clock`` for short blocks, ``sustained``) and what ``regime_fields`` adds (``cooldown_ms``...),
-    ``reps`` (timed calls) and ``run_sm_clock_mhz`` (the SM clock read after each timed block, mean); the
-    peer's figures carry the prefix ``peer_`` (``peer_with_metadata_`` for the variant computing its metadata)."""
+    docs/benchmarking.md gives every bench record: ``timing`` (``full-clock`` for short blocks, ``sustained``) and
+    what ``regime_fields`` adds (``cooldown_ms``...), ``reps`` (timed calls) and ``run_sm_clock_mhz`` (the SM clock
+    read after each timed block, mean); the peer's figures carry the prefix ``peer_`` (``peer_with_metadata_`` for
+    the variant computing its metadata)."""
     ours, peer, meta = stats.get(OURS), stats.get(PEER), stats.get(PEER_META)
     t_ours = round(ours.time_us, 2) if ours else None
     t_peer = round(peer.time_us, 2) if peer else None
