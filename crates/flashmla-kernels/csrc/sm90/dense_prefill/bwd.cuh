@@ -1,9 +1,9 @@
 // Dense varlen prefill backward for sm_90a (docs/spec.md section 5; design in docs/dense-prefill.md, "Backward").
 //
-// Two schedules share the delta kernel:
-//   delta: delta[h, r] = sum_j d_out[r, h, j] * out[r, h, j] (f32), one warp per (row, head); on the fused schedule it
-//          also zeroes the f32 dQ accumulator.
-// Fused (the default at d 128): one pass and a conversion.
+// Two schedules; delta[h, r] = sum_j d_out[r, h, j] * out[r, h, j] (f32) is the fused schedule's first kernel and
+// the separate schedule's dQ kernel's prologue.
+// Fused (the default at d 128): delta, one pass and a conversion.
+//   delta: one warp per (row, head); also zeroes the f32 dQ accumulator.
 //   fused: one CTA per 128 keys of one (sequence, key head), two consumer warpgroups of 64 keys each that share every
 //          streamed 64-row tile of Q and dO (of every query head of the group). S^T = K Q^T, dP^T = V dO^T (in full
 //          at d 128, in two halves of 32 rows at d 192), P^T and dS^T go to shared memory; dV += P^T dO,
@@ -13,7 +13,8 @@
 //   dq_convert: dQ = accumulator * scale in the element type.
 // Separate (deterministic; the default at d 192), no atomics, each kernel owns the rows it writes:
 //   dQ:    one CTA per 128 query rows of one (sequence, query head), two consumer warpgroups of 64 rows each that
-//          share every streamed 64-key tile of K and V. S = Q K^T and dP = dO V^T (wgmma, shared-memory operands),
+//          share every streamed 64-key tile of K and V. Each consumer first computes delta of its rows (and writes it
+//          for the dK / dV kernel, launched after this one). S = Q K^T and dP = dO V^T (wgmma, shared-memory operands),
 //          P = exp2(S * scale_log2 - lse2) (while dP's MMAs run), dS = P (dP - delta), dQ += dS K (A from registers);
 //          dQ * scale is written at the end. While one consumer forms dS the other's MMAs keep the tensor cores busy.
 //   dK/dV: one CTA per 128 keys of one (sequence, key head), two consumer warpgroups of 64 keys each that share every
@@ -357,13 +358,55 @@ __device__ __forceinline__ void dq_kernel(const DensePrefillBwdParams& p, uint8_
         const int row = q0 + c * kRows + r[rr];
         // A padded row gets lse +inf: P = 0.
         lse2[rr] = ok ? p.lse[w.head * p.lse_stride_h + row] * kLog2e : kInf;
-        delta[rr] = ok ? p.delta[w.head * p.delta_stride_h + row] : 0.f;
         limit[rr] = causal ? min(c_t0 + r[rr] + shift, s_k - 1) : s_k - 1;
+    }
+    // delta = rowsum(d_out * out) of the thread's two rows: each lane of the quad takes 32 columns (out from global
+    // memory, loaded before the wait for the CTA's own rows; d_out from those rows in shared memory), then the quad
+    // adds up. Written for the dK / dV kernel, which runs after this one, whether or not the row sees any key.
+    uint4 o_chunks[2][4];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const int row = min(q0 + c * kRows + r[rr], p.total_q - 1);  // padded rows read a real row, unused
+        const uint4* o = reinterpret_cast<const uint4*>(p.out + static_cast<int64_t>(row) * p.out_stride_t +
+                                                        w.head * p.out_stride_h) +
+                         4 * f.quad;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) o_chunks[rr][k] = __ldg(o + k);
+    }
+    if (n_tiles > 0) MBarrier::wait(&sm.own_full, 0);
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const bool ok = r[rr] < c_rows;
+        const int row = q0 + c * kRows + r[rr];
+        float acc = 0.f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            uint4 g;
+            if (n_tiles > 0) {  // the own rows landed (rows past the sequence are zeros)
+                g = ld_shared_v4(smem_addr(sm.d_out[c]) + (f.quad / 2) * kSlab64 +
+                                 sw128_chunk_offset(r[rr], (f.quad % 2) * 4 + k));
+            } else {  // no key tile: the producer loaded nothing
+                g = ok ? __ldg(reinterpret_cast<const uint4*>(p.d_out + static_cast<int64_t>(row) * p.d_out_stride_t +
+                                                              w.head * p.d_out_stride_h) +
+                               4 * f.quad + k)
+                       : make_uint4(0, 0, 0, 0);
+            }
+            const uint32_t aw[4] = {o_chunks[rr][k].x, o_chunks[rr][k].y, o_chunks[rr][k].z, o_chunks[rr][k].w};
+            const uint32_t bw[4] = {g.x, g.y, g.z, g.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                acc = fmaf(unpack_lo<E>(aw[i]), unpack_lo<E>(bw[i]), acc);
+                acc = fmaf(unpack_hi<E>(aw[i]), unpack_hi<E>(bw[i]), acc);
+            }
+        }
+        acc += __shfl_xor_sync(kFullMask, acc, 1);
+        acc += __shfl_xor_sync(kFullMask, acc, 2);
+        delta[rr] = ok ? acc : 0.f;
+        if (ok && f.quad == 0) p.delta[w.head * p.delta_stride_h + row] = acc;
     }
     const int mask_from = causal ? min(c_t0 + shift, s_k - 1) : s_k - 1;
     float dq[kD / 2];
     zero_regs(dq);
-    if (n_tiles > 0) MBarrier::wait(&sm.own_full, 0);
     const uint64_t desc_q = make_wgmma_desc_sw128(smem_addr(sm.q[c]), kUnusedLbo, kSw128AtomBytes);
     const uint64_t desc_do = make_wgmma_desc_sw128(smem_addr(sm.d_out[c]), kUnusedLbo, kSw128AtomBytes);
     for (int i = 0; i < n_tiles; ++i) {

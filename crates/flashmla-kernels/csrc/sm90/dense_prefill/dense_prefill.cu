@@ -25,9 +25,9 @@ FLASHMLA_DENSE_PREFILL_FWD(dense_prefill_fwd_d128_f16, 128, F16)
 
 // Backward (bwd.cuh): delta (block 256 threads, one warp per (row, head); also zeroes dq_accum when set), then
 // either the fused pass (block bwd::kFusedThreads = 384, 128-key tiles, dynamic shared memory bwd::kFusedSmemBytes<d>)
-// followed by dq_convert (block 256, one thread per 8 columns of a (row, head)), or, deterministic, dQ (block
-// bwd::kDqThreads = 384, grid of 128-row tiles) and dK / dV (block bwd::kThreads = 384, 128-key tiles), dynamic shared
-// memory bwd::kDqSmemBytes<d> / kDkvSmemBytes<d>, in any order after delta.
+// followed by dq_convert (block 256, one thread per 8 columns of a (row, head)); or, the separate schedule, no delta
+// launch: dQ (block bwd::kDqThreads = 384, grid of 128-row tiles; it writes delta), then dK / dV (block
+// bwd::kThreads = 384, 128-key tiles), dynamic shared memory bwd::kDqSmemBytes<d> / kDkvSmemBytes<d>.
 #define FLASHMLA_DENSE_PREFILL_BWD(SUFFIX, D, E)                                                                  \
     extern "C" __global__ void __launch_bounds__(flashmla::dense_prefill::bwd::kDqThreads, 1)                     \
         dense_prefill_bwd_dq_##SUFFIX(const __grid_constant__ DensePrefillBwdParams p) {                         \

@@ -630,8 +630,8 @@ pub type BwdLaunch = (&'static str, LaunchConfig, DensePrefillBwdParams);
 
 /// Checks the backward kernels' limits and builds their launches, in order (pure: no GPU needed): for the fused
 /// schedule ([`super::DensePrefillBwdOptions::fused_for`]) delta (which also zeroes the dQ accumulator), the fused
-/// dK / dV / dQ pass and the dQ conversion; for the separate one delta, dQ and dK / dV. `workspace` is f32 of [`super::bwd_workspace_shape`], contiguous. Empty when there is
-/// nothing to compute.
+/// dK / dV / dQ pass and the dQ conversion; for the separate one dQ (which also computes delta) and dK / dV.
+/// `workspace` is f32 of [`super::bwd_workspace_shape`], contiguous. Empty when there is nothing to compute.
 pub fn lower_bwd(
     dims: &DensePrefillDims,
     args: &super::DensePrefillBwdArgs<'_, DeviceView>,
@@ -784,7 +784,8 @@ pub fn lower_bwd(
         programmatic: false,
     };
     let mut launches = Vec::new();
-    if dims.total_q > 0 {
+    // The separate schedule's dQ kernel computes delta for its rows (and writes it for the dK / dV kernel after it).
+    if fused && dims.total_q > 0 {
         launches.push((
             kernels.delta,
             cfg(delta_blocks, BWD_DELTA_THREADS, 0),
@@ -1044,31 +1045,26 @@ mod tests {
     }
 
     #[test]
-    fn lowers_the_backward_to_delta_dq_and_dkv_launches() {
+    fn lowers_the_separate_backward_to_dq_and_dkv_launches() {
         let v = views(1000, 3000, 16, 4, 192, 3);
         let delta = fake_view(BASE + (10 << 32), DType::F32, &[16, 1000], None);
         let launches = lower_bwd_for(&v, &delta, DETERMINISTIC).unwrap();
         let names: Vec<&str> = launches.iter().map(|l| l.0).collect();
+        // No delta launch: the dQ kernel computes delta and writes it for the dK / dV kernel, which runs after it.
         assert_eq!(
             names,
-            [
-                kernels::BWD_DELTA_BF16,
-                kernels::BWD_DQ_D192_BF16,
-                kernels::BWD_DKV_D192_BF16
-            ]
+            [kernels::BWD_DQ_D192_BF16, kernels::BWD_DKV_D192_BF16]
         );
-        let (_, delta_cfg, p) = &launches[0];
-        // One warp per (row, head), 8 warps per block.
-        assert_eq!(delta_cfg.grid.0, (1000 * 16usize).div_ceil(8) as u32);
+        let p = &launches[0].2;
         assert_eq!((p.q_tiles, p.k_tiles), (8 + 3, 24 + 3));
-        assert_eq!(launches[1].1.grid.0, 11 * 16);
-        assert_eq!(launches[1].1.block.0, BWD_DQ_THREADS);
-        assert_eq!(launches[2].1.grid.0, 27 * 4);
-        assert_eq!(launches[2].1.block.0, BWD_THREADS);
+        assert_eq!(launches[0].1.grid.0, 11 * 16);
+        assert_eq!(launches[0].1.block.0, BWD_DQ_THREADS);
+        assert_eq!(launches[1].1.grid.0, 27 * 4);
+        assert_eq!(launches[1].1.block.0, BWD_THREADS);
         assert_eq!(
             (
-                launches[1].1.shared_mem_bytes,
-                launches[2].1.shared_mem_bytes
+                launches[0].1.shared_mem_bytes,
+                launches[1].1.shared_mem_bytes
             ),
             (BWD_DQ_SMEM_D192, BWD_DKV_SMEM_D192)
         );
