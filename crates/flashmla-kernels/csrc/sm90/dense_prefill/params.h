@@ -56,8 +56,8 @@ struct DensePrefillFwdParams {
 
 // The backward (bwd.cuh). Same conventions as the forward; `lse` and `delta` are [h_q, total_q] f32 with rows
 // contiguous. Two schedules: the default (delta, which also zeroes `dq_accum`; one fused dK / dV / dQ pass adding dQ
-// into `dq_accum` with f32 atomics; a conversion of dQ) and the deterministic one (delta, dQ, dK / dV: no atomics,
-// each kernel owns the rows it writes; `dq_accum` is null).
+// into `dq_accum` with bulk f32 reductions; a conversion of dQ) and the deterministic one (dQ, which also writes
+// delta, then dK / dV: no atomics, each kernel owns the rows it writes; `dq_accum` is null).
 struct DensePrefillBwdParams {
     // kFlagTma: maps of q, k, v and d_out as the forward's, with boxes of 64 rows (the backward's tiles).
     TensorMapBytes q_tmap;
@@ -76,6 +76,7 @@ struct DensePrefillBwdParams {
     uint16_t* d_k;                 // [total_k, h_k, d]
     uint16_t* d_v;                 // [total_k, h_k, d_v]
     float* delta;                  // [h_q, total_q] workspace: rowsum(d_out * out), written by the delta kernel
+                                   // (fused) or the dQ kernel (separate)
     float* dq_accum;               // [h_q, total_q, d] f32 workspace of the fused schedule (rows contiguous), or null
 
     int64_t q_stride_t;

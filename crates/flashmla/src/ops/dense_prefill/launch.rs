@@ -127,7 +127,7 @@ device_params! {
 
 device_params! {
     family = "dense_prefill", cxx = "DensePrefillBwdParams";
-    /// Mirror of `flashmla::dense_prefill::DensePrefillBwdParams` (params.h): the backward's three kernels.
+    /// Mirror of `flashmla::dense_prefill::DensePrefillBwdParams` (params.h): every backward kernel.
     #[derive(Debug, Clone, Copy, PartialEq)]
     pub struct DensePrefillBwdParams {
         /// [`FLAG_TMA`]: the TMA map of `q` (as the forward's, boxes of 64 rows); zeros otherwise.
