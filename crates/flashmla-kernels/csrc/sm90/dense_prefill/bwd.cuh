@@ -566,6 +566,34 @@ __device__ __forceinline__ uint32_t tile_zero(const uint32_t* zero) {
     return v;
 }
 
+// P^T = exp2(S^T * scale_log2 - lse * log2 e), in place, over a consumer's 64-key x kQ-row score tile (the thread's
+// keys key[0] and key[1], columns the query rows m0 + col of the streamed tile, `lse` their rows' lse). Where
+// `masked`, an entry is 0 whose key lies past its row's causal horizon (key > m0 + col + shift; the dK / dV kernel
+// tests it only on causal tiles, so `masked` implies `causal` there) or, with kKeyEnd, at or past `key_end` (keys past
+// the sequence, whose dS^T the fused kernel's dQ reads). A select, so an inf in the inputs cannot become NaN.
+template <int kQ, bool kKeyEnd>
+__device__ __forceinline__ void pt_from_scores(float (&s)[kQ / 2], const float* lse, const AccFrag& f,
+                                               const int (&key)[2], int m0, int shift, bool causal, int key_end,
+                                               bool masked, float scale_log2) {
+#pragma unroll
+    for (int j = 0; j < kQ / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int rr = e / 2;
+            const int col = f.col(j) + (e % 2);  // query row m0 + col
+            const float lse2 = lse[col] * kLog2e;
+            bool out;
+            if constexpr (kKeyEnd) {
+                out = (causal && key[rr] > m0 + col + shift) || key[rr] >= key_end;
+            } else {
+                out = key[rr] > m0 + col + shift;
+            }
+            const float x = masked && out ? -kInf : s[4 * j + e];
+            s[4 * j + e] = exp2f(fmaf(x, scale_log2, -lse2));
+        }
+    }
+}
+
 // How many parts of 32 query rows the dK / dV and fused consumers compute dP^T in: at d 128 the whole 64 x 64 tile
 // (its MMAs run under the softmax of P^T); at d 192 two, since dK's 96 registers, dV's 64 and both score tiles in
 // full do not fit a consumer's 240 (ptxas spilled and serialised the MMAs).
@@ -665,17 +693,7 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
         wgmma_fence_regs(s);
         // Under the mask, key c and query row r pair iff c <= r + shift; tiles wholly below the diagonal skip it.
         const bool masked = causal && c_t0 + kRows - 1 > m0 + shift;
-#pragma unroll
-        for (int j = 0; j < kQ / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int rr = e / 2;
-                const int col = f.col(j) + (e % 2);  // query row m0 + col
-                const float lse2 = sm.lse[pos.stage][col] * kLog2e;
-                const float x = masked && key[rr] > m0 + col + shift ? -kInf : s[4 * j + e];
-                s[4 * j + e] = exp2f(fmaf(x, p.sm_scale_log2, -lse2));  // P^T
-            }
-        }
+        pt_from_scores<kQ, false>(s, sm.lse[pos.stage], f, key, m0, shift, causal, 0, masked, p.sm_scale_log2);
         uint32_t pt[kQ / 16][4];
         uint32_t dst[kQ / 16][4];
 #pragma unroll
@@ -947,18 +965,7 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
         // Keys past the sequence (zero rows of K) get P = 0 too: their dS^T feeds dQ, and with a very negative lse
         // an unmasked exp2(0 - lse) overflows (then dS * 0 = NaN).
         const bool masked = (causal && c_t0 + kRows - 1 > m0 + shift) || c_t0 + kRows > w.len;
-#pragma unroll
-        for (int j = 0; j < kQ / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int rr = e / 2;
-                const int col = f.col(j) + (e % 2);  // query row m0 + col
-                const float lse2 = sm.lse[pos.stage][col] * kLog2e;
-                const bool out = (causal && key[rr] > m0 + col + shift) || key[rr] >= w.len;
-                const float x = masked && out ? -kInf : s[4 * j + e];
-                s[4 * j + e] = exp2f(fmaf(x, p.sm_scale_log2, -lse2));  // P^T
-            }
-        }
+        pt_from_scores<kQ, true>(s, sm.lse[pos.stage], f, key, m0, shift, causal, w.len, masked, p.sm_scale_log2);
         // At d 128 P^T stays in registers, the A operand of dV += P^T dO, whose MMAs then run while dP^T becomes
         // dS^T; at d 192 (dK's 96 registers) that spilled 192 bytes and ran 15% slower, so P^T goes to shared memory
         // beside dS^T and dV's MMAs follow dS^T.
