@@ -715,12 +715,18 @@ pub fn lower_bwd(
                 )
             })
     };
-    let rows_heads = dims.total_q.saturating_mul(dims.h_q);
-    let delta_blocks = grid(
-        rows_heads.div_ceil(BWD_DELTA_THREADS as usize / 32),
-        1,
-        "delta",
-    )?;
+    // The delta launch (one warp per (row, head)) exists on the fused schedule only: the separate schedule's dQ
+    // kernel computes delta, so its grid limit does not apply there.
+    let delta_blocks = if fused {
+        let rows_heads = dims.total_q.saturating_mul(dims.h_q);
+        grid(
+            rows_heads.div_ceil(BWD_DELTA_THREADS as usize / 32),
+            1,
+            "delta",
+        )?
+    } else {
+        0
+    };
     let (dq_grid, dkv_grid) = (
         grid(q_tiles, dims.h_q, "dQ")?,
         grid(k_tiles, dims.h_k, "dK / dV")?,
@@ -1042,6 +1048,21 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("options.fused"));
+    }
+
+    #[test]
+    fn the_delta_grid_limit_binds_only_the_schedule_that_launches_delta() {
+        // 2^27 rows of 128 heads: one warp per (row, head) is 2^31 delta CTAs, past the grid's limit; the separate
+        // schedule launches no delta kernel (its dQ kernel computes delta), so it still lowers.
+        let total_q = 1usize << 27;
+        let v = views(total_q, 4096, 128, 128, 192, 1);
+        let delta = fake_view(BASE + (10 << 32), DType::F32, &[128, total_q], None);
+        let launches = lower_bwd_for(&v, &delta, DETERMINISTIC).unwrap();
+        let names: Vec<&str> = launches.iter().map(|l| l.0).collect();
+        assert_eq!(
+            names,
+            [kernels::BWD_DQ_D192_BF16, kernels::BWD_DKV_D192_BF16]
+        );
     }
 
     #[test]
