@@ -134,11 +134,11 @@ __device__ __forceinline__ Plan& plan_of(uint8_t* smem) {
 // The prologue of the dQ and dK / dV kernels: warp 0 finds the CTA's tile of kTile rows of the tensor that `cu`
 // offsets and the sequence's range in the other tensor (offsets `cu_other`) and publishes them in `sm.work`,
 // `sm.other_start`, `sm.other_len`; thread 32 initialises the barriers (a stage is released by every consumer thread).
-template <int kTile, int kConsumers, class Plan>
+template <int kTile, int kConsumers, bool kLastFirst, class Plan>
 __device__ __forceinline__ void begin_cta(Plan& sm, int batch, const int32_t* cu, int total, int tiles,
                                           const int32_t* cu_other, int total_other) {
     if (threadIdx.x < 32) {
-        const SeqTile t = find_seq_tile<kTile>(cu, batch, total, tiles, static_cast<int>(blockIdx.x),
+        const SeqTile t = find_seq_tile<kTile, kLastFirst>(cu, batch, total, tiles, static_cast<int>(blockIdx.x),
                                                    static_cast<int>(threadIdx.x));
         int start = 0;
         int len = 0;
@@ -291,7 +291,7 @@ __device__ __forceinline__ void dq_kernel(const DensePrefillBwdParams& p, uint8_
     constexpr int kDSlabs = Plan::kDSlabs;
     if (static_cast<int64_t>(blockIdx.x) >= static_cast<int64_t>(p.q_tiles) * p.h_q) return;
     Plan& sm = plan_of<Plan>(smem);
-    begin_cta<kDqRows, kDqConsumers>(sm, p.batch, p.cu_seqlens_q, p.total_q, p.q_tiles, p.cu_seqlens_k, p.total_k);
+    begin_cta<kDqRows, kDqConsumers, true>(sm, p.batch, p.cu_seqlens_q, p.total_q, p.q_tiles, p.cu_seqlens_k, p.total_k);
     const SeqTile w = sm.work;
     if (!w.found) return;
     const int k0 = sm.other_start;
@@ -631,7 +631,7 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
     if (static_cast<int64_t>(blockIdx.x) >= static_cast<int64_t>(p.k_tiles) * p.h_k) return;
     Plan& sm = plan_of<Plan>(smem);
     if (threadIdx.x == 0) sm.zero = 0;  // published by begin_cta's barrier
-    begin_cta<kKeys, kDkvConsumers>(sm, p.batch, p.cu_seqlens_k, p.total_k, p.k_tiles, p.cu_seqlens_q, p.total_q);
+    begin_cta<kKeys, kDkvConsumers, false>(sm, p.batch, p.cu_seqlens_k, p.total_k, p.k_tiles, p.cu_seqlens_q, p.total_q);
     const SeqTile w = sm.work;
     if (!w.found) return;
     const int s_q = sm.other_len;
@@ -897,7 +897,7 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
     if (static_cast<int64_t>(blockIdx.x) >= static_cast<int64_t>(p.k_tiles) * p.h_k) return;
     Plan& sm = plan_of<Plan>(smem);
     if (threadIdx.x == 0) sm.zero = 0;  // published by begin_cta's barrier
-    begin_cta<kFusedKeys, kFusedConsumers>(sm, p.batch, p.cu_seqlens_k, p.total_k, p.k_tiles, p.cu_seqlens_q,
+    begin_cta<kFusedKeys, kFusedConsumers, false>(sm, p.batch, p.cu_seqlens_k, p.total_k, p.k_tiles, p.cu_seqlens_q,
                                            p.total_q);
     const SeqTile w = sm.work;
     if (!w.found) return;

@@ -26,11 +26,13 @@ struct SeqTile {
     int t0;     // the tile's first row inside the sequence
 };
 
-// The tile of item `linear`. Run by all 32 lanes of one warp; the result is the same in every lane.
-template <int kTile>
+// The tile of item `linear`: heads major; inside a head the last tile first (kLastFirst: under the causal mask the
+// query tiles that see the most keys) or the first (the key blocks that see the most queries). Run by all 32 lanes
+// of one warp; the result is the same in every lane.
+template <int kTile, bool kLastFirst = true>
 __device__ __forceinline__ SeqTile find_seq_tile(const int32_t* cu, int batch, int total, int tiles, int linear,
                                                  int lane) {
-    const int tile = tiles - 1 - linear % tiles;
+    const int tile = kLastFirst ? tiles - 1 - linear % tiles : linear % tiles;
     SeqTile w{};
     w.head = linear / tiles;
     int carry_end = clamp_to(__ldg(cu), 0, total);
