@@ -26,6 +26,8 @@ pub const KNOWN_SPILLS: &[(&str, u64, u64)] = &[
     // The narrow MODEL1 kN = 32 kernel (96 / 160 / 160 registers, narrow.cuh): its score warpgroup keeps a few
     // values of the chunk loop on the stack, reloaded per chunk; its tile loop does not spill.
     ("decode_split_fp8_model1_n32", 60, 68),
+    // The narrow V3.2 kernel: one value of its copy warps' last conversion, after the tile loop.
+    ("decode_split_fp8_v32_n16", 4, 4),
     // The fused dense backward at d 192 (dK 96 + dV 64 accumulator registers of its 240): a few loop-invariant
     // values of the tile walk. Its MMAs are not serialised.
     ("dense_prefill_bwd_fused_d192_bf16", 20, 24),

@@ -271,11 +271,12 @@ __device__ __forceinline__ void producer_sparse(const DecodeParams& p, SmemPlan<
             if (q_uses > 0) MBarrier::wait(&sm.q_empty, static_cast<uint32_t>((q_uses - 1) & 1));
             load_q_tile<kDqk>(p, sm, RowTile::of(p), c.b, ct);  // re-derived: registers are short
             ++q_uses;
-            int idx = sparse_index(p, c, c.tile0 * kKeysPerTile + lane.row);
+            const IndexRows ir = IndexRows::of(p, c);
+            int idx = sparse_index(ir, c, c.tile0 * kKeysPerTile + lane.row);
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
                 const Fp8Row row = sparse_row(p, c, k * kKeysPerTile + lane.row, idx);
                 const uint4 scales = load_scales<kDqk>(row);
-                if (k + 1 < c.tile1) idx = sparse_index(p, c, (k + 1) * kKeysPerTile + lane.row);
+                if (k + 1 < c.tile1) idx = sparse_index(ir, c, (k + 1) * kKeysPerTile + lane.row);
                 const Ring pos = Ring::of(tile);
                 const uint32_t stage = smem_addr(sm.kv[pos.stage]);
                 if constexpr (C::kRopeSlabs > 0) {  // published with the left group (same cp.async group)
@@ -461,9 +462,14 @@ template <bool kSparse>
 struct TileKeys {
     int lo;
     int hi;
-    static __device__ __forceinline__ TileKeys load(const DecodeParams& p, const Chunk& c, int k, int lane) {
+    // ir: the chunk's index rows, or nullptr to find them at each load (sparse_keys.cuh, sparse_index).
+    static __device__ __forceinline__ TileKeys load(const DecodeParams& p, const IndexRows* ir, const Chunk& c, int k,
+                                                    int lane) {
         const int key = k * kKeysPerTile + lane;
-        if constexpr (kSparse) return {sparse_index(p, c, key), sparse_index(p, c, key + 32)};
+        if constexpr (kSparse) {
+            if (ir == nullptr) return {sparse_index(p, c, key), sparse_index(p, c, key + 32)};
+            return {sparse_index(*ir, c, key), sparse_index(*ir, c, key + 32)};
+        }
         return {key_block(p, c.b, c.len, key), key_block(p, c.b, c.len, key + 32)};
     }
     __device__ __forceinline__ TileMask mask(const DecodeParams& p, const Chunk& c, int k, int lane) const {
@@ -732,7 +738,7 @@ __device__ __forceinline__ void score_epilogue(const DecodeParams& p, float* row
 //   P -> PV(i) on O[:, 0:256] -> publish P(i), alpha(i) -> wait PV(i) -> release left group -> QK(i + 1) -> Handoff.
 // Then the epilogue.
 // `split_dequant`: a *_pair kernel, whose peer's producer writes this CTA's stages too (it credits both).
-template <class E, int kDqk, bool kSparse>
+template <class E, int kDqk, bool kSparse, bool kPair>
 __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched,
                                                bool split_dequant) {
     using C = Config<kDqk>;
@@ -754,6 +760,10 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
     int chunks = 0;
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
         for_each_chunk(p, sched, part, [&](const Chunk& c) {
+            // Sparse: the request's index rows, found once per chunk; the pair kernels find them at every load, as
+            // their producers do (held across the tile loop, they cost those kernels 1-4%: docs/perf-log.md).
+            const IndexRows ir_chunk = IndexRows::of(p, c);
+            const IndexRows* const ir = kPair ? nullptr : &ir_chunk;
             const int n_tiles = c.tile1 - c.tile0;
             float o[kORegs];
             zero_regs(o);
@@ -772,8 +782,8 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
             TileKeys<kSparse> blk_next{-1, -1};
             if (n_tiles > 0) {
                 load_q_rope<kDqk>(p, rt, c.b, f, rows, q_rope);
-                mask = TileKeys<kSparse>::load(p, c, c.tile0, lane).mask(p, c, c.tile0, lane);
-                if (n_tiles > 1) blk_next = TileKeys<kSparse>::load(p, c, c.tile0 + 1, lane);
+                mask = TileKeys<kSparse>::load(p, ir, c, c.tile0, lane).mask(p, c, c.tile0, lane);
+                if (n_tiles > 1) blk_next = TileKeys<kSparse>::load(p, ir, c, c.tile0 + 1, lane);
                 MBarrier::wait(&sm.q_full, static_cast<uint32_t>(q_uses & 1));
                 fence_proxy_async_shared();  // the Q tile's cp.async (generic proxy) -> wgmma (async proxy)
                 issue_qk<E, kDqk>(sm, Ring::of(tile), desc_q, q_rope, s, consumer_fence);
@@ -848,7 +858,7 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
 
                 if (has_next) {
                     mask = blk_next.mask(p, c, c.tile0 + i + 1, lane);
-                    if (i + 2 < n_tiles) blk_next = TileKeys<kSparse>::load(p, c, c.tile0 + i + 2, lane);
+                    if (i + 2 < n_tiles) blk_next = TileKeys<kSparse>::load(p, ir, c, c.tile0 + i + 2, lane);
                 }
                 wgmma_wait<0>();
                 wgmma_fence_regs(pa[0]);
@@ -1039,7 +1049,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
         }
     } else if (role == Role::Score) {
         setmaxnreg_inc<kSparse ? kScoreRegsSparse : kScoreRegs>();
-        score_consumer<E, kDqk, kSparse>(p, sm, sched, split_dequant);
+        score_consumer<E, kDqk, kSparse, kPair>(p, sm, sched, split_dequant);
         bulk_wait_all();  // the partials' bulk stores are performed before the CTA ends
     } else {
         setmaxnreg_inc<kSparse ? kValueRegsSparse : kValueRegs>();

@@ -444,12 +444,13 @@ __device__ __forceinline__ void narrow_copier(const DecodeParams& p, NarrowPlan<
     };
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
         for_each_chunk(p, sched, part, [&](const Chunk& c) {
-            int idx = mine && c.tile0 < c.tile1 ? sparse_index(p, c, c.tile0 * kKeysPerTile + row) : -1;
+            const IndexRows ir = IndexRows::of(p, c);  // sparse: the request's index rows
+            int idx = mine && c.tile0 < c.tile1 ? sparse_index(ir, c, c.tile0 * kKeysPerTile + row) : -1;
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
                 RawShare<kDqk> v;
                 if (tile > 0) v = read_prev();
                 // Loaded after the fence above, whose MEMBAR would wait for it.
-                const int next = mine && k + 1 < c.tile1 ? sparse_index(p, c, (k + 1) * kKeysPerTile + row) : -1;
+                const int next = mine && k + 1 < c.tile1 ? sparse_index(ir, c, (k + 1) * kKeysPerTile + row) : -1;
                 const bool ok = narrow_copy_rows<kDqk, kN>(p, sm, c, k, idx, warp, lane);
                 if (tile > 0) publish_prev(v);
                 prev_ok = __shfl_sync(kFullMask, ok, lane % 8);
@@ -485,6 +486,7 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
     int red_buf = 0;
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
         for_each_chunk(p, sched, part, [&](const Chunk& c) {
+            const IndexRows ir = IndexRows::of(p, c);  // sparse: the request's index rows
             const int n_tiles = c.tile1 - c.tile0;
             if (chunks > 0) named_barrier_sync_unaligned(Bar::NarrowChunk, kConsumerThreads);
             if (n_tiles > 0) {
@@ -504,8 +506,8 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
             TileMask mask{0u, 0u};
             TileKeys<true> keys_next{-1, -1};
             if (n_tiles > 0) {
-                mask = TileKeys<true>::load(p, c, c.tile0, lane).mask(p, c, c.tile0, lane);
-                if (n_tiles > 1) keys_next = TileKeys<true>::load(p, c, c.tile0 + 1, lane);
+                mask = TileKeys<true>::load(p, &ir, c, c.tile0, lane).mask(p, c, c.tile0, lane);
+                if (n_tiles > 1) keys_next = TileKeys<true>::load(p, &ir, c, c.tile0 + 1, lane);
             }
             for (int i = 0; i < n_tiles; ++i, ++tile) {
                 const Stage pos = Stage::of(tile);
@@ -570,7 +572,7 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
                 }
                 if (i + 1 < n_tiles) {
                     mask = keys_next.mask(p, c, c.tile0 + i + 1, lane);
-                    if (i + 2 < n_tiles) keys_next = TileKeys<true>::load(p, c, c.tile0 + i + 2, lane);
+                    if (i + 2 < n_tiles) keys_next = TileKeys<true>::load(p, &ir, c, c.tile0 + i + 2, lane);
                 }
                 fence_proxy_async_shared();
                 named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);

@@ -37,7 +37,27 @@ namespace flashmla::decode {
 template <int kDqk>
 using Fp8Format = std::conditional_t<kDqk == 576, kv_quant::FormatV32, kv_quant::FormatModel1>;
 
+// The index rows of chunk c's request in the main and the extra index tensors, found once per chunk: a request's
+// (batch, token) is its number divided by s_q, which a tile's index loads would otherwise redo.
+struct IndexRows {
+    const int32_t* main;
+    const int32_t* extra;  // not dereferenced without an extra cache (every key is then below c.main)
+    static __device__ __forceinline__ IndexRows of(const DecodeParams& p, const Chunk& c) {
+        const int64_t b = request_batch(p, c.b);
+        const int64_t s = request_token(p, c.b);
+        return {p.indices + b * p.indices_stride_b + s * p.indices_stride_s,
+                p.extra_indices + b * p.extra_indices_stride_b + s * p.extra_indices_stride_s};
+    }
+};
+
 // The raw index of key `key` of chunk c (-1 past the request's keys). Loaded a tile ahead of its use.
+__device__ __forceinline__ int sparse_index(const IndexRows& rows, const Chunk& c, int key) {
+    if (key >= c.len) return -1;
+    return key < c.main ? __ldg(rows.main + key) : __ldg(rows.extra + (key - c.main));
+}
+
+// The same, finding the request's index row at every call: what the pair kernels' roles run (their producer and
+// right-group fill have 80 registers; the rows held across their tile loops cost them 1-4%, docs/perf-log.md).
 __device__ __forceinline__ int sparse_index(const DecodeParams& p, const Chunk& c, int key) {
     if (key >= c.len) return -1;
     if (key < c.main) {
