@@ -139,7 +139,7 @@ __device__ __forceinline__ void begin_cta(Plan& sm, int batch, const int32_t* cu
                                           const int32_t* cu_other, int total_other) {
     if (threadIdx.x < 32) {
         const SeqTile t = find_seq_tile<kTile, kLastFirst>(cu, batch, total, tiles, static_cast<int>(blockIdx.x),
-                                                   static_cast<int>(threadIdx.x));
+                                                               static_cast<int>(threadIdx.x));
         int start = 0;
         int len = 0;
         if (t.found) other_range(cu_other, t.seq, total_other, start, len);
@@ -291,7 +291,8 @@ __device__ __forceinline__ void dq_kernel(const DensePrefillBwdParams& p, uint8_
     constexpr int kDSlabs = Plan::kDSlabs;
     if (static_cast<int64_t>(blockIdx.x) >= static_cast<int64_t>(p.q_tiles) * p.h_q) return;
     Plan& sm = plan_of<Plan>(smem);
-    begin_cta<kDqRows, kDqConsumers, true>(sm, p.batch, p.cu_seqlens_q, p.total_q, p.q_tiles, p.cu_seqlens_k, p.total_k);
+    begin_cta<kDqRows, kDqConsumers, true>(sm, p.batch, p.cu_seqlens_q, p.total_q, p.q_tiles, p.cu_seqlens_k,
+                                           p.total_k);
     const SeqTile w = sm.work;
     if (!w.found) return;
     const int k0 = sm.other_start;
@@ -631,7 +632,8 @@ __device__ __forceinline__ void dkv_kernel(const DensePrefillBwdParams& p, uint8
     if (static_cast<int64_t>(blockIdx.x) >= static_cast<int64_t>(p.k_tiles) * p.h_k) return;
     Plan& sm = plan_of<Plan>(smem);
     if (threadIdx.x == 0) sm.zero = 0;  // published by begin_cta's barrier
-    begin_cta<kKeys, kDkvConsumers, false>(sm, p.batch, p.cu_seqlens_k, p.total_k, p.k_tiles, p.cu_seqlens_q, p.total_q);
+    begin_cta<kKeys, kDkvConsumers, false>(sm, p.batch, p.cu_seqlens_k, p.total_k, p.k_tiles, p.cu_seqlens_q,
+                                           p.total_q);
     const SeqTile w = sm.work;
     if (!w.found) return;
     const int s_q = sm.other_len;
@@ -898,7 +900,7 @@ __device__ __forceinline__ void fused_kernel(const DensePrefillBwdParams& p, uin
     Plan& sm = plan_of<Plan>(smem);
     if (threadIdx.x == 0) sm.zero = 0;  // published by begin_cta's barrier
     begin_cta<kFusedKeys, kFusedConsumers, false>(sm, p.batch, p.cu_seqlens_k, p.total_k, p.k_tiles, p.cu_seqlens_q,
-                                           p.total_q);
+                                                  p.total_q);
     const SeqTile w = sm.work;
     if (!w.found) return;
     const int q0 = sm.other_start;
