@@ -187,6 +187,9 @@ def run_rank(rank: int, world: int, init_method: str, backend: str, cfg: Config,
         loss = sharded_step(params, batch)
         result = {"loss": loss.cpu(), "grads": {k: v.grad.cpu() for k, v in params.items()}}
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        # Every rank's collectives are done before any tears its process group down (gloo's transport threads
+        # could otherwise still be talking to a rank that is exiting).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

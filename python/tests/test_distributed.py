@@ -77,6 +77,7 @@ def _gather_worker(rank: int, world: int, init: str, out_dir: str) -> None:
         weights = (rank + 1) * (torch.arange(4, dtype=torch.float32)[:, None] + 1)
         (full * weights).sum().backward()
         torch.save({"grad": local.grad, "full": full.detach()}, f"{out_dir}/gather{rank}.pt")
+        dist.barrier()  # as in context_parallel.run_rank: no rank tears down while another still talks to it
     finally:
         dist.destroy_process_group()
 
