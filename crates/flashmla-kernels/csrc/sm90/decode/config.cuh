@@ -39,17 +39,24 @@ inline constexpr uint32_t kProducerRegs = 40;
 inline constexpr uint32_t kScoreRegs = 248;
 inline constexpr uint32_t kValueRegs = 216;
 static_assert(kProducerRegs + kScoreRegs + kValueRegs <= 3 * kRegsAtLaunch, "setmaxnreg pool of the CTA");
-// The sparse FP8 decode (`producer_sparse`, `producer_sparse_split`): the copy, dequantisation and publication chain
+// The sparse FP8 decode's one-row-tile kernels (`producer_sparse`): the copy, dequantisation and publication chain
 // of the key groups is what the consumers wait for (docs/decode.md), and at 40 registers its producer spilled (one row
 // tile) or re-derived its addressing from the parameters (2-CTA pair). 80 / 232 / 192 runs the h_q 16 and 64 shapes
 // 2-5% and the pair kernels' h_q 128 shapes up to 2% faster (H100, A/B of the builds; 96 / 224 / 184 measured the
-// same) and leaves ptxas a few bytes of the epilogue's addressing to spill. In the pair kernels the value warpgroup
-// also fills the right group (`fill_right_split`) in its 192.
+// same) and leaves ptxas a few bytes of the epilogue's addressing to spill.
 inline constexpr uint32_t kProducerRegsSparse = 80;
 inline constexpr uint32_t kScoreRegsSparse = 232;
 inline constexpr uint32_t kValueRegsSparse = 192;
 static_assert(kProducerRegsSparse + kScoreRegsSparse + kValueRegsSparse <= 3 * kRegsAtLaunch,
               "setmaxnreg pool of the CTA");
+// The pair kernels' producer holds a tile's bytes in registers (PairRegs: 44 for V3.2, plus the scales of the group
+// being converted) and fills every group; their value warpgroup only multiplies. At 112 / 160 the value warpgroup
+// spilled 452 bytes, at 96 / 176 52; 88 / 184 spills 32-40 bytes of the epilogue's addressing and keeps the tile's
+// loads in flight across the release waits (SASS checked). Two tiles in registers (120 producer registers, with
+// Q's RoPE slab in shared memory and one P buffer to pay for them) measured 7-9% slower (docs/perf-log.md).
+inline constexpr uint32_t kProducerRegsPair = 88;
+inline constexpr uint32_t kValueRegsPair = 184;
+static_assert(kProducerRegsPair + kScoreRegsSparse + kValueRegsPair <= 3 * kRegsAtLaunch, "setmaxnreg pool of the CTA");
 
 // Producer gather geometry: 8 threads per 128-byte slab row, 16 rows per pass, 4 passes per 64-row tile.
 inline constexpr int kThreadsPerRow = kSw128ChunksPerRow;                  // 8

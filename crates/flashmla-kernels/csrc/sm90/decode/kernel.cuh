@@ -12,7 +12,8 @@
 // decode_split's CTA has the sparse forward's split pipeline (3 warpgroups):
 //   Producer: per chunk, loads the Q tile (columns 0..511; rows past `rows` zero-filled), then gathers the chunk's
 //             key tiles through the block table into a 2-stage ring with cp.async (missing keys zero-filled, never
-//             read), per column group (rope, left, right).
+//             read), per column group (rope, left, right). The sparse decode's producers dequantise FP8 rows into
+//             the same bf16 slabs (sparse_keys.cuh; the pair kernels' from registers, producer_sparse_regs).
 //   Score:    per tile, S = Q K^T (rope columns of Q from registers), masks missing keys and (causal) keys past
 //             each row's limit, online softmax, publishes P and the row scales, O[:, 0:256] += P V.
 //   Value:    O[:, 256:512] += P V with the published P.
@@ -306,25 +307,27 @@ __device__ __forceinline__ void producer_sparse(const DecodeParams& p, SmemPlan<
     }
 }
 
-// The sparse producer of a 2-CTA cluster (the *_pair kernels): the same walk, but each CTA dequantises only its
-// half of a tile's rows (sparse_keys.cuh, SplitLane) and writes them to both CTAs' stages; the RoPE columns (bf16,
-// V3.2) of all 64 rows are copied locally as before. It fills the rope and left groups only: the right group is the
-// value warpgroup's (fill_right_split), which is idle for most of a tile while this chain sets the tile's pace. A
-// left / right group may only be written once both CTAs' consumers released it (kv_empty counts the peer's credits
-// too); its full barrier counts the 128 local arrivals and the peer's st.async bytes, which thread 0 announces with
-// its arrival.
+// The sparse producer of a 2-CTA cluster (the *_pair kernels), filling every group of a tile from registers: CTA
+// `rank` converts rows 32 rank .. 32 rank + 31 (SplitLane) and writes them to both CTAs' stages (st.async to the
+// peer's, completing on its full barrier), RoPE rows included, so each CTA converts and sends half of every tile. A
+// tile's bytes travel in registers (PairRegs) in two parts: the next tile's left pieces (scales, V3.2's RoPE, NoPE
+// slabs 0..3) are loaded as soon as this tile's left group is stored, its right pieces once the right group is, so
+// each part is in flight while the other is converted and while the stage is released. Groups are written once both
+// CTAs' consumers released them (kv_empty counts the peer's credits too) and published in the order the consumers
+// read them: rope (d_qk 576) and left behind one proxy fence, then right behind another. The value warpgroup only
+// multiplies.
 template <int kDqk>
-__device__ __forceinline__ void producer_sparse_split(const DecodeParams& p, SmemPlan<kDqk>& sm,
-                                                      const Schedule& sched) {
+__device__ __forceinline__ void producer_sparse_regs(const DecodeParams& p, SmemPlan<kDqk>& sm,
+                                                     const Schedule& sched) {
     using C = Config<kDqk>;
-    constexpr int kNopeSlabs = Fp8Format<kDqk>::kDNope / kSw128ColsBf16;  // 8 (V3.2) or 7 (MODEL1)
-    constexpr uint32_t kPeerBytesPerSlab = 32 * kSw128RowBytes;           // the peer's 32 rows of a slab
+    using Regs = PairRegs<kDqk>;
+    constexpr int kNopeSlabs = Regs::kNopeSlabs;                  // 8 (V3.2) or 7 (MODEL1)
+    constexpr uint32_t kPeerBytesPerSlab = 32 * kSw128RowBytes;  // the peer's 32 rows of a slab
     const int t = static_cast<int>(threadIdx.x);
     const uint32_t rank = cluster_ctarank();
     const uint32_t peer = rank ^ 1u;
     const Sw128CopyThread ct = Sw128CopyThread::of(t);
-    const RawLane lane = RawLane::of(t);             // RoPE: row t / 2, as the unsplit producer
-    const SplitLane split = SplitLane::of(t, rank);  // NoPE: row 32 rank + t / 4
+    const SplitLane split = SplitLane::of(t, rank);  // row 32 rank + t / 4
     const bool copy8 = (p.flags & kFlagCopy8) != 0;
     int tile = 0;
     int q_uses = 0;
@@ -334,104 +337,80 @@ __device__ __forceinline__ void producer_sparse_split(const DecodeParams& p, Sme
             if (q_uses > 0) MBarrier::wait(&sm.q_empty, static_cast<uint32_t>((q_uses - 1) & 1));
             load_q_tile<kDqk>(p, sm, RowTile::of(p), c.b, ct);
             ++q_uses;
-            int idx_rope = sparse_index(p, c, c.tile0 * kKeysPerTile + lane.row);
-            int idx_nope = sparse_index(p, c, c.tile0 * kKeysPerTile + split.row);
+            const IndexRows ir = IndexRows::of(p, c);
+            Regs regs;
+            {
+                const int k0 = c.tile0 * kKeysPerTile;
+                const Fp8Row row0 = sparse_row(p, c, k0 + split.row, sparse_index(ir, c, k0 + split.row));
+                regs.load_left(row0, split, copy8);
+                regs.load_right(row0, split, copy8);
+            }
+            int idx = sparse_index(ir, c, (c.tile0 + 1) * kKeysPerTile + split.row);
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
-                const Fp8Row rope_row = sparse_row(p, c, k * kKeysPerTile + lane.row, idx_rope);
-                const Fp8Row nope_row = sparse_row(p, c, k * kKeysPerTile + split.row, idx_nope);
-                const uint4 scales = load_scales<kDqk>(nope_row);
-                if (k + 1 < c.tile1) {
-                    idx_rope = sparse_index(p, c, (k + 1) * kKeysPerTile + lane.row);
-                    idx_nope = sparse_index(p, c, (k + 1) * kKeysPerTile + split.row);
-                }
                 const Ring pos = Ring::of(tile);
                 const uint32_t stage = smem_addr(sm.kv[pos.stage]);
                 const uint32_t peer_stage = mapa_shared(stage, peer);
-                if constexpr (C::kRopeSlabs > 0) {  // published with the left group (same cp.async group)
+                uint64_t* left = &sm.kv_full[pos.stage][kGroupLeft];
+                uint64_t* right = &sm.kv_full[pos.stage][kGroupRight];
+                if constexpr (C::kRopeSlabs > 0) {
+                    uint64_t* rope = &sm.kv_full[pos.stage][kGroupRope];
                     MBarrier::wait(&sm.kv_empty[pos.stage][kGroupRope], pos.empty_parity);
-                    copy_rope<kDqk>(stage, lane, rope_row, p.q, copy8);
+                    regs.store_rope(stage, peer_stage, mapa_shared(smem_addr(rope), peer), split);
                 }
                 MBarrier::wait(&sm.kv_empty[pos.stage][kGroupLeft], pos.empty_parity);
-#pragma unroll
-                for (int sl = 0; sl < kSlabsPerHalf; ++sl) {
-                    copy_nope_raw_split<kDqk>(stage, split, nope_row, sl, p.q, copy8);
-                }
-                cp_async_commit_group();
-
-                // The right group is the value warpgroup's (fill_right_split).
-                uint64_t* left = &sm.kv_full[pos.stage][kGroupLeft];
-                cp_async_wait_group<0>();
-                dequant_slabs_split<kDqk, 0, kSlabsPerHalf>(stage, peer_stage, mapa_shared(smem_addr(left), peer),
-                                                            split, scales);
+                regs.template store_nope<0, kSlabsPerHalf>(stage, peer_stage, mapa_shared(smem_addr(left), peer), split,
+                                                           regs.scales);
                 fence_proxy_async_shared();
-                if constexpr (C::kRopeSlabs > 0) MBarrier::arrive(&sm.kv_full[pos.stage][kGroupRope]);
+                if constexpr (C::kRopeSlabs > 0) {
+                    uint64_t* rope = &sm.kv_full[pos.stage][kGroupRope];
+                    if (t == 0) {
+                        mbarrier_arrive_expect_tx(smem_addr(rope), kPeerBytesPerSlab);
+                    } else {
+                        MBarrier::arrive(rope);
+                    }
+                }
                 if (t == 0) {
                     mbarrier_arrive_expect_tx(smem_addr(left), kSlabsPerHalf * kPeerBytesPerSlab);
                 } else {
                     MBarrier::arrive(left);
                 }
+                // The next tile's left pieces, in flight while this tile's right group is converted.
+                const uint4 sc = regs.scales;
+                const bool has_next = k + 1 < c.tile1;
+                Fp8Row next{nullptr, 0, 0};
+                if (has_next) {
+                    next = sparse_row(p, c, (k + 1) * kKeysPerTile + split.row, idx);
+                    regs.load_left(next, split, copy8);
+                }
+                MBarrier::wait(&sm.kv_empty[pos.stage][kGroupRight], pos.empty_parity);
+                regs.template store_nope<kSlabsPerHalf, kNopeSlabs>(stage, peer_stage,
+                                                                    mapa_shared(smem_addr(right), peer), split, sc);
+                constexpr int kRightSlabs = kNopeSlabs - kSlabsPerHalf + (C::kRopeSlabs == 0 ? 1 : 0);
+                if constexpr (C::kRopeSlabs == 0) {  // MODEL1: slab 7, the right group
+                    regs.store_rope(stage, peer_stage, mapa_shared(smem_addr(right), peer), split);
+                }
+                fence_proxy_async_shared();
+                if (t == 0) {
+                    mbarrier_arrive_expect_tx(smem_addr(right), kRightSlabs * kPeerBytesPerSlab);
+                } else {
+                    MBarrier::arrive(right);
+                }
+                // The next tile's right pieces, in flight while its stage is released.
+                if (has_next) {
+                    regs.load_right(next, split, copy8);
+                    if (k + 2 < c.tile1) idx = sparse_index(ir, c, (k + 2) * kKeysPerTile + split.row);
+                }
             }
         });
     }
-    // Lifetime: the peer's consumers still credit this CTA's barriers for the last tiles. Wait for the releases of
-    // the last two tiles (both CTAs' credits) before the CTA may exit; the peer's st.async into this CTA's stages
-    // completed before its own consumers finished. (A cluster barrier at the end, reached from the three roles'
-    // paths, made ptxas serialise the consumers' wgmma pipelines.)
+    // Lifetime: the peer's consumers may still credit this CTA's kv_empty barriers for the last two tiles, so the
+    // producer waits for both CTAs' releases of them before the CTA may exit.
 #pragma unroll
     for (int i = 0; i < kStages; ++i) {
         const Ring pos = Ring::of(tile + i);
         MBarrier::wait(&sm.kv_empty[pos.stage][kGroupLeft], pos.empty_parity);
         MBarrier::wait(&sm.kv_empty[pos.stage][kGroupRight], pos.empty_parity);
-    }
-}
-
-// The thread's raw indices of tile k for fill_right_split (its NoPE row; MODEL1 also its RoPE row), loaded a tile
-// ahead.
-struct RightIdx {
-    int nope;
-    int rope;
-    template <int kDqk>
-    static __device__ __forceinline__ RightIdx load(const DecodeParams& p, const Chunk& c, int k, int t,
-                                                    uint32_t rank) {
-        RightIdx r{sparse_index(p, c, k * kKeysPerTile + SplitLane::of(t, rank).row), -1};
-        if constexpr (Config<kDqk>::kRopeSlabs == 0) r.rope = sparse_index(p, c, k * kKeysPerTile + RawLane::of(t).row);
-        return r;
-    }
-};
-
-// The right column group of key tile k (ring position `tile`) of chunk c in a pair kernel, filled by the value
-// warpgroup (thread t) from indices it loaded a tile ahead, as the producer fills the left group: the row's scales
-// are loaded first; once both CTAs' consumers released the group, the raw NoPE bytes of this CTA's rows (and MODEL1's
-// bf16 RoPE slab, all 64 rows, locally) are copied, dequantised into both CTAs' stages and published.
-template <int kDqk>
-__device__ __forceinline__ void fill_right_split(const DecodeParams& p, SmemPlan<kDqk>& sm, const Chunk& c, int k,
-                                                 int tile, int t, uint32_t rank, bool copy8, const RightIdx& idx) {
-    using C = Config<kDqk>;
-    constexpr int kNopeSlabs = Fp8Format<kDqk>::kDNope / kSw128ColsBf16;
-    constexpr uint32_t kPeerBytesPerSlab = 32 * kSw128RowBytes;
-    const SplitLane split = SplitLane::of(t, rank);
-    const Fp8Row row = sparse_row(p, c, k * kKeysPerTile + split.row, idx.nope);
-    const uint4 scales = load_scales<kDqk>(row);
-    const Ring pos = Ring::of(tile);
-    const uint32_t stage = smem_addr(sm.kv[pos.stage]);
-    MBarrier::wait(&sm.kv_empty[pos.stage][kGroupRight], pos.empty_parity);
-#pragma unroll
-    for (int sl = kSlabsPerHalf; sl < kNopeSlabs; ++sl) copy_nope_raw_split<kDqk>(stage, split, row, sl, p.q, copy8);
-    if constexpr (C::kRopeSlabs == 0) {  // MODEL1: the RoPE slab belongs to the right group
-        const RawLane lane = RawLane::of(t);
-        copy_rope<kDqk>(stage, lane, sparse_row(p, c, k * kKeysPerTile + lane.row, idx.rope), p.q, copy8);
-    }
-    cp_async_commit_group();
-    cp_async_wait_group<0>();
-    uint64_t* right = &sm.kv_full[pos.stage][kGroupRight];
-    const uint32_t peer = rank ^ 1u;
-    dequant_slabs_split<kDqk, kSlabsPerHalf, kNopeSlabs>(stage, mapa_shared(stage, peer),
-                                                         mapa_shared(smem_addr(right), peer), split, scales);
-    fence_proxy_async_shared();
-    if (t == 0) {
-        mbarrier_arrive_expect_tx(smem_addr(right), (kNopeSlabs - kSlabsPerHalf) * kPeerBytesPerSlab);
-    } else {
-        MBarrier::arrive(right);
+        if constexpr (C::kRopeSlabs > 0) MBarrier::wait(&sm.kv_empty[pos.stage][kGroupRope], pos.empty_parity);
     }
 }
 
@@ -736,7 +715,8 @@ __device__ __forceinline__ void score_epilogue(const DecodeParams& p, float* row
 // Score warpgroup (WG 1). Per chunk: wait Q; per tile i (stage i % 2), with QK(i) issued one iteration earlier:
 //   wait QK(i) -> (S first: SDone) -> release rope group (and Q after the chunk's last QK) -> mask, online softmax,
 //   P -> PV(i) on O[:, 0:256] -> publish P(i), alpha(i) -> wait PV(i) -> release left group -> QK(i + 1) -> Handoff.
-// Then the epilogue.
+// (The pair kernels pass Handoff right after publishing P(i), so that the value warpgroup's PV(i) releases the right
+// group, whose refill the score warpgroup waits for most, one PV earlier.) Then the epilogue.
 // `split_dequant`: a *_pair kernel, whose peer's producer writes this CTA's stages too (it credits both).
 template <class E, int kDqk, bool kSparse, bool kPair>
 __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched,
@@ -799,7 +779,13 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 // S first (s_first_pipeline): the value warpgroup multiplies tile i - 1 only now, so that S(i) had
                 // the tensor cores and the shared-memory reads to itself.
                 if (!kSparse && s_first && i > 0) named_barrier_arrive(Bar::SDone, kConsumerThreads);
-                if constexpr (C::kRopeSlabs > 0) release_by_warp(&sm.kv_empty[pos.stage][kGroupRope], lane);
+                if constexpr (C::kRopeSlabs > 0) {
+                    release_by_warp(&sm.kv_empty[pos.stage][kGroupRope], lane);
+                    if (split_dequant && lane == 0) {  // the peer's producer writes this CTA's rope rows too
+                        mbarrier_arrive_remote_relaxed(
+                            mapa_shared(smem_addr(&sm.kv_empty[pos.stage][kGroupRope]), peer));
+                    }
+                }
                 // The chunk's last QK has read Q. A split chunk keeps it until its epilogue has staged the partial
                 // there (the producer loads nothing of the next chunk before Q).
                 if (!has_next && !c.split && !bulk_out) release_by_warp(&sm.q_empty, lane);
@@ -855,6 +841,10 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                     st_shared_u32(p_addr + sw128_chunk_offset(rows[1], j) + 4 * f.quad, pa[j / 2][(j % 2) * 2 + 1]);
                 }
                 fence_proxy_async_shared();
+                // The pair kernels hand P(i) over before their P V(i) wait and QK(i + 1): the value warpgroup's P V(i)
+                // then releases the right group a P V earlier, and the producer's right-group refill is what the
+                // score warpgroup waits for most.
+                if constexpr (kPair) named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
 
                 if (has_next) {
                     mask = blk_next.mask(p, c, c.tile0 + i + 1, lane);
@@ -870,7 +860,7 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                     mbarrier_arrive_remote_relaxed(mapa_shared(smem_addr(&sm.kv_empty[pos.stage][kGroupLeft]), peer));
                 }
                 if (has_next) issue_qk<E, kDqk>(sm, Ring::of(tile + 1), desc_q, q_rope, s, consumer_fence);
-                named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
+                if constexpr (!kPair) named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
             }
             if (n_tiles > 0) ++q_uses;
 
@@ -900,10 +890,7 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
 
 // Value warpgroup (WG 2). Per tile i: wait for the right group -> Handoff -> (S first: SDone, S(i + 1) is in) ->
 // rescale O[:, 256:512] by alpha(i) -> O += P(i) V -> wait -> release the right group. Per chunk, the epilogue.
-// kFillRight (the sparse pair kernels): this warpgroup also fills the right group of the tiles, two ahead of its PV
-// (fill_right_split): a chunk's first two before its first tile, tile i + 2 after releasing tile i's. The producer's
-// chain set the sparse decode's pace while this warpgroup idled at Handoff for most of a tile (docs/decode.md).
-template <class E, int kDqk, bool kFillRight>
+template <class E, int kDqk>
 __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched,
                                                bool split_dequant, bool consumer_fence) {
     const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Value);
@@ -913,9 +900,6 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
     const RowTile rt = RowTile::of(p);
     const bool bulk_out = (p.flags & kFlagOutBulk) != 0;
     const uint32_t peer = split_dequant ? cluster_ctarank() ^ 1u : 0u;
-
-    const uint32_t rank = kFillRight ? cluster_ctarank() : 0u;
-    const bool copy8 = (p.flags & kFlagCopy8) != 0;
     const bool s_first = s_first_pipeline(p);
     int tile = 0;
     int chunks = 0;
@@ -923,16 +907,7 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
         for_each_chunk(p, sched, part, [&](const Chunk& c) {
             float o[kORegs];
             zero_regs(o);
-            if constexpr (kFillRight) {
-#pragma unroll 1
-                for (int k = c.tile0; k < min(c.tile0 + kStages, c.tile1); ++k) {
-                    fill_right_split<kDqk>(p, sm, c, k, tile + (k - c.tile0), t, rank, copy8,
-                                           RightIdx::load<kDqk>(p, c, k, t, rank));
-                }
-            }
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
-                RightIdx fill_idx{-1, -1};
-                if (kFillRight && k + kStages < c.tile1) fill_idx = RightIdx::load<kDqk>(p, c, k + kStages, t, rank);
                 const Ring pos = Ring::of(tile);
                 const uint32_t stage_addr = smem_addr(sm.kv[pos.stage]);
                 MBarrier::wait(&sm.kv_full[pos.stage][kGroupRight], pos.full_parity);
@@ -956,11 +931,6 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
                 release_by_warp(&sm.kv_empty[pos.stage][kGroupRight], lane);
                 if (split_dequant && lane == 0) {
                     mbarrier_arrive_remote_relaxed(mapa_shared(smem_addr(&sm.kv_empty[pos.stage][kGroupRight]), peer));
-                }
-                if constexpr (kFillRight) {
-                    if (k + kStages < c.tile1) {
-                        fill_right_split<kDqk>(p, sm, c, k + kStages, tile + kStages, t, rank, copy8, fill_idx);
-                    }
                 }
             }
             named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
@@ -1025,8 +995,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
 #pragma unroll
             for (int g = 0; g < C::kGroups; ++g) {
                 MBarrier::init(&sm.kv_full[st][g], kWarpgroupThreads);
-                MBarrier::init(&sm.kv_empty[st][g],
-                               split_dequant && g != kGroupRope ? 2 * kWarpsPerWarpgroup : kWarpsPerWarpgroup);
+                MBarrier::init(&sm.kv_empty[st][g], split_dequant ? 2 * kWarpsPerWarpgroup : kWarpsPerWarpgroup);
             }
         }
         if (split_dequant) fence_mbarrier_init_cluster();
@@ -1038,8 +1007,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
     const Role role = static_cast<Role>(threadIdx.x / kWarpgroupThreads);
     if (role == Role::Producer) {
         if constexpr (kPair) {
-            setmaxnreg_dec<kProducerRegsSparse>();
-            producer_sparse_split<kDqk>(p, sm, sched);
+            setmaxnreg_dec<kProducerRegsPair>();
+            producer_sparse_regs<kDqk>(p, sm, sched);
         } else if constexpr (kSparse) {
             setmaxnreg_dec<kProducerRegsSparse>();
             producer_sparse<kDqk>(p, sm, sched);
@@ -1052,8 +1021,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
         score_consumer<E, kDqk, kSparse, kPair>(p, sm, sched, split_dequant);
         bulk_wait_all();  // the partials' bulk stores are performed before the CTA ends
     } else {
-        setmaxnreg_inc<kSparse ? kValueRegsSparse : kValueRegs>();
-        value_consumer<E, kDqk, kPair>(p, sm, sched, split_dequant, consumers_fence<kSparse>(p));
+        setmaxnreg_inc<kPair ? kValueRegsPair : kSparse ? kValueRegsSparse : kValueRegs>();
+        value_consumer<E, kDqk>(p, sm, sched, split_dequant, consumers_fence<kSparse>(p));
         bulk_wait_all();
     }
 }

@@ -244,40 +244,85 @@ struct SplitLane {
     }
 };
 
-// Copies the split thread's 16 raw bytes of NoPE slab s (zeros for a missing key) into its chunk 0 of the slab.
-template <int kDqk>
-__device__ __forceinline__ void copy_nope_raw_split(uint32_t stage_addr, const SplitLane& lane, const Fp8Row& r,
-                                                    int s, const void* never_read, bool copy8) {
-    using C = Config<kDqk>;
-    const bool ok = r.block != nullptr;
-    const uint8_t* src = ok ? r.block + Fp8Format<kDqk>::nope_offset(r.t) + 64 * s + 16 * lane.quarter
-                            : static_cast<const uint8_t*>(never_read);
-    copy_piece(stage_addr + s * C::kSlabBytes + lane.chunk(0), src, ok, copy8);
+// A 16-byte piece of a row loaded into registers (zeros for a missing key): one 16-byte load, or two 8-byte ones
+// for a cache that is only 8-byte aligned. Read-only path: the cache does not change during the call.
+__device__ __forceinline__ uint4 load_piece(const uint8_t* src, bool ok, bool copy8) {
+    if (!ok) return make_uint4(0u, 0u, 0u, 0u);
+    if (copy8) {
+        const uint2 a = __ldg(reinterpret_cast<const uint2*>(src));
+        const uint2 b = __ldg(reinterpret_cast<const uint2*>(src + 8));
+        return make_uint4(a.x, a.y, b.x, b.y);
+    }
+    return __ldg(reinterpret_cast<const uint4*>(src));
 }
 
-// Dequantises the split thread's part of NoPE slabs [kFirst, kEnd): 16 codes from its chunk 0 -> 16 bf16 in its
-// chunks 0, 1 here and in the peer CTA (`peer_stage`: the same stage's shared::cluster address there, whose bytes
-// complete on `peer_full`).
-template <int kDqk, int kFirst, int kEnd>
-__device__ __forceinline__ void dequant_slabs_split(uint32_t stage_addr, uint32_t peer_stage, uint32_t peer_full,
-                                                    const SplitLane& lane, const uint4& scales) {
-    using C = Config<kDqk>;
-    uint4 raw = ld_shared_v4(stage_addr + kFirst * C::kSlabBytes + lane.chunk(0));
+// The pair producer's registers for one key tile: the split thread's 16 raw bytes of every NoPE slab, its row's
+// scales and its 32 bytes of the RoPE slab (row 32 rank + t / 4, quarter t % 4): each CTA sends its 32 rows of the
+// RoPE slab to the other, as the NoPE. Loaded before the stage is released, so that the rows' latency overlaps the
+// wait.
+template <int kDqk>
+struct PairRegs {
+    static constexpr int kNopeSlabs = Fp8Format<kDqk>::kDNope / kSw128ColsBf16;
+    uint4 nope[kNopeSlabs];
+    uint4 scales;
+    uint4 rope[2];
+    // The pieces the rope and left groups need (the scales, V3.2's RoPE, NoPE slabs 0..3), then those of the right
+    // group (NoPE slabs 4.., MODEL1's RoPE): the producer loads the next tile's left pieces as soon as it stored this
+    // tile's, so they travel while it converts this tile's right group.
+    __device__ __forceinline__ void load_left(const Fp8Row& row, const SplitLane& split, bool copy8) {
+        using F = Fp8Format<kDqk>;
+        scales = load_scales<kDqk>(row);
+        const bool ok = row.block != nullptr;
+        const uint8_t* src = ok ? row.block + F::nope_offset(row.t) + 16 * split.quarter : nullptr;
 #pragma unroll
-    for (int s = kFirst; s < kEnd; ++s) {
-        uint4 next = raw;
-        if (s + 1 < kEnd) next = ld_shared_v4(stage_addr + (s + 1) * C::kSlabBytes + lane.chunk(0));
-        const float scale = slab_scale<kDqk>(scales, s);
-        const uint2 a = dequant4(raw.x, scale), b = dequant4(raw.y, scale);
-        const uint2 c = dequant4(raw.z, scale), d = dequant4(raw.w, scale);
-        const uint4 lo = make_uint4(a.x, a.y, b.x, b.y), hi = make_uint4(c.x, c.y, d.x, d.y);
-        const uint32_t off = s * C::kSlabBytes;
-        st_shared_v4(stage_addr + off + lane.chunk(0), lo);
-        st_shared_v4(stage_addr + off + lane.chunk(1), hi);
-        st_async_v4_b32(peer_stage + off + lane.chunk(0), lo, peer_full);
-        st_async_v4_b32(peer_stage + off + lane.chunk(1), hi, peer_full);
-        raw = next;
+        for (int s = 0; s < kSlabsPerHalf; ++s) nope[s] = load_piece(src + 64 * s, ok, copy8);
+        if constexpr (Config<kDqk>::kRopeSlabs > 0) load_rope(row, split, copy8);
     }
-}
+    __device__ __forceinline__ void load_right(const Fp8Row& row, const SplitLane& split, bool copy8) {
+        using F = Fp8Format<kDqk>;
+        const bool ok = row.block != nullptr;
+        const uint8_t* src = ok ? row.block + F::nope_offset(row.t) + 16 * split.quarter : nullptr;
+#pragma unroll
+        for (int s = kSlabsPerHalf; s < kNopeSlabs; ++s) nope[s] = load_piece(src + 64 * s, ok, copy8);
+        if constexpr (Config<kDqk>::kRopeSlabs == 0) load_rope(row, split, copy8);
+    }
+    __device__ __forceinline__ void load_rope(const Fp8Row& row, const SplitLane& split, bool copy8) {
+        using F = Fp8Format<kDqk>;
+        const bool ok = row.block != nullptr;
+        const uint8_t* rsrc = ok ? row.block + F::rope_offset(row.t) + 32 * split.quarter : nullptr;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) rope[j] = load_piece(rsrc + 16 * j, ok, copy8);
+    }
+    // NoPE slabs [kFirst, kEnd), with the tile's scales `sc`: dequantised into this CTA's stage and, by st.async
+    // completing on `peer_full`, the peer's.
+    template <int kFirst, int kEnd>
+    __device__ __forceinline__ void store_nope(uint32_t stage_addr, uint32_t peer_stage, uint32_t peer_full,
+                                               const SplitLane& split, const uint4& sc) const {
+        using C = Config<kDqk>;
+#pragma unroll
+        for (int s = kFirst; s < kEnd; ++s) {
+            const float scale = slab_scale<kDqk>(sc, s);
+            const uint2 a = dequant4(nope[s].x, scale), b = dequant4(nope[s].y, scale);
+            const uint2 c = dequant4(nope[s].z, scale), d = dequant4(nope[s].w, scale);
+            const uint4 lo = make_uint4(a.x, a.y, b.x, b.y), hi = make_uint4(c.x, c.y, d.x, d.y);
+            const uint32_t off = s * C::kSlabBytes;
+            st_shared_v4(stage_addr + off + split.chunk(0), lo);
+            st_shared_v4(stage_addr + off + split.chunk(1), hi);
+            st_async_v4_b32(peer_stage + off + split.chunk(0), lo, peer_full);
+            st_async_v4_b32(peer_stage + off + split.chunk(1), hi, peer_full);
+        }
+    }
+    // The RoPE slab's 32 bytes of the split thread's row (bf16 columns 16 q .. 16 q + 15, as stored) into this CTA's
+    // stage and the peer's.
+    __device__ __forceinline__ void store_rope(uint32_t stage_addr, uint32_t peer_stage, uint32_t peer_full,
+                                               const SplitLane& split) const {
+        const uint32_t off = kNopeSlabs * Config<kDqk>::kSlabBytes;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            st_shared_v4(stage_addr + off + split.chunk(j), rope[j]);
+            st_async_v4_b32(peer_stage + off + split.chunk(j), rope[j], peer_full);
+        }
+    }
+};
 
 }  // namespace flashmla::decode
