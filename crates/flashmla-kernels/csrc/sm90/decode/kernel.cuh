@@ -715,8 +715,8 @@ __device__ __forceinline__ void score_epilogue(const DecodeParams& p, float* row
 // Score warpgroup (WG 1). Per chunk: wait Q; per tile i (stage i % 2), with QK(i) issued one iteration earlier:
 //   wait QK(i) -> (S first: SDone) -> release rope group (and Q after the chunk's last QK) -> mask, online softmax,
 //   P -> PV(i) on O[:, 0:256] -> publish P(i), alpha(i) -> wait PV(i) -> release left group -> QK(i + 1) -> Handoff.
-// (The pair kernels pass Handoff right after publishing P(i), so that the value warpgroup's PV(i) releases the right
-// group, whose refill the score warpgroup waits for most, one PV earlier.) Then the epilogue.
+// (The sparse kernels pass Handoff right after publishing P(i), so that the value warpgroup's PV(i) releases the
+// right group, whose refill the score warpgroup waits for most, one PV earlier.) Then the epilogue.
 // `split_dequant`: a *_pair kernel, whose peer's producer writes this CTA's stages too (it credits both).
 template <class E, int kDqk, bool kSparse, bool kPair>
 __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched,
@@ -841,10 +841,10 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                     st_shared_u32(p_addr + sw128_chunk_offset(rows[1], j) + 4 * f.quad, pa[j / 2][(j % 2) * 2 + 1]);
                 }
                 fence_proxy_async_shared();
-                // The pair kernels hand P(i) over before their P V(i) wait and QK(i + 1): the value warpgroup's P V(i)
-                // then releases the right group a P V earlier, and the producer's right-group refill is what the
-                // score warpgroup waits for most.
-                if constexpr (kPair) named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
+                // The sparse kernels hand P(i) over before their P V(i) wait and QK(i + 1): the value warpgroup's P V(i)
+                // then releases the right group a P V earlier, and the producer's refill of it (a dequantisation, not
+                // a TMA copy) is what the score warpgroup waits for most.
+                if constexpr (kSparse) named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
 
                 if (has_next) {
                     mask = blk_next.mask(p, c, c.tile0 + i + 1, lane);
@@ -860,7 +860,7 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                     mbarrier_arrive_remote_relaxed(mapa_shared(smem_addr(&sm.kv_empty[pos.stage][kGroupLeft]), peer));
                 }
                 if (has_next) issue_qk<E, kDqk>(sm, Ring::of(tile + 1), desc_q, q_rope, s, consumer_fence);
-                if constexpr (!kPair) named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
+                if constexpr (!kSparse) named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
             }
             if (n_tiles > 0) ++q_uses;
 
