@@ -225,9 +225,10 @@ __device__ __forceinline__ void dequant_slabs(uint32_t stage_addr, const RawLane
 
 // The *_pair kernels (the two CTAs of an h_q 128 cluster attend to the same keys): CTA `rank` owns rows
 // 32 rank .. 32 rank + 31 of every tile; thread t owns row 32 rank + t / 4 and quarter q = t % 4 of every 64-column
-// slab (bf16 columns 16 q .. 16 q + 15: logical chunks 2 q, 2 q + 1). It copies its 16 raw bytes of a NoPE slab into
-// its chunk 2 q, dequantises them and writes the 16 bf16 to its own stage and, with st.async completing on the
-// peer's full barrier, to the peer's: each CTA converts half the values a tile needs.
+// slab (bf16 columns 16 q .. 16 q + 15: logical chunks 2 q, 2 q + 1). It loads its 16 raw bytes of each NoPE slab
+// (and its 32 bytes of the RoPE slab) into registers (PairRegs), dequantises them and writes the 16 bf16 to its own
+// stage and, with st.async completing on the peer's full barrier, to the peer's: each CTA converts half the values a
+// tile needs.
 struct SplitLane {
     int row;         // tile row
     int quarter;     // t % 4
