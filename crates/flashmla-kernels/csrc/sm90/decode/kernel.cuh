@@ -740,8 +740,8 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
     int chunks = 0;
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
         for_each_chunk(p, sched, part, [&](const Chunk& c) {
-            // Sparse: the request's index rows, found once per chunk; the pair kernels find them at every load, as
-            // their producers do (held across the tile loop, they cost those kernels 1-4%: docs/perf-log.md).
+            // Sparse: the request's index rows, found once per chunk; the pair kernels' score warpgroup finds them at
+            // every load (held across its tile loop, they cost those kernels 1-4%: docs/perf-log.md).
             const IndexRows ir_chunk = IndexRows::of(p, c);
             const IndexRows* const ir = kPair ? nullptr : &ir_chunk;
             const int n_tiles = c.tile1 - c.tile0;

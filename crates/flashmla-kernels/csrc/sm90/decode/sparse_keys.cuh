@@ -56,8 +56,8 @@ __device__ __forceinline__ int sparse_index(const IndexRows& rows, const Chunk& 
     return key < c.main ? __ldg(rows.main + key) : __ldg(rows.extra + (key - c.main));
 }
 
-// The same, finding the request's index row at every call: what the pair kernels' roles run (their producer and
-// right-group fill have 80 registers; the rows held across their tile loops cost them 1-4%, docs/perf-log.md).
+// The same, finding the request's index row at every call: what the pair kernels' score warpgroup runs (at 232
+// registers the rows held across its tile loop cost those kernels 1-4%, docs/perf-log.md).
 __device__ __forceinline__ int sparse_index(const DecodeParams& p, const Chunk& c, int key) {
     if (key >= c.len) return -1;
     if (key < c.main) {

@@ -2,11 +2,10 @@
 // and tile-minor, so the items that run together share their heads' operands in L2; inside a head the query tiles run
 // last first and the backward's key blocks first to last (under a causal mask those see the most keys or queries, so
 // the longest items start first). The backward's kernels take item blockIdx.x; the forward's persistent CTAs take
-// items from a counter in that order. Tile indices count
-// the kTile-row tiles of the sequences in order; warp 0 finds the sequence of its tile with a prefix scan over the
-// offsets, 32 sequences per step. The offsets are clamped into [0, total] and made non-decreasing on the way (a
-// running max), so sequences never overlap and all their tiles fit the grid's bound `tiles` = ceil(total / kTile) +
-// batch, whatever the offsets hold.
+// items from a counter in that order. Tile indices count the kTile-row tiles of the sequences in order; warp 0 finds
+// the sequence of its tile with a prefix scan over the offsets, 32 sequences per step. The offsets are clamped into
+// [0, total] and made non-decreasing on the way (a running max), so sequences never overlap and all their tiles fit
+// the grid's bound `tiles` = ceil(total / kTile) + batch, whatever the offsets hold.
 #pragma once
 
 #include <cstdint>
