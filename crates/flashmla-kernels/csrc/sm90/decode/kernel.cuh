@@ -334,9 +334,6 @@ __device__ __forceinline__ void producer_sparse_regs(const DecodeParams& p, Smem
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
         for_each_chunk(p, sched, part, [&](const Chunk& c) {
             if (c.tile0 == c.tile1) return;
-            if (q_uses > 0) MBarrier::wait(&sm.q_empty, static_cast<uint32_t>((q_uses - 1) & 1));
-            load_q_tile<kDqk>(p, sm, RowTile::of(p), c.b, ct);
-            ++q_uses;
             const IndexRows ir = IndexRows::of(p, c);
             Regs regs;
             {
@@ -394,6 +391,13 @@ __device__ __forceinline__ void producer_sparse_regs(const DecodeParams& p, Smem
                     mbarrier_arrive_expect_tx(smem_addr(right), kRightSlabs * kPeerBytesPerSlab);
                 } else {
                     MBarrier::arrive(right);
+                }
+                // The chunk's Q once its first tile is stored: that tile's stage was released before the previous
+                // chunk's epilogue, which holds the Q tile until its rows left.
+                if (k == c.tile0) {
+                    if (q_uses > 0) MBarrier::wait(&sm.q_empty, static_cast<uint32_t>((q_uses - 1) & 1));
+                    load_q_tile<kDqk>(p, sm, RowTile::of(p), c.b, ct);
+                    ++q_uses;
                 }
                 // The next tile's right pieces, in flight while its stage is released.
                 if (has_next) {
