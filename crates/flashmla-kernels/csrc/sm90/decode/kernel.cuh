@@ -314,7 +314,8 @@ __device__ __forceinline__ void producer_sparse(const DecodeParams& p, SmemPlan<
 // slabs 0..3) are loaded as soon as this tile's left group is stored, its right pieces once the right group is, so
 // each part is in flight while the other is converted and while the stage is released. Groups are written once both
 // CTAs' consumers released them (kv_empty counts the peer's credits too) and published in the order the consumers
-// read them: rope (d_qk 576) and left behind one proxy fence, then right behind another. The value warpgroup only
+// read them: rope (d_qk 576) and left behind one proxy fence, then right behind another. A chunk's Q is loaded once
+// its first tile is stored, so that tile's loads travel during the previous chunk's epilogue. The value warpgroup only
 // multiplies.
 template <int kDqk>
 __device__ __forceinline__ void producer_sparse_regs(const DecodeParams& p, SmemPlan<kDqk>& sm,
