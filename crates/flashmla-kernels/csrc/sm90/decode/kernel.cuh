@@ -793,7 +793,9 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 }
                 // The chunk's last QK has read Q. A split chunk keeps it until its epilogue has staged the partial
                 // there (the producer loads nothing of the next chunk before Q).
-                if (!has_next && !c.split && !bulk_out) release_by_warp(&sm.q_empty, lane);
+                // (The one-row-tile sparse kernels stage a final chunk's rows in its last key stage: Q is free now.)
+                const bool final_in_stage = kSparse && !kPair && bulk_out && !c.split;
+                if (!has_next && !c.split && (!bulk_out || final_in_stage)) release_by_warp(&sm.q_empty, lane);
 
                 mask_invalid_rows(s, mask, f);
                 if (causal) mask_causal(s, c.tile0 + i, limit, f);
@@ -860,9 +862,12 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 wgmma_fence_regs(pa[1]);
                 wgmma_fence_regs(pa[2]);
                 wgmma_fence_regs(pa[3]);
-                release_by_warp(&sm.kv_empty[pos.stage][kGroupLeft], lane);
-                if (split_dequant && lane == 0) {
-                    mbarrier_arrive_remote_relaxed(mapa_shared(smem_addr(&sm.kv_empty[pos.stage][kGroupLeft]), peer));
+                if (has_next || !final_in_stage) {
+                    release_by_warp(&sm.kv_empty[pos.stage][kGroupLeft], lane);
+                    if (split_dequant && lane == 0) {
+                        mbarrier_arrive_remote_relaxed(
+                            mapa_shared(smem_addr(&sm.kv_empty[pos.stage][kGroupLeft]), peer));
+                    }
                 }
                 if (has_next) issue_qk<E, kDqk>(sm, Ring::of(tile + 1), desc_q, q_rope, s, consumer_fence);
                 if constexpr (!kSparse) named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
@@ -880,6 +885,17 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 // may already fill the last key stage).
                 if (split_dequant) named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
                 release_by_warp(&sm.q_empty, lane);
+            } else if (bulk_out && n_tiles > 0 && kSparse && !kPair) {
+                // The rows go through the last key stage, whose left and right groups both consumers kept; Q was
+                // released after the last QK, so the producer loads the next chunk's Q and first tile meanwhile.
+                // Once this warp's rows left, it releases both groups (the right one for the value warpgroup).
+                const Ring last = Ring::of(tile - 1);
+                const uint32_t area = smem_addr(sm.kv[last.stage]);
+                stage_final_half<E>(f, 0, o, inv, area);
+                named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
+                store_final_rows(p, rt, c, f, area);
+                release_by_warp(&sm.kv_empty[last.stage][kGroupLeft], lane);
+                release_by_warp(&sm.kv_empty[last.stage][kGroupRight], lane);
             } else if (bulk_out && n_tiles > 0) {
                 stage_final_half<E>(f, 0, o, inv, smem_addr(sm.q));
                 named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
@@ -895,7 +911,7 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
 
 // Value warpgroup (WG 2). Per tile i: wait for the right group -> Handoff -> (S first: SDone, S(i + 1) is in) ->
 // rescale O[:, 256:512] by alpha(i) -> O += P(i) V -> wait -> release the right group. Per chunk, the epilogue.
-template <class E, int kDqk>
+template <class E, int kDqk, bool kSparse, bool kPair>
 __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<kDqk>& sm, const Schedule& sched,
                                                bool split_dequant, bool consumer_fence) {
     const int t = static_cast<int>(threadIdx.x) - kWarpgroupThreads * static_cast<int>(Role::Value);
@@ -933,9 +949,14 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
                 wgmma_commit();
                 wgmma_wait<0>();
                 wgmma_fence_regs(o);
-                release_by_warp(&sm.kv_empty[pos.stage][kGroupRight], lane);
-                if (split_dequant && lane == 0) {
-                    mbarrier_arrive_remote_relaxed(mapa_shared(smem_addr(&sm.kv_empty[pos.stage][kGroupRight]), peer));
+                // A one-row-tile sparse kernel's final chunk keeps its last stage for the rows (the score warpgroup
+                // releases it once they left).
+                if (!(kSparse && !kPair) || k + 1 < c.tile1 || !bulk_out || c.split) {
+                    release_by_warp(&sm.kv_empty[pos.stage][kGroupRight], lane);
+                    if (split_dequant && lane == 0) {
+                        mbarrier_arrive_remote_relaxed(
+                            mapa_shared(smem_addr(&sm.kv_empty[pos.stage][kGroupRight]), peer));
+                    }
                 }
             }
             named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
@@ -953,8 +974,11 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
                 }
                 named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
             } else if (bulk_out && c.tile1 > c.tile0) {
-                // The Q tile is held by the score warpgroup until the rows left (its last QK is done).
-                stage_final_half<E>(f, 1, o, inv, smem_addr(sm.q));
+                // The Q tile is held by the score warpgroup until the rows left (its last QK is done); the one-row-tile
+                // sparse kernels stage them in the chunk's last key stage instead.
+                const uint32_t area =
+                    kSparse && !kPair ? smem_addr(sm.kv[Ring::of(tile - 1).stage]) : smem_addr(sm.q);
+                stage_final_half<E>(f, 1, o, inv, area);
                 named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
             } else {
                 store_o_half<E>(p, rt, c, f, 1, o, inv);
@@ -1027,7 +1051,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
         bulk_wait_all();  // the partials' bulk stores are performed before the CTA ends
     } else {
         setmaxnreg_inc<kPair ? kValueRegsPair : kSparse ? kValueRegsSparse : kValueRegs>();
-        value_consumer<E, kDqk>(p, sm, sched, split_dequant, consumers_fence<kSparse>(p));
+        value_consumer<E, kDqk, kSparse, kPair>(p, sm, sched, split_dequant, consumers_fence<kSparse>(p));
         bulk_wait_all();
     }
 }
