@@ -18,7 +18,8 @@
 //             each row's limit, online softmax, publishes P and the row scales, O[:, 0:256] += P V.
 //   Value:    O[:, 256:512] += P V with the published P.
 // Per chunk, both consumers then write their O half (final: scaled by 1 / denominator, in the output dtype, staged
-// in the Q tile and sent as one bulk store per 1 KB row when out rows are 16-byte aligned, else from registers;
+// in the Q tile (the one-row-tile sparse kernels: in the chunk's last key stage, kept from the producer until the
+// rows left) and sent as one bulk store per 1 KB row when out rows are 16-byte aligned, else from registers;
 // partial: by 1 / row sum, f32, staged in shared memory (score: the Q tile, value: the chunk's last key stage) and
 // sent as one bulk store per row; the producer loads nothing of the next chunk until the staged rows left).
 #pragma once
@@ -634,8 +635,8 @@ __device__ __forceinline__ void store_partial_half(const DecodeParams& p, const 
     __syncwarp();
 }
 
-// Stages one consumer's final half (output dtype, scaled by inv) into the Q tile: row r's 512 elements at
-// q + r * 1 KB, this consumer's 256 at + consumer * 512 bytes. The score warpgroup then sends each row as one 1 KB
+// Stages one consumer's final half (output dtype, scaled by inv) into `q_area` (the Q tile, or a one-row-tile sparse
+// kernel's last key stage): row r's 512 elements at q_area + r * 1 KB, this consumer's 256 at + consumer * 512 bytes. The score warpgroup then sends each row as one 1 KB
 // bulk store (store_final_rows) once both halves are staged.
 template <class E>
 __device__ __forceinline__ void stage_final_half(const AccFrag& f, int consumer, const float (&o)[kORegs],
