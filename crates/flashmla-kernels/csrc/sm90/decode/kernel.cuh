@@ -21,7 +21,8 @@
 // in the Q tile (the one-row-tile sparse kernels: in the chunk's last key stage, kept from the producer until the
 // rows left) and sent as one bulk store per 1 KB row when out rows are 16-byte aligned, else from registers;
 // partial: by 1 / row sum, f32, staged in shared memory (score: the Q tile, value: the chunk's last key stage) and
-// sent as one bulk store per row; the producer loads nothing of the next chunk until the staged rows left).
+// sent as one bulk store per row; the producer writes nothing of the next chunk into either area until the staged
+// rows left).
 #pragma once
 
 #include <cstdint>
@@ -793,7 +794,8 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                     }
                 }
                 // The chunk's last QK has read Q. A split chunk keeps it until its epilogue has staged the partial
-                // there (the producer loads nothing of the next chunk before Q).
+                // there (the producer loads nothing of the next chunk before Q but, in the pair kernels, its first
+                // tile, into the other key stage).
                 // (The one-row-tile sparse kernels stage a final chunk's rows in its last key stage: Q is free now.)
                 const bool final_in_stage = kSparse && !kPair && bulk_out && !c.split;
                 if (!has_next && !c.split && (!bulk_out || final_in_stage)) release_by_warp(&sm.q_empty, lane);
