@@ -11,6 +11,7 @@ the partials) is what separates ``w_kv.grad`` from the single-process value; the
 rounding.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -32,10 +33,20 @@ CPU_CONFIG = cp.Config(tokens_per_rank=32, hidden=32, heads=16, d_qk=576, topk=3
 GPU_CONFIG = cp.Config(tokens_per_rank=512, hidden=64, heads=64, d_qk=576, topk=256, seed=12)
 
 
+def _exit_after(rank: int, fn, *args) -> None:
+    """Runs a rank's work, then ends the process without the interpreter's teardown: gloo's transport threads can
+    abort a finished process there (``terminate called without an active exception``, seen once in CI),
+    which ``mp.spawn`` would report as a failed rank. An exception from ``fn`` still fails the rank."""
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run_ranks(tmp_path: Path, world: int, backend: str, cfg: cp.Config):
     """Runs one sharded step in ``world`` spawned processes; returns each rank's loss and gradients."""
     init = f"file://{tmp_path / 'rendezvous'}"
-    mp.spawn(cp.run_rank, args=(world, init, backend, cfg, str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_exit_after, args=(cp.run_rank, world, init, backend, cfg, str(tmp_path)), nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
 
@@ -57,7 +68,7 @@ def check_against_single_process(results, cfg: cp.Config, world: int, device: to
 def test_gather_tokens_gradient_is_the_sum_of_every_rank_s_partial(tmp_path):
     """Without flashmla: the Function's backward hands each rank the sum over ranks of its rows' gradients."""
     init = f"file://{tmp_path / 'rendezvous'}"
-    mp.spawn(_gather_worker, args=(2, init, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_exit_after, args=(_gather_worker, 2, init, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         got = torch.load(tmp_path / f"gather{rank}.pt")
         # Rank r's rows are rows [2r, 2r + 2) of the gathered [4, 3] tensor; rank s weighs the gathered rows by
