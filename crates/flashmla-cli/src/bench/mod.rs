@@ -219,6 +219,9 @@ pub struct Record {
     /// Device memory the op allocates beyond its inputs and outputs, bytes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub extra_bytes: Option<usize>,
+    /// Input sets the timed calls rotate through (every call takes the next), where more than one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub input_sets: Option<usize>,
     /// The launch-choice variables set for this record, `VAR=value` separated by spaces (the `--ab`
     /// value last); absent when every choice was the measured one.
     #[serde(skip_serializing_if = "Option::is_none")]
