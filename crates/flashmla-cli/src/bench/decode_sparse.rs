@@ -124,7 +124,26 @@ fn shapes(suite: BenchSuite) -> Vec<Shape> {
             },
             model1(8, 64, 512, 64),
         ],
-        BenchSuite::Standard | BenchSuite::Sweep => {
+        BenchSuite::Sweep => {
+            // Time against tiles per chunk (every part takes whole requests): the slope is a tile's cost, the
+            // intercept a chunk's and the step's fixed cost.
+            let mut v = Vec::new();
+            for (h_q, format) in [
+                (64usize, KvFormat::V32),
+                (128, KvFormat::V32),
+                (64, KvFormat::Model1),
+            ] {
+                for topk in [256usize, 512, 1024, 2048, 4096, 8192] {
+                    v.push(Shape {
+                        format,
+                        main: cache(32768, topk, 64),
+                        ..v32(128, 2, h_q)
+                    });
+                }
+            }
+            v
+        }
+        BenchSuite::Standard => {
             let mut v = Vec::new();
             for b in [2usize, 64, 128] {
                 v.push(v32(b, 2, 128));
