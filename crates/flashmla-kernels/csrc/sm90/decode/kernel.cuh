@@ -1,10 +1,11 @@
 // Dense MLA decode over a paged cache for sm_90a (docs/spec.md section 4). docs/decode.md has the design:
 // schedule, shared-memory plan, warp roles, barrier protocol, partials and combine.
 //
-// Three kernels per decode step (two for at most 128 requests), all on the caller's stream and with no host
-// synchronisation:
+// Three kernels per decode step (two for at most 128 requests, one for a sparse batch without lengths whose parts
+// hold whole requests), all on the caller's stream and with no host synchronisation:
 //   decode_schedule  one CTA: the split-KV schedule from cache_seqlens (schedule.cuh); for a batch of at most 128
-//                    requests (kFlagInlineSchedule) not launched: warp 0 of every split CTA derives it instead;
+//                    requests (kFlagInlineSchedule) not launched: warp 0 of every split CTA derives it instead; nor
+//                    for a uniform line (kFlagUniformLine), which every role derives from the shape;
 //   decode_split     grid (head_tiles, grid_parts): CTA (x, y) serves query-row tile x for the chunks of the parts
 //                    y, y + grid_parts, ...; writes unsplit requests in final form, split ones as f32 partials;
 //   decode_combine   grid (batch, head_tiles): merges the partials of split requests (f32), applies the sink.
@@ -1035,7 +1036,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
     __syncthreads();
     if (split_dequant) cluster_sync();
 
-    const Schedule sched = Schedule::load(p, sched_line);
+    const Schedule sched = Schedule::load<kSparse>(p, sched_line);
     const Role role = static_cast<Role>(threadIdx.x / kWarpgroupThreads);
     if (role == Role::Producer) {
         if constexpr (kPair) {
@@ -1076,7 +1077,7 @@ __device__ __forceinline__ void decode_combine(const DecodeParams& p) {
     const int len = request_len(p, b);
     const int tiles = tiles_of(len);
     if (tiles == 0) return;
-    const int first = sched.line[b] + p.chunk_overhead;
+    const int first = sched.start(b) + p.chunk_overhead;
     const int fp = sched.part_of(first);
     const int lp = sched.part_of(first + tiles - 1);
     if (fp == lp) return;

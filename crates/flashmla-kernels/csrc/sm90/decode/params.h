@@ -26,7 +26,8 @@ inline constexpr uint32_t kFlagOutVec4 = 1u << 1;    // out base and strides all
 inline constexpr uint32_t kFlagSparse = 1u << 2;     // sparse FP8 decode: keys come from indices, not the block table
 inline constexpr uint32_t kFlagOutBulk = 1u << 4;    // out rows are 16-byte aligned: final halves go out as bulk stores
 inline constexpr uint32_t kFlagKTma = 1u << 5;       // dense: k_tmap describes k_cache; whole key tiles load by TMA
-// (1u << 6 is free: the 2-CTA sparse kernels that split the dequantisation are their own entry points, *_pair.)
+inline constexpr uint32_t kFlagUniformLine = 1u << 6;  // sparse without length tensors: every request has the same
+                                                       // segment, the line is b * segment (schedule.cuh)
 inline constexpr uint32_t kFlagCopy8 = 1u << 3;      // sparse: a cache is only 8-byte aligned (base or block stride):
                                                      // copy its rows in 8-byte pieces
 inline constexpr uint32_t kFlagInlineSchedule = 1u << 7;  // no schedule kernel: every split CTA derives the schedule

@@ -232,19 +232,34 @@ struct Chunk {
 
 // The schedule as read by a CTA.
 struct Schedule {
-    const int32_t* line;  // S_0..S_batch
+    const int32_t* line;  // S_0..S_batch (unread with a uniform line)
     int budget;
     int parts;
-    // The schedule at `line` (S_0..S_batch, then budget and parts): p.schedule, or a split CTA's inline copy.
+    int seg;  // kFlagUniformLine: every request's segment, S_b = b * seg; else 0
+    // The schedule at `line` (S_0..S_batch, then budget and parts): p.schedule, or a split CTA's inline copy. A
+    // uniform line (kFlagUniformLine: a sparse batch without length tensors, whose requests all attend topk +
+    // extra_topk entries) is derived from the shape alone, by the rule the schedule kernel applies: no schedule
+    // kernel, no scan, no loads. kMayBeUniform: the caller serves sparse batches (the dense split kernels pass
+    // false, and their code does not carry the test).
+    template <bool kMayBeUniform = true>
     static __device__ __forceinline__ Schedule load(const DecodeParams& p, const int32_t* line) {
-        return {line, line[p.batch + 1], line[p.batch + 2]};
+        if (kMayBeUniform && (p.flags & kFlagUniformLine)) {
+            const int seg = segment_of(p, request_len(p, 0));
+            int32_t budget, parts;
+            schedule_rule(p, p.batch * seg, seg, p.batch > 0, seg, budget, parts);
+            return {line, budget, parts, seg};
+        }
+        return {line, line[p.batch + 1], line[p.batch + 2], 0};
     }
     static __device__ __forceinline__ Schedule load(const DecodeParams& p) { return load(p, p.schedule); }
+    // S_b, the line position where request b starts (b <= batch).
+    __device__ __forceinline__ int start(int b) const { return seg > 0 ? b * seg : line[b]; }
     // Largest b with S_b <= pos (S_0 <= pos < S_batch), found by the calling warp (all 32 lanes, the same pos): each
     // round every lane reads one of 32 evenly spaced starts of the range and a ballot keeps the piece holding pos,
     // so the round trips are log32(batch), not log2(batch) (the line may be in global memory: a dependent load
-    // each, in front of the CTA's first tile).
+    // each, in front of the CTA's first tile). A uniform line: pos / seg.
     __device__ __forceinline__ int request_at(int pos, int batch) const {
+        if (seg > 0) return pos / seg;
         const int lane = static_cast<int>(threadIdx.x) % 32;
         int lo = 0, n = batch;  // the answer is in [lo, lo + n)
         while (n > 32) {
@@ -267,10 +282,10 @@ template <class F>
 __device__ __forceinline__ void for_each_chunk(const DecodeParams& p, const Schedule& s, int part, F&& f) {
     const int lo = part * s.budget;
     const int hi = lo + s.budget;
-    const int end = s.line[p.batch];
+    const int end = s.start(p.batch);
     if (lo >= end) return;
     for (int b = s.request_at(lo, p.batch); b < p.batch; ++b) {
-        const int start = s.line[b];
+        const int start = s.start(b);
         if (start >= hi) break;
         const int first = start + p.chunk_overhead;  // line position of tile 0
         const int len = request_len(p, b);

@@ -4,11 +4,13 @@
 //! graph and replayed after `cache_seqlens` and `block_table`, or the indices and lengths, changed in place):
 //! 1. `decode_schedule` (one CTA) computes the split-KV schedule from `cache_seqlens` into the workspace; for at
 //!    most [`INLINE_SCHEDULE_MAX_BATCH`] requests it is not launched and every split CTA derives the schedule
-//!    ([`FLAG_INLINE_SCHEDULE`]), so a small step costs the host two launches;
+//!    ([`FLAG_INLINE_SCHEDULE`]), so a small step costs the host two launches; a sparse batch without length
+//!    tensors has a schedule that follows from its shape ([`FLAG_UNIFORM_LINE`]): never launched;
 //! 2. `decode_split_*` (grid `head_tiles x grid_parts`, 384 threads; the narrow sparse kernels 512) attends each
 //!    query-row tile to the key chunks of its parts, writing unsplit requests in final form and split ones as f32
 //!    partials;
-//! 3. `decode_combine_*` (grid `batch x head_tiles x 8`) merges the partials of split requests.
+//! 3. `decode_combine_*` (grid `batch x head_tiles x 8`) merges the partials of split requests; not launched for a
+//!    uniform line whose parts hold whole requests (nothing split).
 //!
 //! Kernel limits checked here (beyond [`super::validate_dense`]): `q` and `k_cache` rows 16-byte aligned (the
 //! gather copies 16-byte chunks); `block_table`, `cache_seqlens`, `attn_sink`, `out` and `lse` aligned to their
@@ -80,6 +82,9 @@ pub const FLAG_OUT_BULK: u32 = 16;
 pub const FLAG_K_TMA: u32 = 32;
 /// `flags` bit: no schedule kernel; every split CTA derives the schedule of the batch (`kFlagInlineSchedule`).
 pub const FLAG_INLINE_SCHEDULE: u32 = 128;
+/// `flags` bit: a sparse batch without length tensors, whose requests all have the same segment: every role derives
+/// the schedule from the shape (`kFlagUniformLine`); no schedule kernel, and no combine where no request is split.
+pub const FLAG_UNIFORM_LINE: u32 = 64;
 /// Words of the schedule after the `batch + 1` line starts (`kScheduleTail`).
 pub const SCHEDULE_TAIL: usize = 2;
 /// Most requests whose schedule the split kernel derives itself (`kInlineScheduleMaxBatch`: four per lane of one
@@ -514,6 +519,26 @@ impl ScheduleGeometry {
         (1..=INLINE_SCHEDULE_MAX_BATCH).contains(&batch)
     }
 
+    /// The budget of a uniform line: `requests` requests of `tiles` key tiles each, cut by the rule of the kernels'
+    /// `schedule_rule` (schedule.cuh; [`decode_schedule`](crate::reference::decode::decode_schedule) on the CPU).
+    /// Returns the segment and the budget, both in line units.
+    pub fn uniform_budget(&self, requests: usize, tiles: usize) -> (usize, usize) {
+        let seg = CHUNK_OVERHEAD_TILES + tiles;
+        if self.fixed_budget > 0 {
+            return (seg.next_multiple_of(self.fixed_budget), self.fixed_budget);
+        }
+        let line = requests * seg;
+        let floor = seg.div_ceil(MAX_REQUEST_PARTS).min(MAX_BUDGET_FLOOR);
+        let budget = line.div_ceil(self.grid_parts).max(1).max(floor);
+        let aligned = budget.div_ceil(seg) * seg;
+        let budget = if (aligned - budget) * 16 <= budget {
+            aligned
+        } else {
+            budget
+        };
+        (seg, budget)
+    }
+
     /// Words of the three workspace regions, each a multiple of 4 (16-byte aligned starts).
     fn workspace_split(&self, batch: usize) -> (usize, usize, usize) {
         let sched = (batch + 1 + SCHEDULE_TAIL).next_multiple_of(4);
@@ -743,13 +768,23 @@ impl DecodePlan {
             programmatic: false,
         };
         let mut launches = Vec::with_capacity(3);
-        if ScheduleGeometry::inline_schedule(params.batch as usize) {
+        let mut combine_needed = true;
+        if params.flags & FLAG_UNIFORM_LINE != 0 {
+            // Every role derives the line from the shape. Requests lie whole in parts when the budget is a multiple
+            // of the segment (S_b = b * seg): then nothing is split and the combine would find nothing to merge.
+            let tiles = (params.topk + params.extra_topk).max(0) as usize;
+            let (seg, budget) =
+                geometry.uniform_budget(params.batch as usize, tiles.div_ceil(KEYS_PER_TILE));
+            combine_needed = budget % seg != 0;
+        } else if ScheduleGeometry::inline_schedule(params.batch as usize) {
             params.flags |= FLAG_INLINE_SCHEDULE;
         } else {
             launches.push((kernels::SCHEDULE, schedule));
         }
         launches.push((split_kernel, split));
-        launches.push((combine_kernel, combine));
+        if combine_needed {
+            launches.push((combine_kernel, combine));
+        }
         DecodePlan {
             params,
             geometry,
@@ -902,6 +937,9 @@ pub fn lower_sparse(
         ),
         None => ((0, 0, 0, 0, 0, 0, 0), 0, 0, 1),
     };
+    // Without length tensors every request attends topk + extra_topk entries: the schedule follows from the shape.
+    let uniform =
+        args.topk_length.is_none() && args.extra.as_ref().is_none_or(|e| e.topk_length.is_none());
     let params = DecodeParams {
         q: args.q.ptr(),
         k_cache: args.k_cache.ptr(),
@@ -953,7 +991,10 @@ pub fn lower_sparse(
         fixed_budget: to_i32("options.chunk_tiles", geometry.fixed_budget)?,
         max_request_parts: MAX_REQUEST_PARTS as i32,
         max_budget_floor: MAX_BUDGET_FLOOR as i32,
-        flags: FLAG_SPARSE | if copy16 { 0 } else { FLAG_COPY8 } | out_flags(&out.out),
+        flags: FLAG_SPARSE
+            | if copy16 { 0 } else { FLAG_COPY8 }
+            | if uniform { FLAG_UNIFORM_LINE } else { 0 }
+            | out_flags(&out.out),
         sm_scale_log2,
         ..DecodeParams::default()
     };
@@ -1381,18 +1422,109 @@ mod tests {
         cache: (usize, usize, usize),
         topk: usize,
     ) -> Result<DecodePlan> {
+        lower_sparse_with(shape, d_qk, cache, topk, false, &DecodeOptions::default())
+    }
+
+    /// `with_length`: a `topk_length` tensor (the schedule then depends on its values).
+    fn lower_sparse_with(
+        shape: (usize, usize, usize),
+        d_qk: usize,
+        cache: (usize, usize, usize),
+        topk: usize,
+        with_length: bool,
+        options: &DecodeOptions,
+    ) -> Result<DecodePlan> {
         let (q, k, idx, out) = sparse_case(shape, d_qk, cache, topk);
+        let length = view(BASE + (6 << 36), DType::I32, &[shape.0], None);
         let args = SparseDecodeArgs {
             q: &q,
             k_cache: &k,
             indices: &idx,
-            topk_length: None,
+            topk_length: with_length.then_some(&length),
             softmax_scale: None,
             attn_sink: None,
             extra: None,
         };
         let dims = super::super::validate_sparse(&args)?;
-        lower_sparse(&dims, &args, &out, &DecodeOptions::default(), 132)
+        lower_sparse(&dims, &args, &out, options, 132)
+    }
+
+    #[test]
+    fn a_uniform_sparse_batch_derives_its_schedule_and_skips_an_idle_combine() {
+        let names = |plan: &DecodePlan| plan.launches.iter().map(|l| l.0).collect::<Vec<_>>();
+        let cache = (8, 64, 64 * 656);
+        // b 128, s_q 2, h_q 64, topk 2048: 256 requests of 36 units on 132 parts, two whole requests each.
+        let plan = lower_sparse_case((128, 2, 64), 576, cache, 2048).unwrap();
+        assert_eq!(names(&plan), [kernels::SPLIT_FP8_V32]);
+        assert_eq!(
+            plan.params.flags & (FLAG_UNIFORM_LINE | FLAG_INLINE_SCHEDULE),
+            FLAG_UNIFORM_LINE
+        );
+        // With topk_length the line depends on its values: the schedule kernel (256 requests) and the combine.
+        let opts = DecodeOptions::default();
+        let plan = lower_sparse_with((128, 2, 64), 576, cache, 2048, true, &opts).unwrap();
+        assert_eq!(
+            names(&plan),
+            [
+                kernels::SCHEDULE,
+                kernels::SPLIT_FP8_V32,
+                kernels::COMBINE_BF16
+            ]
+        );
+        assert_eq!(plan.params.flags & FLAG_UNIFORM_LINE, 0);
+        // b 2, s_q 2: four requests of 36 units on 132 parts are split: the combine runs.
+        let plan = lower_sparse_case((2, 2, 64), 576, cache, 2048).unwrap();
+        assert_eq!(names(&plan)[0], kernels::SPLIT_FP8_V32);
+        assert_eq!(names(&plan).len(), 2);
+        // Batch-invariant: a request within one budget is never split; a longer one is.
+        for (topk, combine) in [(64 * 60, false), (64 * 61, true)] {
+            let opts = DecodeOptions {
+                batch_invariant: true,
+                chunk_tiles: Some(64),
+                ..DecodeOptions::default()
+            };
+            let plan = lower_sparse_with((4, 1, 64), 576, cache, topk, false, &opts).unwrap();
+            assert_eq!(names(&plan).len(), 1 + usize::from(combine), "topk {topk}");
+        }
+    }
+
+    #[test]
+    fn the_uniform_budget_is_the_reference_schedules() {
+        use crate::reference::decode::{
+            decode_schedule, ScheduleConfig, ScheduleShape as RefShape,
+        };
+        for h_q in [16usize, 64, 128] {
+            for requests in [1usize, 2, 7, 64, 128, 256, 300, 1000] {
+                for tiles in [1usize, 2, 10, 32, 256] {
+                    let shape = ScheduleShape {
+                        requests,
+                        h_kv: 1,
+                        rows: h_q,
+                        key_cap: tiles * KEYS_PER_TILE,
+                    };
+                    let g = ScheduleGeometry::for_shape(&shape, &DecodeOptions::default(), 132)
+                        .unwrap();
+                    let (seg, budget) = g.uniform_budget(requests, tiles);
+                    let reference = decode_schedule(
+                        &RefShape {
+                            s_q: 1,
+                            h_q,
+                            h_kv: 1,
+                            num_sms: 132,
+                        },
+                        &ScheduleConfig::default(),
+                        &vec![tiles * KEYS_PER_TILE; requests],
+                    );
+                    let case = format!("h_q {h_q}, {requests} x {tiles} tiles");
+                    assert_eq!(budget, reference.tile_budget, "{case}");
+                    assert_eq!(seg, CHUNK_OVERHEAD_TILES + tiles, "{case}");
+                    // No combine launch only where the reference splits no request.
+                    if budget % seg == 0 {
+                        assert_eq!(reference.chunks.len(), requests, "{case}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
@@ -1405,14 +1537,22 @@ mod tests {
         assert_eq!((p.batch, p.s_q, p.req_tokens, p.rows), (6, 1, 2, 128));
         assert_eq!((p.topk, p.extra_topk, p.k_stride_block), (300, 0, 64 * 656));
         assert_eq!(
-            p.flags & (FLAG_SPARSE | FLAG_INLINE_SCHEDULE),
-            FLAG_SPARSE | FLAG_INLINE_SCHEDULE
+            p.flags & (FLAG_SPARSE | FLAG_UNIFORM_LINE),
+            FLAG_SPARSE | FLAG_UNIFORM_LINE
         );
         assert_eq!(plan.launches[0].1.grid, (2, 66, 1));
         assert_eq!(plan.launches[1].1.grid, (6, 2, 32));
-        // h_q 16, MODEL1: one row tile per token, the narrow kernel; 80 x 2 tokens are more requests than the
-        // split kernel scans.
-        let plan = lower_sparse_case((80, 2, 16), 512, (8, 64, 64 * 584), 64).unwrap();
+        // With topk_length, the split kernel scans up to 128 requests itself.
+        let opts = DecodeOptions::default();
+        let plan =
+            lower_sparse_with((3, 2, 128), 576, (10, 64, 64 * 656), 300, true, &opts).unwrap();
+        assert_eq!(
+            plan.params.flags & (FLAG_UNIFORM_LINE | FLAG_INLINE_SCHEDULE),
+            FLAG_INLINE_SCHEDULE
+        );
+        // h_q 16, MODEL1: one row tile per token, the narrow kernel; 80 x 2 tokens with lengths are more requests
+        // than the split kernel scans.
+        let plan = lower_sparse_with((80, 2, 16), 512, (8, 64, 64 * 584), 64, true, &opts).unwrap();
         assert_eq!(plan.launches[0].0, kernels::SCHEDULE);
         assert_eq!(plan.launches[1].0, kernels::SPLIT_FP8_MODEL1_N16);
         assert_eq!(plan.launches[1].1.grid, (1, 132, 1));
