@@ -141,6 +141,14 @@ fn shapes(suite: BenchSuite) -> Vec<Shape> {
                     });
                 }
             }
+            // The same 64 tiles a part at V3.2 h_q 64 in 1, 2, 4 and 8 whole requests (requests of 8K tokens): the
+            // difference is a chunk's cost.
+            for (b, topk) in [(64usize, 4096usize), (128, 2048), (256, 1024), (512, 512)] {
+                v.push(Shape {
+                    main: cache(8192, topk, 64),
+                    ..v32(b, 2, 64)
+                });
+            }
             v
         }
         BenchSuite::Standard => {

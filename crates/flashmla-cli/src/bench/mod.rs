@@ -29,8 +29,9 @@ pub enum BenchSuite {
     /// The V3.2 sparse shape (`s_q` 4096, `h_q` 128, `d_qk` 576) at `topk` 2048 and `s_kv` from 8K
     /// to 128K in finer steps than the standard suite, then at `s_kv` 8K with `topk` 512 to 8192 (how
     /// the time splits into per-tile and per-CTA work); the sparse decode at `b` 128, `s_q` 2,
-    /// `topk` 256 to 8192 (V3.2 at `h_q` 64 and 128, MODEL1 at 64: how its time splits into per-tile
-    /// and per-chunk work); the other ops time their standard shapes.
+    /// `topk` 256 to 8192 (V3.2 at `h_q` 64 and 128, MODEL1 at 64), and V3.2 `h_q` 64 with 64 tiles a
+    /// part in 1 to 8 requests (how its time splits into per-tile and per-chunk work); the other ops
+    /// time their standard shapes.
     Sweep,
 }
 
