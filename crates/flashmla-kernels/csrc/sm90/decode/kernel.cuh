@@ -677,17 +677,25 @@ struct SoftmaxState {
     float row_sum[2]; // this thread's partial row sums, relative to m_ref
 };
 
+// Row `row`'s sink logit in base 2, or -inf without a sink or past the tile's rows. A row's head is the same in
+// every chunk, so the split kernels' score warpgroup loads it once, before its chunks: in the epilogue the load sat
+// in front of every chunk's 1 / denominator, which both consumers wait for.
+__device__ __forceinline__ float row_sink_log2(const DecodeParams& p, const RowTile& rt, int row) {
+    if (p.attn_sink == nullptr || row >= rt.rows) return -kInf;
+    return __ldg(p.attn_sink + static_cast<int64_t>(rt.head(p, row)) * p.attn_sink_stride) * kLog2e;
+}
+
 // One query row's end of a chunk: 1 / denominator (row sum, plus the sink term in an unsplit chunk; 0 for a row
 // without keys) and, by the thread that `writes`, row_inv[row] and the row's lse (final: natural log, +inf without
-// keys; partial: -inf without keys). `m_ref`: the base-2 reference the row sum `l` is relative to.
+// keys; partial: -inf without keys). `m_ref`: the base-2 reference the row sum `l` is relative to; `sink_log2`:
+// row_sink_log2 of the row.
 __device__ __forceinline__ float finish_row(const DecodeParams& p, float* row_inv, const RowTile& rt, const Chunk& c,
-                                            int row, float m_ref, bool empty, float l, bool writes) {
+                                            int row, float m_ref, bool empty, float l, bool writes, float sink_log2) {
     const bool exists = row < rt.rows;
     float denom = l;
-    if (!c.split && p.attn_sink != nullptr && exists && !empty) {
+    if (!c.split && sink_log2 != -kInf && !empty) {
         // The sink is one more logit with a zero value vector: it only enlarges the denominator.
-        const float sink = __ldg(p.attn_sink + static_cast<int64_t>(rt.head(p, row)) * p.attn_sink_stride);
-        denom += exp2f(sink * kLog2e - m_ref);
+        denom += exp2f(sink_log2 - m_ref);
     }
     const float inv = empty ? 0.f : 1.f / denom;
     if (writes) {
@@ -710,13 +718,13 @@ __device__ __forceinline__ float finish_row(const DecodeParams& p, float* row_in
 // The chunk's epilogue on the score side: row sums, lse (final or partial), 1 / denominator for both consumers.
 __device__ __forceinline__ void score_epilogue(const DecodeParams& p, float* row_inv, const RowTile& rt,
                                                const Chunk& c, const AccFrag& f, const SoftmaxState& st,
-                                               float (&inv)[2]) {
+                                               const float (&sink_log2)[2], float (&inv)[2]) {
     const int rows[2] = {f.row0, f.row1()};
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
         // m_run == -inf: no key (out 0, lse +inf final / -inf partial).
         inv[rr] = finish_row(p, row_inv, rt, c, rows[rr], st.m_ref[rr], st.m_run[rr] == -kInf,
-                             quad_sum(st.row_sum[rr]), f.quad == 0);
+                             quad_sum(st.row_sum[rr]), f.quad == 0, sink_log2[rr]);
     }
 }
 
@@ -742,6 +750,7 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
     const uint32_t peer = split_dequant ? cluster_ctarank() ^ 1u : 0u;
     const bool consumer_fence = consumers_fence<kSparse>(p);
     const bool s_first = s_first_pipeline(p);
+    const float sink_log2[2] = {row_sink_log2(p, rt, rows[0]), row_sink_log2(p, rt, rows[1])};
 
     int tile = 0;
     int q_uses = 0;
@@ -879,7 +888,7 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
             if (n_tiles > 0) ++q_uses;
 
             float inv[2];
-            score_epilogue(p, sm.row_inv[chunks % 2], rt, c, f, st, inv);
+            score_epilogue(p, sm.row_inv[chunks % 2], rt, c, f, st, sink_log2, inv);
             named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
             if (c.split) {
                 store_partial_half(p, rt, c, f, 0, o, inv, smem_addr(sm.q));

@@ -599,7 +599,8 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
                 float lsum = sm.red_sum[sums][0][n];
 #pragma unroll
                 for (int w = 1; w < 4; ++w) lsum += sm.red_sum[sums][w][n];
-                inv[ci] = finish_row(p, sm.row_inv[chunks % 2], rt, c, n, m[ci], m[ci] == -kInf, lsum, t < 4);
+                inv[ci] = finish_row(p, sm.row_inv[chunks % 2], rt, c, n, m[ci], m[ci] == -kInf, lsum, t < 4,
+                                     row_sink_log2(p, rt, n));
             }
             named_barrier_sync_unaligned(Bar::EpilogueScale, kConsumerThreads);
             if (c.split) {
