@@ -779,11 +779,14 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
             TileKeys<kSparse> blk_next{-1, -1};
             if (n_tiles > 0) {
                 load_q_rope<kDqk>(p, rt, c.b, f, rows, q_rope);
-                mask = TileKeys<kSparse>::load(p, ir, c, c.tile0, lane).mask(p, c, c.tile0, lane);
+                // The first tile's key references are loaded here and turned into its mask only once QK(0) is
+                // issued: their latency then overlaps the Q wait and the product instead of preceding both.
+                const TileKeys<kSparse> blk_first = TileKeys<kSparse>::load(p, ir, c, c.tile0, lane);
                 if (n_tiles > 1) blk_next = TileKeys<kSparse>::load(p, ir, c, c.tile0 + 1, lane);
                 MBarrier::wait(&sm.q_full, static_cast<uint32_t>(q_uses & 1));
                 fence_proxy_async_shared();  // the Q tile's cp.async (generic proxy) -> wgmma (async proxy)
                 issue_qk<E, kDqk>(sm, Ring::of(tile), desc_q, q_rope, s, consumer_fence);
+                mask = blk_first.mask(p, c, c.tile0, lane);
             }
             for (int i = 0; i < n_tiles; ++i, ++tile) {
                 const Ring pos = Ring::of(tile);
