@@ -4,7 +4,8 @@
 //! from the spec's adversarial values (i32 extremes included) and rows where every index is invalid; any `h_q` in
 //! 1..=128, `s_q` up to 16, `topk` not a multiple of 64 (down to 1), `topk_length` (0, negative, beyond topk), an
 //! extra cache with its own page size and lengths, sinks (finite, ±inf), strided q and outputs, schedules forced
-//! to split every request, and the batch-invariant schedule. Outputs are poisoned (NaN) beforehand, so an unwritten
+//! to split every request, the batch-invariant schedule, and batches with lengths on both sides of the split
+//! kernels' inline-schedule limit (128 requests), for the narrow and the 64-row kernels. Outputs are poisoned (NaN) beforehand, so an unwritten
 //! element fails. Two more checks: batch invariance (a query's output is bitwise the same alone and inside a larger
 //! batch) and workspace reuse (a second call with other indices and lengths on the same workspace).
 
@@ -364,6 +365,16 @@ pub fn cases() -> Vec<Case> {
             let mut c = base((b, 2, 16), cache(format, 24, 64, 96));
             c.main.topk_length = Some(lengths(b, 96, 3));
             v.push((format!("decode_sparse/{fname}/{name}"), true, c));
+        }
+        // The same past the limit for 64-row tiles (one, or the pair).
+        for (b, h_q) in [(70usize, 64usize), (257, 64), (256, 128)] {
+            let mut c = base((b, 2, h_q), cache(format, 24, 64, 96));
+            c.main.topk_length = Some(lengths(b, 96, 5));
+            v.push((
+                format!("decode_sparse/{fname}/h{h_q}/requests{}", 2 * b),
+                true,
+                c,
+            ));
         }
         // topk_length (0, negative, beyond topk) with and without forced splits.
         for (oname, options) in [("default", DecodeOptions::default()), ("split7", forced)] {
