@@ -38,7 +38,10 @@ use crate::error::{Error, Result};
 use crate::ops::layout::{
     expect_element_aligned, expect_offsets_fit_i64, expect_rows_16b, rows_aligned, stride_param,
 };
-use crate::reference::decode::{CHUNK_OVERHEAD_TILES, MAX_BUDGET_FLOOR, MAX_REQUEST_PARTS};
+use crate::reference::decode::{
+    aligned_budget, balanced_budget, ScheduleConfig, CHUNK_OVERHEAD_TILES, MAX_BUDGET_FLOOR,
+    MAX_REQUEST_PARTS,
+};
 use crate::tensor::{DType, DeviceView, Location, TensorMeta};
 use crate::validate::{expect_f32_workspace, expect_location, to_i32};
 
@@ -527,16 +530,9 @@ impl ScheduleGeometry {
         if self.fixed_budget > 0 {
             return (seg.next_multiple_of(self.fixed_budget), self.fixed_budget);
         }
-        let line = requests * seg;
-        let floor = seg.div_ceil(MAX_REQUEST_PARTS).min(MAX_BUDGET_FLOOR);
-        let budget = line.div_ceil(self.grid_parts).max(1).max(floor);
-        let aligned = budget.div_ceil(seg) * seg;
-        let budget = if (aligned - budget) * 16 <= budget {
-            aligned
-        } else {
-            budget
-        };
-        (seg, budget)
+        let config = ScheduleConfig::default();
+        let budget = balanced_budget(requests * seg, seg, self.grid_parts, &config);
+        (seg, aligned_budget(budget, &[tiles], CHUNK_OVERHEAD_TILES))
     }
 
     /// Words of the three workspace regions, each a multiple of 4 (16-byte aligned starts).

@@ -34,8 +34,9 @@ use std::ops::Range;
 // items are re-exported below.
 mod schedule;
 pub use schedule::{
-    decode_schedule, DecodeSchedule, KvChunk, ScheduleConfig, ScheduleShape, CHUNK_OVERHEAD_TILES,
-    KEYS_PER_TILE, MAX_BUDGET_FLOOR, MAX_REQUEST_PARTS, ROWS_PER_CTA,
+    aligned_budget, balanced_budget, decode_schedule, DecodeSchedule, KvChunk, ScheduleConfig,
+    ScheduleShape, CHUNK_OVERHEAD_TILES, KEYS_PER_TILE, MAX_BUDGET_FLOOR, MAX_REQUEST_PARTS,
+    ROWS_PER_CTA,
 };
 
 /// Outputs of a full decode: `out [b, s_q, h_q, d_v]` and `lse [b, h_q, s_q]` (natural log, `+inf` for

@@ -114,6 +114,23 @@ impl DecodeSchedule {
     }
 }
 
+/// The balanced budget before [`aligned_budget`]: `ceil(line / num_parts)`, but at least the floor
+/// `min(ceil(longest / max_request_parts), max_budget_floor)` (see [`decode_schedule`]); `line` and `longest` (the
+/// longest segment) in line units.
+pub fn balanced_budget(
+    line: usize,
+    longest: usize,
+    num_parts: usize,
+    config: &ScheduleConfig,
+) -> usize {
+    let floor = match (config.max_request_parts, config.max_budget_floor) {
+        (0, _) => 1,
+        (m, 0) => longest.div_ceil(m).max(1),
+        (m, cap) => longest.div_ceil(m).min(cap).max(1),
+    };
+    line.div_ceil(num_parts.max(1)).max(floor)
+}
+
 /// The budget of a uniform batch, rounded up to whole requests when that costs at most 1/16 more per part: no
 /// request is then split, so no partials are written and the combine has nothing to do. Any other batch keeps
 /// `budget`. (b 128 requests of 4096 keys on 66 parts: 132 -> 136 units, two whole requests per part.)
@@ -187,12 +204,11 @@ pub fn decode_schedule(
         .collect();
     let line: usize = tiles.iter().map(|&t| overhead + t).sum();
     let longest = tiles.iter().map(|&t| overhead + t).max().unwrap_or(0);
-    let floor = match (config.max_request_parts, config.max_budget_floor) {
-        (0, _) => 1,
-        (m, 0) => longest.div_ceil(m).max(1),
-        (m, cap) => longest.div_ceil(m).min(cap).max(1),
-    };
-    let budget = aligned_budget(line.div_ceil(num_parts).max(floor), &tiles, overhead);
+    let budget = aligned_budget(
+        balanced_budget(line, longest, num_parts, config),
+        &tiles,
+        overhead,
+    );
 
     let mut chunks = Vec::with_capacity(DecodeSchedule::max_chunks(num_keys.len(), num_parts));
     let mut request_chunks = Vec::with_capacity(num_keys.len() + 1);
