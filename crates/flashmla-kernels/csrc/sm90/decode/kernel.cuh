@@ -638,8 +638,9 @@ __device__ __forceinline__ void store_partial_half(const DecodeParams& p, const 
 }
 
 // Stages one consumer's final half (output dtype, scaled by inv) into `q_area` (the Q tile, or a one-row-tile sparse
-// kernel's last key stage): row r's 512 elements at q_area + r * 1 KB, this consumer's 256 at + consumer * 512 bytes. The score warpgroup then sends each row as one 1 KB
-// bulk store (store_final_rows) once both halves are staged.
+// kernel's last key stage): row r's 512 elements at q_area + r * 1 KB, this consumer's 256 at + consumer * 512
+// bytes. The score warpgroup then sends each row as one 1 KB bulk store (store_final_rows) once both halves are
+// staged.
 template <class E>
 __device__ __forceinline__ void stage_final_half(const AccFrag& f, int consumer, const float (&o)[kORegs],
                                                  const float (&inv)[2], uint32_t q_area) {
