@@ -1594,6 +1594,20 @@ mod tests {
                 (threads, 1, 1),
                 "d_qk {d_qk} h_q {h_q}"
             );
+            // The n16 kernels store their final rows from registers; every other kernel stages them for bulk
+            // stores when `out` allows (the test's rows are 16-byte aligned).
+            let bulk = if kernel == kernels::SPLIT_FP8_V32_N16
+                || kernel == kernels::SPLIT_FP8_MODEL1_N16
+            {
+                0
+            } else {
+                FLAG_OUT_BULK
+            };
+            assert_eq!(
+                plan.params.flags & FLAG_OUT_BULK,
+                bulk,
+                "d_qk {d_qk} h_q {h_q}"
+            );
         }
     }
 
