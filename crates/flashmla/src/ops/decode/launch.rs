@@ -903,23 +903,25 @@ pub fn lower_sparse(
     // kernels, whose bulk copies need 16-byte aligned rows (8-byte aligned caches take the 64-row tile).
     // The `*_n16` kernels store a final chunk's 16 rows straight from registers: staging them for bulk stores
     // holds the Q tile through the epilogue and measured 2% slower (the `*_n32` kernels' 32 rows 8% faster staged).
-    let (split_kernel, threads, smem, out_bulk) =
+    let (split_kernel, threads, smem, staged_final) =
         match (geometry.head_tiles, dims.h_q, copy16, split_kernels.3) {
-            (2, ..) => (split_kernels.1, THREADS_PER_CTA, smem, FLAG_OUT_BULK),
+            (2, ..) => (split_kernels.1, THREADS_PER_CTA, smem, true),
             (_, 0..=NARROW_ROWS_SMALL, true, _) => (
                 split_kernels.2,
                 THREADS_PER_CTA_NARROW,
                 SMEM_BYTES_NARROW,
-                0,
+                false,
             ),
-            (_, 0..=NARROW_ROWS, true, Some(n32)) => (
-                n32,
-                THREADS_PER_CTA_NARROW,
-                SMEM_BYTES_NARROW,
-                FLAG_OUT_BULK,
-            ),
-            _ => (split_kernels.0, THREADS_PER_CTA, smem, FLAG_OUT_BULK),
+            (_, 0..=NARROW_ROWS, true, Some(n32)) => {
+                (n32, THREADS_PER_CTA_NARROW, SMEM_BYTES_NARROW, true)
+            }
+            _ => (split_kernels.0, THREADS_PER_CTA, smem, true),
         };
+    let out_bits = if staged_final {
+        out_flags(&out.out)
+    } else {
+        out_flags(&out.out) & !FLAG_OUT_BULK
+    };
     let opt_stride =
         |arg: &str, t: Option<&DeviceView>| t.map_or(Ok(0), |t| stride_param(arg, t, 0));
     // Block counts beyond i32 are clamped: an index is an i32, so it can never name a block past i32::MAX.
@@ -998,7 +1000,7 @@ pub fn lower_sparse(
         flags: FLAG_SPARSE
             | if copy16 { 0 } else { FLAG_COPY8 }
             | if uniform { FLAG_UNIFORM_LINE } else { 0 }
-            | (out_flags(&out.out) & (out_bulk | !FLAG_OUT_BULK)),
+            | out_bits,
         sm_scale_log2,
         ..DecodeParams::default()
     };
