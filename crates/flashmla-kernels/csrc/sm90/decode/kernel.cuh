@@ -304,7 +304,7 @@ __device__ __forceinline__ void producer_sparse(const DecodeParams& p, SmemPlan<
                 MBarrier::arrive(&sm.kv_full[pos.stage][kGroupLeft]);
                 cp_async_wait_group<0>();
                 dequant_slabs<kDqk, kSlabsPerHalf, kNopeSlabs>(stage, lane, scales);
-                publish_generic_writes(&sm.kv_full[pos.stage][kGroupRight]);
+                MBarrier::arrive(&sm.kv_full[pos.stage][kGroupRight]);  // no fence: `consumers_fence_right`
             }
         });
     }
@@ -390,7 +390,7 @@ __device__ __forceinline__ void producer_sparse_regs(const DecodeParams& p, Smem
                 if constexpr (C::kRopeSlabs == 0) {  // MODEL1: slab 7, the right group
                     regs.store_rope(stage, peer_stage, mapa_shared(smem_addr(right), peer), split);
                 }
-                fence_proxy_async_shared();
+                // No fence: the consumers fence the right group (`consumers_fence_right`).
                 if (t == 0) {
                     mbarrier_arrive_expect_tx(smem_addr(right), kRightSlabs * kPeerBytesPerSlab);
                 } else {
@@ -425,13 +425,21 @@ __device__ __forceinline__ void producer_sparse_regs(const DecodeParams& p, Smem
 // ---------------------------------------------------------------------------------------------------------------
 // Consumer warpgroups.
 
-// Whether the consumers must fence the generic proxy after a key group's full barrier: only where the producer's
+// Whether the consumers must fence the generic proxy after a key group's full barrier: where the producer's
 // cp.async copies complete the barrier themselves (the dense gather path). TMA tiles are written by the async proxy;
-// the dense TMA path's gathered tiles (a request's partial last tile, a missing block) and every sparse group are
-// fenced by the producer before its arrival.
+// the dense TMA path's gathered tiles (a request's partial last tile, a missing block) and the sparse rope and left
+// groups are fenced by the producer before its arrival.
 template <bool kSparse>
 __device__ __forceinline__ bool consumers_fence(const DecodeParams& p) {
     return !kSparse && (p.flags & kFlagKTma) == 0;
+}
+
+// The right group: also fenced by the consumers in every sparse kernel. A proxy fence's MEMBAR waits for the thread's
+// loads in flight; when a sparse producer publishes its right group, those are the next tile's left pieces (pair
+// kernels) or its index loads, so its own fence there would wait for HBM (docs/decode.md, "Proxy fences").
+template <bool kSparse>
+__device__ __forceinline__ bool consumers_fence_right(const DecodeParams& p) {
+    return kSparse || consumers_fence<kSparse>(p);
 }
 
 // "S first" (dense decode without the causal mask, two or more row tiles per key head): the value warpgroup multiplies
@@ -547,7 +555,7 @@ __device__ __forceinline__ void qk_group(SmemPlan<kDqk>& sm, const Ring& pos, ui
 template <class E, int kDqk>
 __device__ __forceinline__ void issue_qk(SmemPlan<kDqk>& sm, const Ring& pos, uint64_t desc_q,
                                          const uint32_t (&q_rope)[Config<kDqk>::kRopeFragSteps][4],
-                                         float (&s)[kSRegs], bool fence) {
+                                         float (&s)[kSRegs], bool fence, bool fence_right) {
     using C = Config<kDqk>;
     const uint64_t desc_k = make_wgmma_desc_sw128(smem_addr(sm.kv[pos.stage]), kUnusedLbo, kSw128AtomBytes);
     wgmma_fence();
@@ -557,7 +565,7 @@ __device__ __forceinline__ void issue_qk(SmemPlan<kDqk>& sm, const Ring& pos, ui
     } else {
         qk_group<E, kDqk, kGroupLeft, true>(sm, pos, desc_q, desc_k, q_rope, s, fence);
     }
-    qk_group<E, kDqk, kGroupRight, false>(sm, pos, desc_q, desc_k, q_rope, s, fence);
+    qk_group<E, kDqk, kGroupRight, false>(sm, pos, desc_q, desc_k, q_rope, s, fence_right);
     wgmma_commit();
 }
 
@@ -750,6 +758,7 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
     const bool bulk_out = (p.flags & kFlagOutBulk) != 0;
     const uint32_t peer = split_dequant ? cluster_ctarank() ^ 1u : 0u;
     const bool consumer_fence = consumers_fence<kSparse>(p);
+    const bool consumer_fence_right = consumers_fence_right<kSparse>(p);
     const bool s_first = s_first_pipeline(p);
     const float sink_log2[2] = {row_sink_log2(p, rt, rows[0]), row_sink_log2(p, rt, rows[1])};
 
@@ -786,7 +795,7 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 if (n_tiles > 1) blk_next = TileKeys<kSparse>::load(p, ir, c, c.tile0 + 1, lane);
                 MBarrier::wait(&sm.q_full, static_cast<uint32_t>(q_uses & 1));
                 fence_proxy_async_shared();  // the Q tile's cp.async (generic proxy) -> wgmma (async proxy)
-                issue_qk<E, kDqk>(sm, Ring::of(tile), desc_q, q_rope, s, consumer_fence);
+                issue_qk<E, kDqk>(sm, Ring::of(tile), desc_q, q_rope, s, consumer_fence, consumer_fence_right);
                 mask = blk_first.mask(p, c, c.tile0, lane);
             }
             for (int i = 0; i < n_tiles; ++i, ++tile) {
@@ -886,7 +895,9 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                             mapa_shared(smem_addr(&sm.kv_empty[pos.stage][kGroupLeft]), peer));
                     }
                 }
-                if (has_next) issue_qk<E, kDqk>(sm, Ring::of(tile + 1), desc_q, q_rope, s, consumer_fence);
+                if (has_next) {
+                    issue_qk<E, kDqk>(sm, Ring::of(tile + 1), desc_q, q_rope, s, consumer_fence, consumer_fence_right);
+                }
                 if constexpr (!kSparse) named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
             }
             if (n_tiles > 0) ++q_uses;
@@ -1068,7 +1079,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
         bulk_wait_all();  // the partials' bulk stores are performed before the CTA ends
     } else {
         setmaxnreg_inc<kPair ? kValueRegsPair : kSparse ? kValueRegsSparse : kValueRegs>();
-        value_consumer<E, kDqk, kSparse, kPair>(p, sm, sched, split_dequant, consumers_fence<kSparse>(p));
+        value_consumer<E, kDqk, kSparse, kPair>(p, sm, sched, split_dequant, consumers_fence_right<kSparse>(p));
         bulk_wait_all();
     }
 }
