@@ -17,29 +17,24 @@ pub const KNOWN_SPILLS: &[(&str, u64, u64)] = &[
     // rows of values at a time; ptxas then keeps a few more values of the d_qk 576 tile loop on the stack.
     ("sparse_bwd_main_pair_det_d576", 56, 56),
     ("sparse_bwd_main_pair_d576", 12, 28),
-    // The sparse FP8 decode (80 / 232 / 192 registers; the pair kernels 88 / 232 / 184, decode/config.cuh) keeps a
-    // few values of its epilogue's addressing on the stack. Its tile loops do not spill.
-    // With the chunk body inlined once (decode/schedule.cuh, `for_each_chunk<true>`) the MODEL1 one-row-tile kernel
-    // keeps a few more and the dense split kernels spill a few values (where is not located); measured with these
-    // spills against the two-site form without them: MODEL1 c1 3% faster, the dense decode 1.2% at 4K keys, the
-    // other shapes level (docs/decode.md, "Code size").
-    ("decode_split_fp8_v32", 32, 32),
-    ("decode_split_fp8_model1", 52, 48),
-    ("decode_split_bf16_d576", 48, 56),
-    ("decode_split_bf16_d576_once", 48, 56),
-    ("decode_split_f16_d576", 48, 56),
-    ("decode_split_f16_d576_once", 48, 56),
-    ("decode_split_bf16_d512", 4, 8),
-    ("decode_split_bf16_d512_once", 4, 8),
-    ("decode_split_f16_d512", 4, 8),
-    ("decode_split_f16_d512_once", 4, 8),
-    ("decode_split_fp8_v32_pair", 32, 32),
-    ("decode_split_fp8_model1_pair", 32, 32),
+    // The decode's split kernels (the sparse FP8 ones at 80 / 232 / 192 registers, the pair kernels 88 / 232 / 184,
+    // decode/config.cuh; the chunk body inlined once, decode/schedule.cuh) keep a few values of the chunk walk and
+    // the epilogue's addressing on the stack; where in the dense kernels is not located.
+    ("decode_split_fp8_v32", 16, 16),
+    ("decode_split_fp8_model1", 16, 16),
+    ("decode_split_fp8_v32_pair", 16, 16),
+    ("decode_split_fp8_model1_pair", 16, 16),
+    ("decode_split_bf16_d576", 28, 28),
+    ("decode_split_bf16_d576_once", 28, 28),
+    ("decode_split_f16_d576", 28, 28),
+    ("decode_split_f16_d576_once", 28, 28),
+    ("decode_split_bf16_d512", 24, 24),
+    ("decode_split_bf16_d512_once", 24, 24),
+    ("decode_split_f16_d512", 24, 24),
+    ("decode_split_f16_d512_once", 24, 24),
     // The narrow MODEL1 kN = 32 kernel (96 / 160 / 160 registers, narrow.cuh): its score warpgroup keeps a few
     // values of the chunk loop on the stack, reloaded per chunk; its tile loop does not spill.
-    ("decode_split_fp8_model1_n32", 60, 68),
-    // The narrow V3.2 kernel: one value of its copy warps' last conversion, after the tile loop.
-    ("decode_split_fp8_v32_n16", 4, 4),
+    ("decode_split_fp8_model1_n32", 36, 36),
     // The fused dense backward at d 192 (dK 96 + dV 64 accumulator registers of its 240): a few loop-invariant
     // values of the tile walk. Its MMAs are not serialised.
     ("dense_prefill_bwd_fused_d192_bf16", 20, 24),

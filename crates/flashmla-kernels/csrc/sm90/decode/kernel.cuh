@@ -202,7 +202,7 @@ __device__ __forceinline__ void producer(const DecodeParams& p, SmemPlan<kDqk>& 
     int tile = 0;      // ring position, continued across chunks
     int q_uses = 0;    // chunks with keys so far (phases of q_full / q_empty)
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
-        for_each_chunk<true>(p, sched, part, [&](const Chunk& c) {
+        for_each_chunk(p, sched, part, [&](const Chunk& c) {
             if (c.tile0 == c.tile1) return;
             if (q_uses > 0) MBarrier::wait(&sm.q_empty, static_cast<uint32_t>((q_uses - 1) & 1));
             load_q_tile<kDqk>(p, sm, rt, c.b, ct);
@@ -270,7 +270,7 @@ __device__ __forceinline__ void producer_sparse(const DecodeParams& p, SmemPlan<
     int tile = 0;
     int q_uses = 0;
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
-        for_each_chunk<true>(p, sched, part, [&](const Chunk& c) {
+        for_each_chunk(p, sched, part, [&](const Chunk& c) {
             if (c.tile0 == c.tile1) return;
             if (q_uses > 0) MBarrier::wait(&sm.q_empty, static_cast<uint32_t>((q_uses - 1) & 1));
             load_q_tile<kDqk>(p, sm, RowTile::of(p), c.b, ct);  // re-derived: registers are short
@@ -336,7 +336,7 @@ __device__ __forceinline__ void producer_sparse_regs(const DecodeParams& p, Smem
     int tile = 0;
     int q_uses = 0;
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
-        for_each_chunk<false>(p, sched, part, [&](const Chunk& c) {
+        for_each_chunk(p, sched, part, [&](const Chunk& c) {
             if (c.tile0 == c.tile1) return;
             const IndexRows ir = IndexRows::of(p, c);
             Regs regs;
@@ -766,7 +766,7 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
     int q_uses = 0;
     int chunks = 0;
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
-        for_each_chunk<!kPair>(p, sched, part, [&](const Chunk& c) {
+        for_each_chunk(p, sched, part, [&](const Chunk& c) {
             // Sparse: the request's index rows, found once per chunk; the pair kernels' score warpgroup finds them at
             // every load (held across its tile loop, they cost those kernels 1-4%: docs/perf-log.md).
             const IndexRows ir_chunk = IndexRows::of(p, c);
@@ -953,7 +953,7 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
     int tile = 0;
     int chunks = 0;
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
-        for_each_chunk<!kPair>(p, sched, part, [&](const Chunk& c) {
+        for_each_chunk(p, sched, part, [&](const Chunk& c) {
             float o[kORegs];
             zero_regs(o);
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {

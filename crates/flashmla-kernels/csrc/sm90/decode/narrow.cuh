@@ -443,7 +443,7 @@ __device__ __forceinline__ void narrow_copier(const DecodeParams& p, NarrowPlan<
         if (lane == 0) MBarrier::arrive(&sm.kv_full[pos.stage]);
     };
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
-        for_each_chunk<false>(p, sched, part, [&](const Chunk& c) {
+        for_each_chunk(p, sched, part, [&](const Chunk& c) {
             const IndexRows ir = IndexRows::of(p, c);  // sparse: the request's index rows
             int idx = mine && c.tile0 < c.tile1 ? sparse_index(ir, c, c.tile0 * kKeysPerTile + row) : -1;
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
@@ -485,7 +485,7 @@ __device__ __forceinline__ void narrow_score(const DecodeParams& p, NarrowPlan<k
     int chunks = 0;
     int red_buf = 0;
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
-        for_each_chunk<false>(p, sched, part, [&](const Chunk& c) {
+        for_each_chunk(p, sched, part, [&](const Chunk& c) {
             const IndexRows ir = IndexRows::of(p, c);  // sparse: the request's index rows
             const int n_tiles = c.tile1 - c.tile0;
             if (chunks > 0) named_barrier_sync_unaligned(Bar::NarrowChunk, kConsumerThreads);
@@ -634,7 +634,7 @@ __device__ __forceinline__ void narrow_value(const DecodeParams& p, NarrowPlan<k
     int tile = 0;
     int chunks = 0;
     for (int part = static_cast<int>(blockIdx.y); part < sched.parts; part += static_cast<int>(gridDim.y)) {
-        for_each_chunk<false>(p, sched, part, [&](const Chunk& c) {
+        for_each_chunk(p, sched, part, [&](const Chunk& c) {
             if (chunks > 0) named_barrier_sync_unaligned(Bar::NarrowChunk, kConsumerThreads);
             if (c.tile1 > c.tile0) {
                 narrow_load_q<kDqk, kN>(p, sm, rt, c, kWarpgroupThreads + t);

@@ -277,71 +277,33 @@ struct Schedule {
     __device__ __forceinline__ int part_of(int pos) const { return pos / budget; }
 };
 
-// What request b holds of the line positions [lo, hi): kChunkStop (it starts at or past hi: neither it nor a later
-// request has any), kChunkNone (nothing) or kChunkFound (`out`; tile0 == tile1 for a request without keys).
-enum ChunkAt { kChunkStop, kChunkNone, kChunkFound };
-__device__ __forceinline__ ChunkAt chunk_at(const DecodeParams& p, const Schedule& s, int part, int b, Chunk& out) {
-    const int lo = part * s.budget;
-    const int hi = lo + s.budget;
-    const int start = s.start(b);
-    if (start >= hi) return kChunkStop;
-    const int first = start + p.chunk_overhead;  // line position of tile 0
-    const int len = request_len(p, b);
-    const int tiles = tiles_of(len);
-    if (tiles == 0) {
-        if (first - 1 >= lo && first - 1 < hi) {
-            out = Chunk{b, 0, 0, 0, 0, false, 0};
-            return kChunkFound;
-        }
-        return kChunkNone;
-    }
-    const int k0 = max(lo - first, 0);
-    const int k1 = min(hi - first, tiles);
-    if (k0 >= k1) return kChunkNone;
-    const int fp = s.part_of(first);
-    const int lp = s.part_of(first + tiles - 1);
-    const int main = (p.flags & kFlagSparse) ? main_len(p, b) : len;
-    out = Chunk{b, len, main, k0, k1, fp != lp, 2 * part + (part == fp ? 1 : 0)};
-    return kChunkFound;
-}
-
-// Calls f(chunk) for every chunk of part `part`, in line order. Every role of a CTA runs the same enumeration.
-// kOneSite: f is called from one site (through chunk_at), so the chunk body is inlined once and a request without
-// keys runs the same code (tile0 == tile1): ~1600 fewer SASS instructions per kernel. Else from two, the second a
-// copy of the body specialised for requests without keys. Which kernels take which is measured (docs/decode.md,
-// "Code size"); the two-site form is written out because, routed through chunk_at, it compiled to ~130 more
-// instructions and more spills in the kernels that keep it.
-template <bool kOneSite, class F>
+// Calls f(chunk) for every chunk of part `part`, in line order. Every role of a CTA runs the same enumeration. f is
+// called from one site, so the chunk body (a role's tile loop and epilogue) is inlined once: a request without keys
+// runs the same code with tile0 == tile1.
+template <class F>
 __device__ __forceinline__ void for_each_chunk(const DecodeParams& p, const Schedule& s, int part, F&& f) {
     const int lo = part * s.budget;
+    const int hi = lo + s.budget;
     if (lo >= s.start(p.batch)) return;
-    if constexpr (kOneSite) {
-        for (int b = s.request_at(lo, p.batch); b < p.batch; ++b) {
-            Chunk c;
-            const ChunkAt at = chunk_at(p, s, part, b, c);
-            if (at == kChunkStop) break;
-            if (at == kChunkFound) f(c);
-        }
-    } else {
-        const int hi = lo + s.budget;
-        for (int b = s.request_at(lo, p.batch); b < p.batch; ++b) {
-            const int start = s.start(b);
-            if (start >= hi) break;
-            const int first = start + p.chunk_overhead;  // line position of tile 0
-            const int len = request_len(p, b);
-            const int tiles = tiles_of(len);
-            if (tiles == 0) {
-                if (first - 1 >= lo && first - 1 < hi) f(Chunk{b, 0, 0, 0, 0, false, 0});
-                continue;
-            }
+    for (int b = s.request_at(lo, p.batch); b < p.batch; ++b) {
+        const int start = s.start(b);
+        if (start >= hi) break;
+        const int first = start + p.chunk_overhead;  // line position of tile 0
+        const int len = request_len(p, b);
+        const int tiles = tiles_of(len);
+        Chunk c{b, 0, 0, 0, 0, false, 0};  // a request without keys
+        if (tiles == 0) {
+            if (first - 1 < lo || first - 1 >= hi) continue;
+        } else {
             const int k0 = max(lo - first, 0);
             const int k1 = min(hi - first, tiles);
             if (k0 >= k1) continue;
             const int fp = s.part_of(first);
             const int lp = s.part_of(first + tiles - 1);
             const int main = (p.flags & kFlagSparse) ? main_len(p, b) : len;
-            f(Chunk{b, len, main, k0, k1, fp != lp, 2 * part + (part == fp ? 1 : 0)});
+            c = Chunk{b, len, main, k0, k1, fp != lp, 2 * part + (part == fp ? 1 : 0)};
         }
+        f(c);
     }
 }
 
