@@ -3,8 +3,8 @@
 //   decode_schedule                          grid (1), block (kScheduleThreads): the split-KV schedule
 //   decode_split_{bf16,f16}_d{576,512}[_once] grid (head_tiles, grid_parts), block (kThreads = 384), dynamic shared
 //   decode_split_fp8_{v32,model1}[_pair|_n16|_n32] memory kSmemBytes<d_qk> (config.cuh; mirrored in launch.rs)
-//   decode_combine[2|4]_{bf16,f16}           grid (batch, head_tiles, ceil(rows of a tile / kCombineRowsPerCta)),
-//                                            block (kCombineThreads)
+//   decode_combine[2|4]_{bf16,f16}           grid (batch or parts, head_tiles,
+//                                            ceil(rows of a tile / kCombineRowsPerCta)), block (kCombineThreads)
 #include "sm90/decode/narrow.cuh"
 
 using flashmla::Bf16;

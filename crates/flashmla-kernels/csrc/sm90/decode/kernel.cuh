@@ -8,7 +8,7 @@
 //                    for a uniform line (kFlagUniformLine), which every role derives from the shape;
 //   decode_split     grid (head_tiles, grid_parts): CTA (x, y) serves query-row tile x for the chunks of the parts
 //                    y, y + grid_parts, ...; writes unsplit requests in final form, split ones as f32 partials;
-//   decode_combine   grid (batch, head_tiles): merges the partials of split requests (f32), applies the sink.
+//   decode_combine   grid (batch or parts, head_tiles): merges the partials of split requests (f32), applies the sink.
 //
 // decode_split's CTA has the sparse forward's split pipeline (3 warpgroups):
 //   Producer: per chunk, loads the Q tile (columns 0..511; rows past `rows` zero-filled), then gathers the chunk's
@@ -1084,8 +1084,11 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
     }
 }
 
-// Combine: CTA (b, x, g) merges the partials of rows kRows g .. kRows g + kRows - 1 of request b's row tile x when the
-// request is split (else it returns at once); kRows = kCombineRowsPerCta<kWarpsPerRow>. Warp w serves row w % kRows
+// Combine: CTA (i, x, g) merges the partials of rows kRows g .. kRows g + kRows - 1 of row tile x of one split
+// request, and returns at once where there is none; kRows = kCombineRowsPerCta<kWarpsPerRow>. The request is b = i, or
+// with kFlagCombineByPart the request split by the boundary between parts i and i + 1 that starts in part i (a split
+// request crosses the boundary after its first part, so each is found once; the grid then has as many CTAs as parts,
+// not requests: fewer where most requests lie whole in a part). Warp w serves row w % kRows
 // and the parts fp + w / kRows + kWarpsPerRow k; lse = M + log(sum w), out = sum(w * O_p) / (sum w + exp(sink - M)),
 // w = exp(lse_p - M), M = max lse_p; a row without any key (every lse_p = -inf) gets out 0, lse +inf. The warps of
 // a row add their sums through shared memory in a fixed order.
@@ -1095,16 +1098,21 @@ __device__ __forceinline__ void decode_combine(const DecodeParams& p) {
     constexpr int kOthers = kWarpsPerRow > 1 ? kWarpsPerRow - 1 : 1;
     __shared__ float4 part_sum[kWarpsPerRow > 1 ? kRows : 1][kOthers][kWarpsPerRow > 1 ? kDv / 4 : 1];
     __shared__ float part_wsum[kRows][kOthers];
-    const int b = static_cast<int>(blockIdx.x);
     const int x = static_cast<int>(blockIdx.y);
     const Schedule sched = Schedule::load(p);
+    int b = static_cast<int>(blockIdx.x);
+    if (p.flags & kFlagCombineByPart) {
+        const int pos = (b + 1) * sched.budget - 1;  // the last line position of part b
+        if (b + 1 >= sched.parts || pos >= sched.start(p.batch)) return;
+        b = sched.request_at(pos, p.batch);  // every lane of every warp: request_at is warp-collective
+    }
     const int len = request_len(p, b);
     const int tiles = tiles_of(len);
     if (tiles == 0) return;
     const int first = sched.start(b) + p.chunk_overhead;
     const int fp = sched.part_of(first);
     const int lp = sched.part_of(first + tiles - 1);
-    if (fp == lp) return;
+    if (fp == lp || ((p.flags & kFlagCombineByPart) && fp != static_cast<int>(blockIdx.x))) return;
 
     const int kv_head = x / p.row_tiles;
     const int row0 = (x % p.row_tiles) * kRowsPerCta;

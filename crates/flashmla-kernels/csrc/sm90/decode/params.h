@@ -32,6 +32,8 @@ inline constexpr uint32_t kFlagCopy8 = 1u << 3;      // sparse: a cache is only 
                                                      // copy its rows in 8-byte pieces
 inline constexpr uint32_t kFlagInlineSchedule = 1u << 7;  // no schedule kernel: every split CTA derives the schedule
                                                           // (batch <= kInlineScheduleMaxBatch; schedule.cuh)
+inline constexpr uint32_t kFlagCombineByPart = 1u << 8;  // the combine's grid x runs over part boundaries, not
+                                                         // requests (kernel.cuh, decode_combine)
 
 // Words of the schedule workspace after the `batch + 1` line starts: the budget (line units per part) and the
 // number of parts the line is cut into.

@@ -9,8 +9,9 @@
 //! 2. `decode_split_*` (grid `head_tiles x grid_parts`, 384 threads; the narrow sparse kernels 512) attends each
 //!    query-row tile to the key chunks of its parts, writing unsplit requests in final form and split ones as f32
 //!    partials;
-//! 3. `decode_combine_*` (grid `batch x head_tiles x 8`) merges the partials of split requests; not launched for a
-//!    uniform line whose parts hold whole requests (nothing split).
+//! 3. `decode_combine_*` (grid `batch x head_tiles x 8`, or `max_parts x head_tiles x 8` where the balanced schedule
+//!    has fewer parts than requests: [`FLAG_COMBINE_BY_PART`]) merges the partials of split requests; not launched
+//!    for a uniform line whose parts hold whole requests (nothing split).
 //!
 //! Kernel limits checked here (beyond [`super::validate_dense`]): `q` and `k_cache` rows 16-byte aligned (the
 //! gather copies 16-byte chunks); `block_table`, `cache_seqlens`, `attn_sink`, `out` and `lse` aligned to their
@@ -88,6 +89,11 @@ pub const FLAG_INLINE_SCHEDULE: u32 = 128;
 /// `flags` bit: a sparse batch without length tensors, whose requests all have the same segment: every role derives
 /// the schedule from the shape (`kFlagUniformLine`); no schedule kernel, and no combine where no request is split.
 pub const FLAG_UNIFORM_LINE: u32 = 64;
+/// `flags` bit: the combine's grid x runs over the boundaries between parts instead of over requests; the CTA of
+/// boundary `i` merges the request that starts in part `i` and crosses into part `i + 1`, if any
+/// (`kFlagCombineByPart`). Set where the balanced schedule has fewer parts than requests: a part boundary splits at
+/// most one request, so the grid shrinks to the requests that can be split.
+pub const FLAG_COMBINE_BY_PART: u32 = 256;
 /// Words of the schedule after the `batch + 1` line starts (`kScheduleTail`).
 pub const SCHEDULE_TAIL: usize = 2;
 /// Most requests whose schedule the split kernel derives itself (`kInlineScheduleMaxBatch`: four per lane of one
@@ -750,14 +756,24 @@ impl DecodePlan {
         };
         // A small batch's split requests are merged by four warps per row (each walks a fourth of the parts), a
         // larger one's by one: there most combine CTAs find their request unsplit and return at once.
+        // Where the balanced schedule has fewer parts than requests, one combine CTA per part boundary (each splits
+        // at most one request) instead of one per request.
+        let by_part =
+            geometry.fixed_budget == 0 && geometry.max_parts < params.batch.max(0) as usize;
+        let combine_x = if by_part {
+            params.flags |= FLAG_COMBINE_BY_PART;
+            geometry.max_parts
+        } else {
+            params.batch.max(0) as usize
+        };
         let (combine_kernel, row_groups) = combine_launch(
             combine_kernel,
-            params.batch as usize * geometry.head_tiles,
+            combine_x * geometry.head_tiles,
             params.rows.max(1) as usize,
             geometry.fixed_budget > 0,
         );
         let combine = LaunchConfig {
-            grid: (params.batch as u32, geometry.head_tiles as u32, row_groups),
+            grid: (combine_x as u32, geometry.head_tiles as u32, row_groups),
             block: (COMBINE_THREADS, 1, 1),
             shared_mem_bytes: 0,
             cluster: None,
@@ -1611,6 +1627,36 @@ mod tests {
                 "d_qk {d_qk} h_q {h_q}"
             );
         }
+    }
+
+    #[test]
+    fn the_combine_runs_over_part_boundaries_where_parts_are_fewer_than_requests() {
+        let opts = DecodeOptions::default();
+        let combine = |plan: &DecodePlan| plan.launches.last().unwrap().1.grid;
+        // b 128, s_q 2, h_q 128 with lengths: 256 requests on 66 parts, one combine CTA row per part boundary.
+        let plan =
+            lower_sparse_with((128, 2, 128), 512, (10, 64, 64 * 584), 64, true, &opts).unwrap();
+        assert_eq!(plan.launches[0].0, kernels::SCHEDULE);
+        assert_ne!(plan.params.flags & FLAG_COMBINE_BY_PART, 0);
+        assert_eq!(combine(&plan), (66, 2, 8));
+        // h_q 16: 160 requests on 132 parts.
+        let plan = lower_sparse_with((80, 2, 16), 512, (8, 64, 64 * 584), 64, true, &opts).unwrap();
+        assert_ne!(plan.params.flags & FLAG_COMBINE_BY_PART, 0);
+        assert_eq!(combine(&plan).0, 132);
+        // Fewer requests than parts: one combine CTA row per request.
+        let plan =
+            lower_sparse_with((3, 2, 128), 576, (10, 64, 64 * 656), 300, true, &opts).unwrap();
+        assert_eq!(plan.params.flags & FLAG_COMBINE_BY_PART, 0);
+        assert_eq!(combine(&plan).0, 6);
+        // Batch-invariant: the parts depend on the batch, the combine runs per request.
+        let invariant = DecodeOptions {
+            batch_invariant: true,
+            ..DecodeOptions::default()
+        };
+        let plan = lower_sparse_with((128, 2, 128), 512, (10, 64, 64 * 584), 64, true, &invariant)
+            .unwrap();
+        assert_eq!(plan.params.flags & FLAG_COMBINE_BY_PART, 0);
+        assert_eq!(combine(&plan).0, 256);
     }
 
     #[test]
