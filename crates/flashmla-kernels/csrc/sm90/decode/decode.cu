@@ -5,6 +5,7 @@
 //   decode_split_fp8_{v32,model1}[_pair|_n16|_n32] memory kSmemBytes<d_qk> (config.cuh; mirrored in launch.rs)
 //   decode_combine[2|4]_{bf16,f16}           grid (batch or parts, head_tiles,
 //                                            ceil(rows of a tile / kCombineRowsPerCta)), block (kCombineThreads)
+#include "common/grid_dep.cuh"
 #include "sm90/decode/narrow.cuh"
 
 using flashmla::Bf16;
@@ -16,6 +17,7 @@ using flashmla::decode::kThreads;
 
 extern "C" __global__ void __launch_bounds__(kScheduleThreads, 1)
     decode_schedule(const __grid_constant__ DecodeParams p) {
+    flashmla::grid_dep_launch_dependents();  // the split kernel's CTAs start now and wait for the schedule
     flashmla::decode::write_schedule(p);
 }
 

@@ -29,6 +29,7 @@
 #include <cstdint>
 
 #include "common/cp_async.cuh"
+#include "common/grid_dep.cuh"
 #include "common/mbarrier.cuh"
 #include "common/pipeline.cuh"
 #include "common/smem_layout.cuh"
@@ -1059,6 +1060,9 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
     }
     __syncthreads();
     if (split_dequant) cluster_sync();
+    // Launched programmatically after the schedule kernel: the CTA got here while that kernel ran; its schedule is
+    // read only after this (a no-op in a plain launch).
+    grid_dep_wait();
 
     const Schedule sched = Schedule::load<kSparse>(p, sched_line);
     const Role role = static_cast<Role>(threadIdx.x / kWarpgroupThreads);

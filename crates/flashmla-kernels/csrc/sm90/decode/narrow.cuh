@@ -705,6 +705,7 @@ __device__ __forceinline__ void decode_narrow(const DecodeParams& p, uint8_t* sm
         }
     }
     __syncthreads();
+    grid_dep_wait();  // after the schedule kernel, as in decode_split
 
     const Schedule sched = Schedule::load(p, sched_line);
     const int wg = static_cast<int>(threadIdx.x) / kWarpgroupThreads;

@@ -745,7 +745,7 @@ impl DecodePlan {
         combine_kernel: &'static str,
     ) -> Self {
         let schedule = LaunchConfig::linear(1, SCHEDULE_THREADS);
-        let split = LaunchConfig {
+        let mut split = LaunchConfig {
             grid: (geometry.head_tiles as u32, geometry.grid_parts as u32, 1),
             block: (threads, 1, 1),
             shared_mem_bytes: smem,
@@ -792,6 +792,9 @@ impl DecodePlan {
             params.flags |= FLAG_INLINE_SCHEDULE;
         } else {
             launches.push((kernels::SCHEDULE, schedule));
+            // Its CTAs start while the schedule kernel runs (it lets them at once) and wait for the schedule
+            // (`griddepcontrol.wait`) after their setup.
+            split.programmatic = true;
         }
         launches.push((split_kernel, split));
         if combine_needed {
@@ -1639,6 +1642,9 @@ mod tests {
         assert_eq!(plan.launches[0].0, kernels::SCHEDULE);
         assert_ne!(plan.params.flags & FLAG_COMBINE_BY_PART, 0);
         assert_eq!(combine(&plan), (66, 2, 8));
+        // After the schedule kernel, the split kernel is a programmatic launch; the combine is not.
+        assert!(plan.launches[1].1.programmatic);
+        assert!(!plan.launches[2].1.programmatic);
         // h_q 16: 160 requests on 132 parts.
         let plan = lower_sparse_with((80, 2, 16), 512, (8, 64, 64 * 584), 64, true, &opts).unwrap();
         assert_ne!(plan.params.flags & FLAG_COMBINE_BY_PART, 0);
@@ -1648,6 +1654,7 @@ mod tests {
             lower_sparse_with((3, 2, 128), 576, (10, 64, 64 * 656), 300, true, &opts).unwrap();
         assert_eq!(plan.params.flags & FLAG_COMBINE_BY_PART, 0);
         assert_eq!(combine(&plan).0, 6);
+        assert!(!plan.launches[0].1.programmatic);
         // Batch-invariant: the parts depend on the batch, the combine runs per request.
         let invariant = DecodeOptions {
             batch_invariant: true,
