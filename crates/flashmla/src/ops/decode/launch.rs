@@ -8,7 +8,8 @@
 //!    tensors has a schedule that follows from its shape ([`FLAG_UNIFORM_LINE`]): never launched;
 //! 2. `decode_split_*` (grid `head_tiles x grid_parts`, 384 threads; the narrow sparse kernels 512) attends each
 //!    query-row tile to the key chunks of its parts, writing unsplit requests in final form and split ones as f32
-//!    partials;
+//!    partials; after the schedule kernel it is a programmatic launch whose CTAs wait for the schedule after their
+//!    setup;
 //! 3. `decode_combine_*` (grid `batch x head_tiles x 8`, or `max_parts x head_tiles x 8` where the balanced schedule
 //!    has fewer parts than requests: [`FLAG_COMBINE_BY_PART`]) merges the partials of split requests; not launched
 //!    for a uniform line whose parts hold whole requests (nothing split).
