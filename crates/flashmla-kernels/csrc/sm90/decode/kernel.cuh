@@ -1063,6 +1063,7 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
     // Launched programmatically after the schedule kernel: the CTA got here while that kernel ran; its schedule is
     // read only after this (a no-op in a plain launch).
     grid_dep_wait();
+    grid_dep_launch_dependents();  // the combine's CTAs may take SMs as this grid's CTAs leave
 
     const Schedule sched = Schedule::load<kSparse>(p, sched_line);
     const Role role = static_cast<Role>(threadIdx.x / kWarpgroupThreads);
@@ -1103,6 +1104,7 @@ __device__ __forceinline__ void decode_combine(const DecodeParams& p) {
     __shared__ float4 part_sum[kWarpsPerRow > 1 ? kRows : 1][kOthers][kWarpsPerRow > 1 ? kDv / 4 : 1];
     __shared__ float part_wsum[kRows][kOthers];
     const int x = static_cast<int>(blockIdx.y);
+    grid_dep_wait();  // launched programmatically after the split kernel: its partials are visible after this
     const Schedule sched = Schedule::load(p);
     int b = static_cast<int>(blockIdx.x);
     if (p.flags & kFlagCombineByPart) {

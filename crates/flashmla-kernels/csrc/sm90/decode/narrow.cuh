@@ -706,6 +706,7 @@ __device__ __forceinline__ void decode_narrow(const DecodeParams& p, uint8_t* sm
     }
     __syncthreads();
     grid_dep_wait();  // after the schedule kernel, as in decode_split
+    grid_dep_launch_dependents();
 
     const Schedule sched = Schedule::load(p, sched_line);
     const int wg = static_cast<int>(threadIdx.x) / kWarpgroupThreads;

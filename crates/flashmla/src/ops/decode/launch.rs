@@ -778,7 +778,7 @@ impl DecodePlan {
             block: (COMBINE_THREADS, 1, 1),
             shared_mem_bytes: 0,
             cluster: None,
-            programmatic: false,
+            programmatic: true,
         };
         let mut launches = Vec::with_capacity(3);
         let mut combine_needed = true;
@@ -1643,9 +1643,9 @@ mod tests {
         assert_eq!(plan.launches[0].0, kernels::SCHEDULE);
         assert_ne!(plan.params.flags & FLAG_COMBINE_BY_PART, 0);
         assert_eq!(combine(&plan), (66, 2, 8));
-        // After the schedule kernel, the split kernel is a programmatic launch; the combine is not.
+        // After the schedule kernel, the split kernel is a programmatic launch, and the combine after it.
         assert!(plan.launches[1].1.programmatic);
-        assert!(!plan.launches[2].1.programmatic);
+        assert!(plan.launches[2].1.programmatic);
         // h_q 16: 160 requests on 132 parts.
         let plan = lower_sparse_with((80, 2, 16), 512, (8, 64, 64 * 584), 64, true, &opts).unwrap();
         assert_ne!(plan.params.flags & FLAG_COMBINE_BY_PART, 0);
