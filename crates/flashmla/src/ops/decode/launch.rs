@@ -11,8 +11,9 @@
 //!    partials; after the schedule kernel it is a programmatic launch whose CTAs wait for the schedule after their
 //!    setup;
 //! 3. `decode_combine_*` (grid `batch x head_tiles x 8`, or `max_parts x head_tiles x 8` where the balanced schedule
-//!    has fewer parts than requests: [`FLAG_COMBINE_BY_PART`]) merges the partials of split requests; not launched
-//!    for a uniform line whose parts hold whole requests (nothing split).
+//!    has fewer parts than requests: [`FLAG_COMBINE_BY_PART`]; a programmatic launch that waits for the split
+//!    kernel at its start) merges the partials of split requests; not launched for a uniform line whose parts hold
+//!    whole requests (nothing split).
 //!
 //! Kernel limits checked here (beyond [`super::validate_dense`]): `q` and `k_cache` rows 16-byte aligned (the
 //! gather copies 16-byte chunks); `block_table`, `cache_seqlens`, `attn_sink`, `out` and `lse` aligned to their
