@@ -513,41 +513,34 @@ def test_decode_sparse_gpu_any_heads_with_lengths_and_sink(d_qk, h_q, s_q):
     assert_spec_close("lse", gpu[1], cpu[1], (1e-6, 8.01 / 65536, None))
 
 
-def test_decode_sparse_cuda_graph_replay_with_changed_indices():
-    """A captured sparse decode step replayed after the indices, lengths, q and cache changed in place."""
-    q, cache, idx, lengths = (t.cuda() for t in _sparse_decode_inputs(9, b=6, h_q=128, topk=512))
+def _sparse_decode_graph_replay(seeds, **shape):
+    """Captures a sparse decode step on inputs of seeds[0], replays it after q, cache, indices and lengths changed in
+    place to those of each later seed, and checks each replay against an eager call on the new inputs."""
+    q, cache, idx, lengths = (t.cuda() for t in _sparse_decode_inputs(seeds[0], **shape))
     flashmla.decode_sparse(q, cache, idx, lengths)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, lse = flashmla.decode_sparse(q, cache, idx, lengths)
-    for seed in (21, 22):
-        q2, cache2, idx2, len2 = _sparse_decode_inputs(seed, b=6, h_q=128, topk=512)
+    for seed in seeds[1:]:
+        q2, cache2, idx2, len2 = _sparse_decode_inputs(seed, **shape)
         for dst, src in ((q, q2), (cache, cache2), (idx, idx2), (lengths, len2)):
             dst.copy_(src.cuda())
         graph.replay()
         want = flashmla.decode_sparse(q2, cache2, idx2, len2)
         assert_spec_close("out", out, want[0], (1e-3, 2.01 / 128, 5e-6))
         assert_spec_close("lse", lse, want[1], (1e-6, 8.01 / 65536, None))
+
+
+def test_decode_sparse_cuda_graph_replay_with_changed_indices():
+    """A captured sparse decode step replayed after the indices, lengths, q and cache changed in place."""
+    _sparse_decode_graph_replay((9, 21, 22), b=6, h_q=128, topk=512)
 
 
 def test_decode_sparse_cuda_graph_replay_past_the_inline_schedule():
     """140 requests with lengths: the schedule kernel runs, and the split and combine kernels after it are
     programmatic launches; captured and replayed after the indices and lengths changed in place."""
-    q, cache, idx, lengths = (t.cuda() for t in _sparse_decode_inputs(23, b=70, h_q=64, topk=128))
-    flashmla.decode_sparse(q, cache, idx, lengths)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = flashmla.decode_sparse(q, cache, idx, lengths)
-    for seed in (24, 25):
-        q2, cache2, idx2, len2 = _sparse_decode_inputs(seed, b=70, h_q=64, topk=128)
-        for dst, src in ((q, q2), (cache, cache2), (idx, idx2), (lengths, len2)):
-            dst.copy_(src.cuda())
-        graph.replay()
-        want = flashmla.decode_sparse(q2, cache2, idx2, len2)
-        assert_spec_close("out", out, want[0], (1e-3, 2.01 / 128, 5e-6))
-        assert_spec_close("lse", lse, want[1], (1e-6, 8.01 / 65536, None))
+    _sparse_decode_graph_replay((23, 24, 25), b=70, h_q=64, topk=128)
 
 
 def test_decode_sparse_batch_invariant_and_compile():
