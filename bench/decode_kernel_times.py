@@ -11,7 +11,8 @@ Usage (on the GPU machine, flashmla on PYTHONPATH; the peer built with scripts/b
 
     python3 bench/decode_kernel_times.py [--peer .peer] [--calls 20] [SHAPE ...]
 
-Shapes (all page 64, bf16, d_qk 576): see ``SHAPES`` (default: all).
+Shapes (all page 64, bf16, d_qk 576): see ``SHAPES`` (default: all). ``--sparse PREFIX`` profiles instead the sparse
+FP8 decode shapes of ``side_by_side.py`` whose names start with PREFIX (e.g. ``"MODEL1 c4 b128"``), on its inputs.
 """
 
 from __future__ import annotations
@@ -72,12 +73,43 @@ def profile_calls(fn, calls: int):
     return {name: (sum(v) / len(v), len(v) // calls) for name, v in per.items()}, span
 
 
+def report(name: str, impl: str, fn, calls: int) -> None:
+    kernels, span = profile_calls(fn, calls)
+    parts = "  ".join(f"{k[:32]}={t:.1f}" + (f"x{n}" if n != 1 else "") for k, (t, n) in kernels.items())
+    print(f"{name:18s} {impl:8s} span/call {span:8.1f} us  {parts}", flush=True)
+
+
+def profile_sparse(prefixes: list, peer_path, calls: int) -> int:
+    """The sparse FP8 decode shapes of side_by_side.py named by ``prefixes``, on its first input set."""
+    import side_by_side as sbs
+
+    if not torch.cuda.is_available():
+        print("decode_kernel_times: needs a CUDA GPU (it profiles the GPU kernels)", file=sys.stderr)
+        return 2
+    libs = sbs.import_libs(peer_path)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [s for s in core.decode_sparse_shapes() if any(s.name.startswith(p) for p in prefixes)]
+    if not shapes:
+        print(f"no sparse decode shape starts with {prefixes}", file=sys.stderr)
+        return 2
+    for shape in shapes:
+        case = sbs.decode_sparse_case(shape, libs, gen, 0, 1)
+        for impl in (core.OURS, core.PEER):
+            if impl in case.calls:
+                report(shape.name, impl, lambda: case.calls[impl](0), calls)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("shapes", nargs="*", help=f"shape names (default all): {', '.join(SHAPES)}")
     ap.add_argument("--peer", help="folder of a built FlashMLA checkout (its kernels are profiled too)")
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--sparse", action="append", default=[], metavar="PREFIX",
+                    help="profile the side-by-side sparse FP8 decode shapes whose names start with PREFIX")
     args = ap.parse_args()
+    if args.sparse:
+        return profile_sparse(args.sparse, args.peer, args.calls)
     unknown = [s for s in args.shapes if s not in SHAPES]
     if unknown:
         print(f"unknown shapes {unknown}; known: {list(SHAPES)}", file=sys.stderr)
@@ -99,9 +131,7 @@ def main() -> int:
             peer_meta = peer.get_mla_metadata()[0]
             impls["peer"] = lambda: peer.flash_mla_with_kvcache(q, cache, table, seqlens, D_V, peer_meta, None)
         for impl, fn in impls.items():
-            kernels, span = profile_calls(fn, args.calls)
-            parts = "  ".join(f"{k[:32]}={t:.1f}" + (f"x{n}" if n != 1 else "") for k, (t, n) in kernels.items())
-            print(f"{name:18s} {impl:8s} span/call {span:8.1f} us  {parts}", flush=True)
+            report(name, impl, fn, args.calls)
     return 0
 
 
