@@ -1668,6 +1668,68 @@ mod tests {
         assert_eq!(combine(&plan).0, 256);
     }
 
+    /// The combine's rule under `FLAG_COMBINE_BY_PART` (kernel.cuh, `decode_combine`), on the reference schedule:
+    /// the CTA row of boundary `i` takes the request holding the last line position of part `i` and merges it if its
+    /// tiles start in part `i` and end in a later one. Every request the schedule splits must be found exactly once.
+    #[test]
+    fn each_split_request_is_found_at_exactly_one_part_boundary() {
+        use crate::reference::decode::{decode_schedule, ScheduleShape as RefShape};
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let config = ScheduleConfig::default();
+        let overhead = CHUNK_OVERHEAD_TILES;
+        let mut splits = 0;
+        for case in 0..300 {
+            let batch = rng.gen_range(1..300usize);
+            let h_q = [16usize, 64, 128][case % 3];
+            let long = rng.gen_bool(0.2);
+            let keys: Vec<usize> = (0..batch)
+                .map(|_| match rng.gen_range(0..10) {
+                    0 => 0,
+                    1 if long => rng.gen_range(0..200_000),
+                    _ => rng.gen_range(0..3000),
+                })
+                .collect();
+            let shape = RefShape {
+                s_q: 1,
+                h_q,
+                h_kv: 1,
+                num_sms: 132,
+            };
+            let sched = decode_schedule(&shape, &config, &keys);
+            let budget = sched.tile_budget;
+            let tiles: Vec<usize> = keys.iter().map(|&n| n.div_ceil(KEYS_PER_TILE)).collect();
+            let mut starts = vec![0usize];
+            for &t in &tiles {
+                starts.push(starts.last().unwrap() + overhead + t);
+            }
+            let line = *starts.last().unwrap();
+            let mut found = vec![0usize; batch];
+            for i in 0..sched.num_parts {
+                let pos = (i + 1) * budget - 1;
+                if i + 1 >= sched.num_parts || pos >= line {
+                    continue;
+                }
+                let b = starts.partition_point(|&s| s <= pos) - 1; // largest b with S_b <= pos
+                if tiles[b] == 0 {
+                    continue;
+                }
+                let first = starts[b] + overhead;
+                let (fp, lp) = (first / budget, (first + tiles[b] - 1) / budget);
+                if fp == i && lp > i {
+                    found[b] += 1;
+                }
+            }
+            for b in 0..batch {
+                let chunks = sched.request_chunks[b + 1] - sched.request_chunks[b];
+                let split = usize::from(chunks > 1);
+                assert_eq!(found[b], split, "case {case}, request {b}: {chunks} chunks");
+                splits += split;
+            }
+        }
+        assert!(splits > 1000, "the cases split only {splits} requests");
+    }
+
     #[test]
     fn sparse_decode_copies_8_byte_aligned_caches_in_8_byte_pieces() {
         // Packed 16-byte aligned caches: 16-byte copies.
