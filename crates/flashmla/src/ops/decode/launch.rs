@@ -1680,14 +1680,14 @@ mod tests {
         let overhead = CHUNK_OVERHEAD_TILES;
         let mut splits = 0;
         for case in 0..300 {
-            let batch = rng.gen_range(1..300usize);
+            let batch = rng.random_range(1..300usize);
             let h_q = [16usize, 64, 128][case % 3];
-            let long = rng.gen_bool(0.2);
+            let long = rng.random_bool(0.2);
             let keys: Vec<usize> = (0..batch)
-                .map(|_| match rng.gen_range(0..10) {
+                .map(|_| match rng.random_range(0..10) {
                     0 => 0,
-                    1 if long => rng.gen_range(0..200_000),
-                    _ => rng.gen_range(0..3000),
+                    1 if long => rng.random_range(0..200_000),
+                    _ => rng.random_range(0..3000),
                 })
                 .collect();
             let shape = RefShape {
@@ -1720,10 +1720,10 @@ mod tests {
                     found[b] += 1;
                 }
             }
-            for b in 0..batch {
+            for (b, &times) in found.iter().enumerate() {
                 let chunks = sched.request_chunks[b + 1] - sched.request_chunks[b];
                 let split = usize::from(chunks > 1);
-                assert_eq!(found[b], split, "case {case}, request {b}: {chunks} chunks");
+                assert_eq!(times, split, "case {case}, request {b}: {chunks} chunks");
                 splits += split;
             }
         }
