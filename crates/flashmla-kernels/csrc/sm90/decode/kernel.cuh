@@ -1104,7 +1104,11 @@ __device__ __forceinline__ void decode_combine(const DecodeParams& p) {
     __shared__ float4 part_sum[kWarpsPerRow > 1 ? kRows : 1][kOthers][kWarpsPerRow > 1 ? kDv / 4 : 1];
     __shared__ float part_wsum[kRows][kOthers];
     const int x = static_cast<int>(blockIdx.y);
-    grid_dep_wait();  // launched programmatically after the split kernel: its partials are visible after this
+    // Launched programmatically after the split kernel: its partials are visible after grid_dep_wait. The schedule
+    // kernel's line (or a uniform one) and the lengths are final before this grid starts, so the CTA finds its
+    // request first, while the split kernel's last CTAs run; an inline schedule is written by split CTA (0, 0).
+    const bool line_final = (p.flags & kFlagInlineSchedule) == 0;
+    if (!line_final) grid_dep_wait();
     const Schedule sched = Schedule::load(p);
     int b = static_cast<int>(blockIdx.x);
     if (p.flags & kFlagCombineByPart) {
@@ -1129,6 +1133,13 @@ __device__ __forceinline__ void decode_combine(const DecodeParams& p) {
     const int r = static_cast<int>(blockIdx.z) * kRows + slot_r;
     const bool row_valid = r < min(kRowsPerCta, p.rows - row0);
     if (kWarpsPerRow == 1 && !row_valid) return;
+    const int token = (row0 + r) / p.heads_per_kv;
+    const int head = kv_head * p.heads_per_kv + (row0 + r) % p.heads_per_kv;
+    // The sink logit is an input, read before the wait too.
+    const float sink = p.attn_sink != nullptr && row_valid
+                           ? __ldg(p.attn_sink + static_cast<int64_t>(head) * p.attn_sink_stride)
+                           : 0.f;
+    if (line_final) grid_dep_wait();
     auto slot_of = [&](int part) { return 2 * part + (part == fp ? 1 : 0); };
     auto lse_at = [&](int part) {
         return p.part_lse[(static_cast<int64_t>(slot_of(part)) * p.head_tiles + x) * kRowsPerCta + r];
@@ -1194,12 +1205,8 @@ __device__ __forceinline__ void decode_combine(const DecodeParams& p) {
             wsum += part_wsum[slot_r][q];
         }
     }
-    const int token = (row0 + r) / p.heads_per_kv;
-    const int head = kv_head * p.heads_per_kv + (row0 + r) % p.heads_per_kv;
     float denom = wsum;
-    if (p.attn_sink != nullptr && m != -kInf) {
-        denom += __expf(__ldg(p.attn_sink + static_cast<int64_t>(head) * p.attn_sink_stride) - m);
-    }
+    if (p.attn_sink != nullptr && m != -kInf) denom += __expf(sink - m);
     const float inv = m == -kInf ? 0.f : 1.f / denom;
     const bool vec4 = (p.flags & kFlagOutVec4) != 0;
     uint16_t* dst = p.out + request_offset(p, b, p.out_stride_b, p.out_stride_s) +
