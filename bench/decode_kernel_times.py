@@ -5,7 +5,9 @@ activity only) and prints, per implementation, the mean duration of every kernel
 span per call (first kernel start to last kernel end over the run, divided by the calls: it includes the gaps
 between kernels, and host time where the call is host-bound). It is a diagnostic, not a benchmark: no clock control
 and no alternation; the side-by-side benchmark (``side_by_side.py``) makes the claims. docs/decode.md cites its
-output for the split/combine breakdown.
+output for the split/combine breakdown. flashmla's split and combine kernels are programmatic launches: each starts
+while the kernel before it still runs and waits for it inside, so its duration includes that wait (the combine's
+nearly the whole split kernel's); compare spans, or the peer's kernels with ours where they do not overlap.
 
 Usage (on the GPU machine, flashmla on PYTHONPATH; the peer built with scripts/build-peer.sh)::
 
