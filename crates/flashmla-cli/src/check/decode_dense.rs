@@ -1,11 +1,11 @@
-//! Dense decode: the kernels (schedule, split, combine) against the f64 reference (spec section 6 decode
-//! tolerances) on paged caches with shuffled blocks, NaN in every slot no request owns, garbage block ids past each
-//! request's used blocks, `cache_seqlens` including 0 and values that are not multiples of the page size; bf16 and
-//! f16; head ratios 1..=128 per key head; `s_q` up to 16 with and without the causal mask; page sizes 64, 16, 48
-//! and 1; sinks (finite, +inf, -inf); strided inputs and outputs; schedules forced to split every request and the
-//! batch-invariant schedule. Outputs are poisoned (NaN) beforehand, so an unwritten element fails. Two more checks:
-//! batch invariance (a request's output is bitwise the same alone and inside a larger batch) and workspace reuse
-//! (a second call with other `cache_seqlens` on the same workspace, as a replayed CUDA graph does).
+//! Dense decode: the kernels (schedule, split, combine) against the f64 reference (spec section 6 decode tolerances) on
+//! paged caches with shuffled blocks, NaN in every slot no request owns, garbage block ids past each request's used
+//! blocks, `cache_seqlens` including 0 and values that are not multiples of the page size; bf16 and f16; head ratios
+//! 1..=128 per key head; `s_q` up to 16 with and without the causal mask; page sizes 64, 16, 48 and 1; sinks (finite,
+//! +inf, -inf); strided inputs and outputs; out rows not 16-byte aligned; schedules forced to split every request and
+//! the batch-invariant schedule. Outputs are poisoned (NaN) beforehand, so an unwritten element fails. Two more checks:
+//! batch invariance (a request's output is bitwise the same alone and inside a larger batch) and workspace reuse (a
+//! second call with other `cache_seqlens` on the same workspace, as a replayed CUDA graph does).
 
 use super::{decode_outputs as outputs, Case, Outcome};
 use flashmla::cuda::Gpu;
@@ -34,6 +34,9 @@ pub struct DenseCheck {
     pub sink_value: Option<f32>,
     /// Non-contiguous q, k_cache, out and lse.
     pub strided: bool,
+    /// Elements of padding after every dimension of out and lse where `strided` is off (0: contiguous; 2: out rows
+    /// 4-byte aligned but not 16-byte aligned, so the final rows cannot leave as bulk stores).
+    pub out_pad: usize,
     /// Every third block-table entry a request uses replaced by an id outside `0..num_blocks` (missing keys: the
     /// kernels must skip them without reading, as the reference does).
     pub missing_blocks: bool,
@@ -126,7 +129,8 @@ fn run_gpu(
     let bt = gpu.upload(&h.block_table)?;
     let sl = gpu.upload(&h.cache_seqlens)?;
     let sink = h.sink.as_ref().map(|s| gpu.upload(s)).transpose()?;
-    let (out, lse) = outputs::poisoned(gpu, c.dtype, [p.batch, p.s_q, p.h_q, p.d_v], c.strided)?;
+    let pad = if c.strided { 1 } else { c.out_pad };
+    let (out, lse) = outputs::poisoned(gpu, c.dtype, [p.batch, p.s_q, p.h_q, p.d_v], pad)?;
     let sink_view = sink.as_ref().map(|s| s.view());
     let args = DenseDecodeArgs {
         q: &q.view(),
@@ -281,6 +285,7 @@ pub fn cases() -> Vec<Case> {
         options: DecodeOptions::default(),
         sink_value: None,
         strided: false,
+        out_pad: 0,
         missing_blocks: false,
     };
     // Head ratios and query lengths, default schedule and forced splits.
@@ -372,6 +377,11 @@ pub fn cases() -> Vec<Case> {
             oname == "default",
             s,
         ));
+        // out rows 4-byte but not 16-byte aligned: the final rows leave as 4-byte stores.
+        let mut w = base(spec(6, 2, 128, 1, 64, lengths(6, 13)));
+        w.out_pad = 2;
+        w.options = options;
+        v.push((format!("decode_dense/bf16/out_words/{oname}"), false, w));
     }
     for (h_q, s_q) in [(128usize, 1usize), (64, 2)] {
         let mut c = base(spec(9, s_q, h_q, 1, 64, lengths(9, 1)));

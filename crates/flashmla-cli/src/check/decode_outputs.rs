@@ -1,6 +1,6 @@
-//! What the dense and sparse decode checks share: NaN-poisoned outputs (contiguous, or padded in every dimension so
-//! that their strides are odd), reading them back, judging them against the f64 reference, and the bitwise
-//! comparison of the batch-invariance checks.
+//! What the dense and sparse decode checks share: NaN-poisoned outputs (contiguous, or padded in every dimension:
+//! by 1, so that their strides are odd, or by 2, so that out rows are 4-byte but not 16-byte aligned), reading them
+//! back, judging them against the f64 reference, and the bitwise comparison of the batch-invariance checks.
 
 use super::check;
 use flashmla::cuda::{DeviceTensor, Gpu};
@@ -11,15 +11,16 @@ use flashmla::{DType, HostData, HostTensor};
 /// Poison byte of the contiguous outputs: 0xFF.. is a NaN in bf16, f16 and f32.
 const POISON: u8 = 0xFF;
 
-/// `out [b, s_q, h_q, d_v]` of `dtype` and `lse [b, h_q, s_q]` f32, every element NaN.
+/// `out [b, s_q, h_q, d_v]` of `dtype` and `lse [b, h_q, s_q]` f32, every element NaN; `pad` elements of padding
+/// after every dimension (0: contiguous).
 pub fn poisoned(
     gpu: &Gpu,
     dtype: DType,
     [b, s_q, h_q, d_v]: [usize; 4],
-    strided: bool,
+    pad: usize,
 ) -> flashmla::Result<(DeviceTensor, DeviceTensor)> {
     let (out_shape, lse_shape) = ([b, s_q, h_q, d_v], [b, h_q, s_q]);
-    if !strided {
+    if pad == 0 {
         return Ok((
             gpu.alloc_filled(dtype, &out_shape, POISON)?,
             gpu.alloc_filled(DType::F32, &lse_shape, POISON)?,
@@ -30,9 +31,9 @@ pub fn poisoned(
         DType::F16 => HostData::F16(vec![half::f16::NAN; n]),
         _ => HostData::Bf16(vec![half::bf16::NAN; n]),
     };
-    let o = HostTensor::new(data, &out_shape)?.to_padded(&[1, 1, 1, 1])?;
+    let o = HostTensor::new(data, &out_shape)?.to_padded(&[pad; 4])?;
     let l = HostTensor::from_f32(vec![f32::NAN; lse_shape.iter().product()], &lse_shape)?
-        .to_padded(&[1, 1, 1])?;
+        .to_padded(&[pad; 3])?;
     Ok((gpu.upload(&o)?, gpu.upload(&l)?))
 }
 

@@ -1,13 +1,14 @@
 //! Sparse FP8 decode: the kernels (schedule, dequantising split, combine) against the f64 reference (spec section 6
-//! decode tolerances) on both cache formats (V3.2 656-byte and MODEL1 584-byte tokens) with padded block strides,
-//! dead tokens whose every byte is 0xFF (NaN values and scales) that no valid index names, invalid indices drawn
-//! from the spec's adversarial values (i32 extremes included) and rows where every index is invalid; any `h_q` in
-//! 1..=128, `s_q` up to 16, `topk` not a multiple of 64 (down to 1), `topk_length` (0, negative, beyond topk), an
-//! extra cache with its own page size and lengths, sinks (finite, ±inf), strided q and outputs, schedules forced
-//! to split every request, the batch-invariant schedule, and batches with lengths on both sides of the split
-//! kernels' inline-schedule limit (128 requests), for the narrow and the 64-row kernels. Outputs are poisoned (NaN) beforehand, so an unwritten
-//! element fails. Two more checks: batch invariance (a query's output is bitwise the same alone and inside a larger
-//! batch) and workspace reuse (a second call with other indices and lengths on the same workspace).
+//! decode tolerances) on both cache formats (V3.2 656-byte and MODEL1 584-byte tokens) with padded block strides, dead
+//! tokens whose every byte is 0xFF (NaN values and scales) that no valid index names, invalid indices drawn from the
+//! spec's adversarial values (i32 extremes included) and rows where every index is invalid; any `h_q` in 1..=128, `s_q`
+//! up to 16, `topk` not a multiple of 64 (down to 1), `topk_length` (0, negative, beyond topk), an extra cache with its
+//! own page size and lengths, sinks (finite, ±inf), strided q and outputs, out rows not 16-byte aligned, schedules
+//! forced to split every request, the batch-invariant schedule, and batches with lengths on both sides of the split
+//! kernels' inline-schedule limit (128 requests), for the narrow and the 64-row kernels. Outputs are poisoned (NaN)
+//! beforehand, so an unwritten element fails. Two more checks: batch invariance (a query's output is bitwise the same
+//! alone and inside a larger batch) and workspace reuse (a second call with other indices and lengths on the same
+//! workspace).
 
 use super::{decode_outputs as outputs, Case, Outcome};
 use flashmla::cuda::Gpu;
@@ -42,6 +43,9 @@ pub struct SparseCheck {
     pub options: DecodeOptions,
     /// Non-contiguous q, indices, out and lse.
     pub strided: bool,
+    /// Elements of padding after every dimension of out and lse where `strided` is off (0: contiguous; 2: out rows
+    /// 4-byte aligned but not 16-byte aligned, so the final rows cannot leave as bulk stores).
+    pub out_pad: usize,
 }
 
 /// Host tensors of one cache: the bytes keep their padded block stride.
@@ -165,8 +169,12 @@ fn run_gpu(
     let main = up(&h.main)?;
     let extra = h.extra.as_ref().map(up).transpose()?;
     let sink = h.sink.as_ref().map(|s| gpu.upload(s)).transpose()?;
-    let (out, lse) =
-        outputs::poisoned(gpu, DType::Bf16, [p.batch, p.s_q, p.h_q, p.d_v], c.strided)?;
+    let (out, lse) = outputs::poisoned(
+        gpu,
+        DType::Bf16,
+        [p.batch, p.s_q, p.h_q, p.d_v],
+        if c.strided { 1 } else { c.out_pad },
+    )?;
     let main_views = [main.0.view(), main.1.view()];
     let main_len = main.2.as_ref().map(|t| t.view());
     let extra_views = extra
@@ -325,6 +333,7 @@ pub fn cases() -> Vec<Case> {
         sink_value: None,
         options: DecodeOptions::default(),
         strided: false,
+        out_pad: 0,
     };
     for (fname, format) in [("v32", KvFormat::V32), ("model1", KvFormat::Model1)] {
         // Head counts (no padding by the caller), query lengths, topk not a multiple of 64.
@@ -443,6 +452,14 @@ pub fn cases() -> Vec<Case> {
         s.strided = true;
         s.sink = true;
         v.push((format!("decode_sparse/{fname}/strided"), true, s));
+        // out rows 4-byte but not 16-byte aligned (final rows as 4-byte stores): one row tile, two (the pair
+        // kernels), and a narrow request.
+        for h_q in [64usize, 128, 24] {
+            let mut w = base((4, 2, h_q), cache(format, 16, 64, 160));
+            w.out_pad = 2;
+            w.sink = true;
+            v.push((format!("decode_sparse/{fname}/out_words/h{h_q}"), false, w));
+        }
         // The narrow kernels (at most 16 / 32 query rows per request): every index invalid, half invalid, an
         // extra cache with lengths and forced splits, sinks of +-inf, strided tensors, topk 2048.
         for h_q in [16usize, 24] {
