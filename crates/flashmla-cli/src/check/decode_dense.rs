@@ -32,10 +32,10 @@ pub struct DenseCheck {
     pub options: DecodeOptions,
     /// `attn_sink` override: `Some(v)` sets every head's sink to `v` (±inf cases).
     pub sink_value: Option<f32>,
-    /// Non-contiguous q, k_cache, out and lse.
+    /// Non-contiguous q and k_cache.
     pub strided: bool,
-    /// Elements of padding after every dimension of out and lse where `strided` is off (0: contiguous; 2: out rows
-    /// 4-byte aligned but not 16-byte aligned, so the final rows cannot leave as bulk stores).
+    /// Elements of padding after every dimension of out and lse (0: contiguous; 1: odd strides; 2: out rows 4-byte
+    /// aligned but not 16-byte aligned, so the final rows cannot leave as bulk stores).
     pub out_pad: usize,
     /// Every third block-table entry a request uses replaced by an id outside `0..num_blocks` (missing keys: the
     /// kernels must skip them without reading, as the reference does).
@@ -129,8 +129,7 @@ fn run_gpu(
     let bt = gpu.upload(&h.block_table)?;
     let sl = gpu.upload(&h.cache_seqlens)?;
     let sink = h.sink.as_ref().map(|s| gpu.upload(s)).transpose()?;
-    let pad = if c.strided { 1 } else { c.out_pad };
-    let (out, lse) = outputs::poisoned(gpu, c.dtype, [p.batch, p.s_q, p.h_q, p.d_v], pad)?;
+    let (out, lse) = outputs::poisoned(gpu, c.dtype, [p.batch, p.s_q, p.h_q, p.d_v], c.out_pad)?;
     let sink_view = sink.as_ref().map(|s| s.view());
     let args = DenseDecodeArgs {
         q: &q.view(),
@@ -370,6 +369,7 @@ pub fn cases() -> Vec<Case> {
         v.push((format!("decode_dense/bf16/d512/{oname}"), false, c));
         let mut s = base(spec(6, 2, 64, 1, 64, lengths(6, 11)));
         s.strided = true;
+        s.out_pad = 1;
         s.spec.sink = true;
         s.options = options;
         v.push((

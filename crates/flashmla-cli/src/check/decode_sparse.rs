@@ -41,10 +41,10 @@ pub struct SparseCheck {
     pub sink_value: Option<f32>,
     /// Schedule options.
     pub options: DecodeOptions,
-    /// Non-contiguous q, indices, out and lse.
+    /// Non-contiguous q and indices.
     pub strided: bool,
-    /// Elements of padding after every dimension of out and lse where `strided` is off (0: contiguous; 2: out rows
-    /// 4-byte aligned but not 16-byte aligned, so the final rows cannot leave as bulk stores).
+    /// Elements of padding after every dimension of out and lse (0: contiguous; 1: odd strides; 2: out rows 4-byte
+    /// aligned but not 16-byte aligned, so the final rows cannot leave as bulk stores).
     pub out_pad: usize,
 }
 
@@ -169,12 +169,8 @@ fn run_gpu(
     let main = up(&h.main)?;
     let extra = h.extra.as_ref().map(up).transpose()?;
     let sink = h.sink.as_ref().map(|s| gpu.upload(s)).transpose()?;
-    let (out, lse) = outputs::poisoned(
-        gpu,
-        DType::Bf16,
-        [p.batch, p.s_q, p.h_q, p.d_v],
-        if c.strided { 1 } else { c.out_pad },
-    )?;
+    let (out, lse) =
+        outputs::poisoned(gpu, DType::Bf16, [p.batch, p.s_q, p.h_q, p.d_v], c.out_pad)?;
     let main_views = [main.0.view(), main.1.view()];
     let main_len = main.2.as_ref().map(|t| t.view());
     let extra_views = extra
@@ -450,6 +446,7 @@ pub fn cases() -> Vec<Case> {
         // Strided q, indices and outputs.
         let mut s = base((4, 2, 64), cache(format, 16, 64, 160));
         s.strided = true;
+        s.out_pad = 1;
         s.sink = true;
         v.push((format!("decode_sparse/{fname}/strided"), true, s));
         // out rows 4-byte but not 16-byte aligned (final rows as 4-byte stores): one row tile, two (the pair
@@ -504,6 +501,7 @@ pub fn cases() -> Vec<Case> {
             }
             let mut c = base((4, 2, h_q), cache(format, 16, 64, 160));
             c.strided = true;
+            c.out_pad = 1;
             c.sink = true;
             v.push((
                 format!("decode_sparse/{fname}/narrow{h_q}/strided"),
