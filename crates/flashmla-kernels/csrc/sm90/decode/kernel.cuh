@@ -570,33 +570,6 @@ __device__ __forceinline__ void issue_qk(SmemPlan<kDqk>& sm, const Ring& pos, ui
     wgmma_commit();
 }
 
-// Writes one consumer's O half of an unsplit chunk in final form (scaled by inv, output dtype).
-template <class E>
-__device__ __forceinline__ void store_o_half(const DecodeParams& p, const RowTile& rt, const Chunk& c,
-                                             const AccFrag& f, int consumer, const float (&o)[kORegs],
-                                             const float (&inv)[2]) {
-    const int rows[2] = {f.row0, f.row1()};
-    const bool vec4 = (p.flags & kFlagOutVec4) != 0;
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-        const int r = rows[rr];
-        if (r >= rt.rows) continue;
-        uint16_t* dst = p.out + request_offset(p, c.b, p.out_stride_b, p.out_stride_s) +
-                        static_cast<int64_t>(rt.token(p, r)) * p.out_stride_s +
-                        static_cast<int64_t>(rt.head(p, r)) * p.out_stride_h + consumer * kDvPerConsumer;
-#pragma unroll
-        for (int j = 0; j < kORegs / 4; ++j) {
-            const uint32_t v = pack_x2<E>(o[4 * j + 2 * rr] * inv[rr], o[4 * j + 2 * rr + 1] * inv[rr]);
-            if (vec4) {
-                *reinterpret_cast<uint32_t*>(dst + f.col(j)) = v;
-            } else {
-                dst[f.col(j)] = static_cast<uint16_t>(v & 0xFFFFu);
-                dst[f.col(j) + 1] = static_cast<uint16_t>(v >> 16);
-            }
-        }
-    }
-}
-
 // A staging area's base and the thread's accumulator rows and quad, as opaque copies: the 64 shared-memory write
 // addresses formed from them are loop invariants of the caller's chunk loop, and formed from plain values they
 // were hoisted there (and spilled).
@@ -677,6 +650,35 @@ __device__ __forceinline__ void store_final_rows(const DecodeParams& p, const Ro
     }
     bulk_commit();
     bulk_wait_read();
+    __syncwarp();
+}
+// ... or, where out rows are not 16-byte aligned (no kFlagOutBulk), each warp copies its 16 staged rows with 4-byte
+// (kFlagOutVec4) or 2-byte stores, in a rolled loop; `area` == kNoStaging writes zeros (a chunk without keys, whose
+// rows have no staging area: the producer may be loading the next chunk's Q into the Q tile). The unrolled register
+// form this replaces was a fifth of a split kernel's code (32 KB) for a path few calls take.
+inline constexpr uint32_t kNoStaging = 0xFFFFFFFFu;
+__device__ __forceinline__ void copy_final_rows(const DecodeParams& p, const RowTile& rt, const Chunk& c,
+                                                const AccFrag& f, uint32_t area) {
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const bool vec4 = (p.flags & kFlagOutVec4) != 0;
+    const int first = f.row0 & ~15;
+    const int end = min(first + 16, rt.rows);
+#pragma unroll 1
+    for (int row = first; row < end; ++row) {
+        uint16_t* dst = p.out + request_offset(p, c.b, p.out_stride_b, p.out_stride_s) +
+                        static_cast<int64_t>(rt.token(p, row)) * p.out_stride_s +
+                        static_cast<int64_t>(rt.head(p, row)) * p.out_stride_h;
+#pragma unroll 1
+        for (int i = lane; i < kDv / 2; i += 32) {
+            const uint32_t v = area == kNoStaging ? 0u : ld_shared_u32(area + row * 1024u + 4 * i);
+            if (vec4) {
+                *reinterpret_cast<uint32_t*>(dst + 2 * i) = v;
+            } else {
+                dst[2 * i] = static_cast<uint16_t>(v & 0xFFFFu);
+                dst[2 * i + 1] = static_cast<uint16_t>(v >> 16);
+            }
+        }
+    }
     __syncwarp();
 }
 
@@ -821,8 +823,8 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 // there (the producer loads nothing of the next chunk before Q but, in the pair kernels, its first
                 // tile, into the other key stage).
                 // (The one-row-tile sparse kernels stage a final chunk's rows in its last key stage: Q is free now.)
-                const bool final_in_stage = kSparse && !kPair && bulk_out && !c.split;
-                if (!has_next && !c.split && (!bulk_out || final_in_stage)) release_by_warp(&sm.q_empty, lane);
+                const bool final_in_stage = kSparse && !kPair && !c.split;
+                if (!has_next && final_in_stage) release_by_warp(&sm.q_empty, lane);
 
                 mask_invalid_rows(s, mask, f);
                 if (causal) mask_causal(s, c.tile0 + i, limit, f);
@@ -914,7 +916,7 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 // may already fill the last key stage).
                 if (split_dequant) named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
                 release_by_warp(&sm.q_empty, lane);
-            } else if (bulk_out && n_tiles > 0 && kSparse && !kPair) {
+            } else if (n_tiles > 0 && kSparse && !kPair) {
                 // The rows go through the last key stage, whose left and right groups both consumers kept; Q was
                 // released after the last QK, so the producer loads the next chunk's Q and first tile meanwhile.
                 // Once this warp's rows left, it releases both groups (the right one for the value warpgroup).
@@ -922,16 +924,24 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 const uint32_t area = smem_addr(sm.kv[last.stage]);
                 stage_final_half<E>(f, 0, o, inv, area);
                 named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
-                store_final_rows(p, rt, c, f, area);
+                if (bulk_out) {
+                    store_final_rows(p, rt, c, f, area);
+                } else {
+                    copy_final_rows(p, rt, c, f, area);
+                }
                 release_by_warp(&sm.kv_empty[last.stage][kGroupLeft], lane);
                 release_by_warp(&sm.kv_empty[last.stage][kGroupRight], lane);
-            } else if (bulk_out && n_tiles > 0) {
+            } else if (n_tiles > 0) {
                 stage_final_half<E>(f, 0, o, inv, smem_addr(sm.q));
                 named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
-                store_final_rows(p, rt, c, f, smem_addr(sm.q));
+                if (bulk_out) {
+                    store_final_rows(p, rt, c, f, smem_addr(sm.q));
+                } else {
+                    copy_final_rows(p, rt, c, f, smem_addr(sm.q));
+                }
                 release_by_warp(&sm.q_empty, lane);
             } else {
-                store_o_half<E>(p, rt, c, f, 0, o, inv);
+                copy_final_rows(p, rt, c, f, kNoStaging);  // no keys: zeros, both halves
             }
             ++chunks;
         });
@@ -948,7 +958,6 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
     const AccFrag f = AccFrag::of_thread(t);
     const int rows[2] = {f.row0, f.row1()};
     const RowTile rt = RowTile::of(p);
-    const bool bulk_out = (p.flags & kFlagOutBulk) != 0;
     const uint32_t peer = split_dequant ? cluster_ctarank() ^ 1u : 0u;
     const bool s_first = s_first_pipeline(p);
     int tile = 0;
@@ -980,7 +989,7 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
                 wgmma_fence_regs(o);
                 // A one-row-tile sparse kernel's final chunk keeps its last stage for the rows (the score warpgroup
                 // releases it once they left).
-                if (!(kSparse && !kPair) || k + 1 < c.tile1 || !bulk_out || c.split) {
+                if (!(kSparse && !kPair) || k + 1 < c.tile1 || c.split) {
                     release_by_warp(&sm.kv_empty[pos.stage][kGroupRight], lane);
                     if (split_dequant && lane == 0) {
                         mbarrier_arrive_remote_relaxed(
@@ -1002,16 +1011,14 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
                     store_partial_half(p, rt, c, f, 1, o, inv, smem_addr(sm.kv[Ring::of(tile - 1).stage]));
                 }
                 named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
-            } else if (bulk_out && c.tile1 > c.tile0) {
+            } else if (c.tile1 > c.tile0) {
                 // The Q tile is held by the score warpgroup until the rows left (its last QK is done); the one-row-tile
                 // sparse kernels stage them in the chunk's last key stage instead.
                 const uint32_t area =
                     kSparse && !kPair ? smem_addr(sm.kv[Ring::of(tile - 1).stage]) : smem_addr(sm.q);
                 stage_final_half<E>(f, 1, o, inv, area);
                 named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
-            } else {
-                store_o_half<E>(p, rt, c, f, 1, o, inv);
-            }
+            }  // (a chunk without keys: the score warpgroup writes both halves' zeros)
             ++chunks;
         });
     }
