@@ -17,21 +17,6 @@ pub const KNOWN_SPILLS: &[(&str, u64, u64)] = &[
     // rows of values at a time; ptxas then keeps a few more values of the d_qk 576 tile loop on the stack.
     ("sparse_bwd_main_pair_det_d576", 56, 56),
     ("sparse_bwd_main_pair_d576", 12, 28),
-    // The decode's split kernels (the sparse FP8 ones at 80 / 232 / 192 registers, the pair kernels 88 / 232 / 184,
-    // decode/config.cuh; the chunk body inlined once, decode/schedule.cuh) keep a few values of the chunk walk and
-    // the epilogue's addressing on the stack; where in the dense kernels is not located.
-    ("decode_split_fp8_v32", 16, 16),
-    ("decode_split_fp8_model1", 16, 16),
-    ("decode_split_fp8_v32_pair", 16, 16),
-    ("decode_split_fp8_model1_pair", 16, 16),
-    ("decode_split_bf16_d576", 28, 28),
-    ("decode_split_bf16_d576_once", 28, 28),
-    ("decode_split_f16_d576", 28, 28),
-    ("decode_split_f16_d576_once", 28, 28),
-    ("decode_split_bf16_d512", 24, 24),
-    ("decode_split_bf16_d512_once", 24, 24),
-    ("decode_split_f16_d512", 24, 24),
-    ("decode_split_f16_d512_once", 24, 24),
     // The narrow MODEL1 kN = 32 kernel (96 / 160 / 160 registers, narrow.cuh): its score warpgroup keeps a few
     // values of the chunk loop on the stack, reloaded per chunk; its tile loop does not spill.
     ("decode_split_fp8_model1_n32", 36, 36),
