@@ -53,15 +53,17 @@ struct RowTile {
     static __device__ __forceinline__ RowTile of(const DecodeParams& p) {
         const int x = static_cast<int>(blockIdx.x);
         RowTile t;
-        t.kv_head = x / p.row_tiles;
-        t.row0 = (x % p.row_tiles) * kRowsPerCta;
+        t.kv_head = fast_div(x, p.row_tiles_div_mul, p.row_tiles_div_shr);
+        t.row0 = (x - t.kv_head * p.row_tiles) * kRowsPerCta;
         t.rows = min(kRowsPerCta, p.rows - t.row0);
         return t;
     }
     // Query token and head of tile row r (r < rows).
-    __device__ __forceinline__ int token(const DecodeParams& p, int r) const { return (row0 + r) / p.heads_per_kv; }
+    __device__ __forceinline__ int token(const DecodeParams& p, int r) const {
+        return fast_div(row0 + r, p.hpk_div_mul, p.hpk_div_shr);
+    }
     __device__ __forceinline__ int head(const DecodeParams& p, int r) const {
-        return kv_head * p.heads_per_kv + (row0 + r) % p.heads_per_kv;
+        return kv_head * p.heads_per_kv + (row0 + r - token(p, r) * p.heads_per_kv);
     }
 };
 
@@ -69,7 +71,7 @@ struct RowTile {
 // past the request's keys. A block id outside 0..num_blocks is a missing key: never dereferenced.
 __device__ __forceinline__ int key_block(const DecodeParams& p, int b, int len, int key) {
     if (key >= len) return -1;
-    return __ldg(p.block_table + static_cast<int64_t>(b) * p.block_table_stride_b + page_div(key, p.page_size));
+    return __ldg(p.block_table + static_cast<int64_t>(b) * p.block_table_stride_b + page_div(p, key));
 }
 __device__ __forceinline__ bool block_valid(const DecodeParams& p, int block) {
     return block >= 0 && block < p.num_blocks;
@@ -77,7 +79,7 @@ __device__ __forceinline__ bool block_valid(const DecodeParams& p, int block) {
 // Row of key `key` in block `block` (valid) for key head `kv_head`.
 __device__ __forceinline__ const uint16_t* key_row(const DecodeParams& p, int block, int key, int kv_head) {
     return p.k_cache + static_cast<int64_t>(block) * p.k_stride_block +
-           static_cast<int64_t>(page_mod(key, p.page_size)) * p.k_stride_tok + static_cast<int64_t>(kv_head) * p.k_stride_head;
+           static_cast<int64_t>(page_mod(p, key)) * p.k_stride_tok + static_cast<int64_t>(kv_head) * p.k_stride_head;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -225,7 +227,7 @@ __device__ __forceinline__ void producer(const DecodeParams& p, SmemPlan<kDqk>& 
                     const int key0 = k * kKeysPerTile;
                     if (block_valid(p, block) && key0 + kKeysPerTile <= c.len) {
                         const uint32_t stage_addr = smem_addr(sm.kv[pos.stage]);
-                        const int row0 = page_mod(key0, p.page_size);
+                        const int row0 = page_mod(p, key0);
                         if constexpr (C::kRopeSlabs > 0) {
                             tma_group<kDqk, kGroupRope, kKeysOnce>(p, sm, pos, stage_addr, block, row0, rt.kv_head);
                         }
@@ -1131,8 +1133,8 @@ __device__ __forceinline__ void decode_combine(const DecodeParams& p) {
     const int lp = sched.part_of(first + tiles - 1);
     if (fp == lp || ((p.flags & kFlagCombineByPart) && fp != static_cast<int>(blockIdx.x))) return;
 
-    const int kv_head = x / p.row_tiles;
-    const int row0 = (x % p.row_tiles) * kRowsPerCta;
+    const int kv_head = fast_div(x, p.row_tiles_div_mul, p.row_tiles_div_shr);
+    const int row0 = (x - kv_head * p.row_tiles) * kRowsPerCta;
     const int warp = static_cast<int>(threadIdx.x) / 32;
     const int lane = static_cast<int>(threadIdx.x) % 32;
     const int slot_r = warp % kRows;  // the row among the CTA's
@@ -1140,8 +1142,8 @@ __device__ __forceinline__ void decode_combine(const DecodeParams& p) {
     const int r = static_cast<int>(blockIdx.z) * kRows + slot_r;
     const bool row_valid = r < min(kRowsPerCta, p.rows - row0);
     if (kWarpsPerRow == 1 && !row_valid) return;
-    const int token = (row0 + r) / p.heads_per_kv;
-    const int head = kv_head * p.heads_per_kv + (row0 + r) % p.heads_per_kv;
+    const int token = fast_div(row0 + r, p.hpk_div_mul, p.hpk_div_shr);
+    const int head = kv_head * p.heads_per_kv + (row0 + r - token * p.heads_per_kv);
     // The sink logit is an input, read before the wait too.
     const float sink = p.attn_sink != nullptr && row_valid
                            ? __ldg(p.attn_sink + static_cast<int64_t>(head) * p.attn_sink_stride)

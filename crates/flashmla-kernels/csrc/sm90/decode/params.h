@@ -125,7 +125,19 @@ struct DecodeParams {
     int32_t max_budget_floor;       // ... while its parts hold at most this many units (0: always)
     uint32_t flags;                 // kFlag* bits
     float sm_scale_log2;            // softmax_scale * log2(e)
-    int32_t tail[14];               // 0; pads the struct to its 64-byte alignment without implicit padding
+    // n / d by a multiply and a shift for 0 <= n < 2^31 (fast_div, schedule.cuh; the host's `divider`): of
+    // req_tokens, heads_per_kv, row_tiles, page_size and extra_page_size. mul 0 stands for d = 1.
+    uint32_t req_div_mul;
+    uint32_t req_div_shr;
+    uint32_t hpk_div_mul;
+    uint32_t hpk_div_shr;
+    uint32_t row_tiles_div_mul;
+    uint32_t row_tiles_div_shr;
+    uint32_t page_div_mul;
+    uint32_t page_div_shr;
+    uint32_t extra_page_div_mul;
+    uint32_t extra_page_div_shr;
+    int32_t tail[4];                // 0; pads the struct to its 64-byte alignment without implicit padding
 };
 
 }  // namespace flashmla::decode

@@ -24,9 +24,21 @@
 
 namespace flashmla::decode {
 
+// n / d for 0 <= n < 2^31 and 1 <= d < 2^31: the host's multiplier and shift for d (`divider` in launch.rs; mul 0
+// stands for d = 1), floor(n * mul / 2^(32 + shr)) with mul = ceil(2^(32 + shr) / d) is exact in that range. A
+// division by a runtime value compiles to ~20 dependent instructions; the kernels divide by shapes at every index,
+// row and block-table address, and those divisions were about a tenth of a split kernel's code.
+__device__ __forceinline__ int fast_div(int n, uint32_t mul, uint32_t shr) {
+    return mul == 0 ? n : static_cast<int>(__umulhi(static_cast<uint32_t>(n), mul) >> shr);
+}
+
 // Batch entry and query token a request stands for (dense: (req, 0); sparse: one query token per request).
-__device__ __forceinline__ int request_batch(const DecodeParams& p, int req) { return req / p.req_tokens; }
-__device__ __forceinline__ int request_token(const DecodeParams& p, int req) { return req % p.req_tokens; }
+__device__ __forceinline__ int request_batch(const DecodeParams& p, int req) {
+    return fast_div(req, p.req_div_mul, p.req_div_shr);
+}
+__device__ __forceinline__ int request_token(const DecodeParams& p, int req) {
+    return req - request_batch(p, req) * p.req_tokens;
+}
 
 // Offset of request `req` in a tensor whose first two dimensions are (batch entry, query token).
 __device__ __forceinline__ int64_t request_offset(const DecodeParams& p, int req, int64_t stride_b, int64_t stride_s) {
@@ -58,15 +70,13 @@ __device__ __forceinline__ int request_len(const DecodeParams& p, int req) {
     return static_cast<int>(min(static_cast<int64_t>(max(len, 0)), cap));
 }
 
-// x / page and x % page for x >= 0: a shift and a mask when the page size is a power of two (every common one; the
-// test is uniform), a division otherwise. The per-key address math of the producer and the consumers' block-id
-// loads run once per key per tile, so the division's ~20 dependent instructions showed in their issue time.
-__device__ __forceinline__ int page_div(int x, int page) {
-    return (page & (page - 1)) == 0 ? x >> (__ffs(page) - 1) : x / page;
+// x / page_size and x % page_size of the main cache for x >= 0. The per-key address math of the producer and the
+// consumers' block-id loads run once per key per tile, so a division's ~20 dependent instructions showed in their
+// issue time.
+__device__ __forceinline__ int page_div(const DecodeParams& p, int x) {
+    return fast_div(x, p.page_div_mul, p.page_div_shr);
 }
-__device__ __forceinline__ int page_mod(int x, int page) {
-    return (page & (page - 1)) == 0 ? x & (page - 1) : x % page;
-}
+__device__ __forceinline__ int page_mod(const DecodeParams& p, int x) { return x - page_div(p, x) * p.page_size; }
 
 __device__ __forceinline__ int tiles_of(int len) { return (len + kTileN - 1) / kTileN; }
 

@@ -80,7 +80,7 @@ __device__ __forceinline__ Fp8Row sparse_row(const DecodeParams& p, const Chunk&
     const int page = extra ? p.extra_page_size : p.page_size;
     const int blocks = extra ? p.extra_num_blocks : p.num_blocks;
     if (idx < 0) return {nullptr, 0, page};
-    const int blk = page_div(idx, page);
+    const int blk = extra ? fast_div(idx, p.extra_page_div_mul, p.extra_page_div_shr) : page_div(p, idx);
     if (blk >= blocks) return {nullptr, 0, page};
     const uint8_t* base = extra ? p.extra_cache : reinterpret_cast<const uint8_t*>(p.k_cache);
     const int64_t stride = extra ? p.extra_stride_block : p.k_stride_block;

@@ -242,8 +242,28 @@ device_params! {
         pub flags: u32,
         /// `softmax_scale * log2(e)`.
         pub sm_scale_log2: f32,
+        /// [`divider`] of `req_tokens`: multiplier ...
+        pub req_div_mul: u32,
+        /// ... and shift.
+        pub req_div_shr: u32,
+        /// [`divider`] of `heads_per_kv`: multiplier ...
+        pub hpk_div_mul: u32,
+        /// ... and shift.
+        pub hpk_div_shr: u32,
+        /// [`divider`] of `row_tiles`: multiplier ...
+        pub row_tiles_div_mul: u32,
+        /// ... and shift.
+        pub row_tiles_div_shr: u32,
+        /// [`divider`] of `page_size`: multiplier ...
+        pub page_div_mul: u32,
+        /// ... and shift.
+        pub page_div_shr: u32,
+        /// [`divider`] of `extra_page_size`: multiplier ...
+        pub extra_page_div_mul: u32,
+        /// ... and shift.
+        pub extra_page_div_shr: u32,
         /// Zeros: pad the struct to its 64-byte alignment (`k_tmap`) without implicit padding.
-        pub tail: [i32; 14],
+        pub tail: [i32; 4],
     }
 }
 
@@ -735,6 +755,31 @@ pub fn lower(
     ))
 }
 
+/// Multiplier and shift with which the kernels divide `0 <= n < 2^31` by `d` (`fast_div`, schedule.cuh):
+/// `n / d = umulhi(n, mul) >> shr` with `mul = ceil(2^(32 + shr) / d)`, `shr = ceil(log2 d) - 1`; `(0, 0)` for
+/// `d <= 1` (the kernels then take `n` itself). Exact: `mul = 2^(32 + shr) / d + e` with `0 <= e < 1` adds less than
+/// `n / 2^(32 + shr) < 1 / d` to `n / d`, too little to reach the next integer.
+pub(crate) fn divider(d: i32) -> (u32, u32) {
+    if d <= 1 {
+        return (0, 0);
+    }
+    let d = d as u64;
+    let ceil_log2 = 64 - (d - 1).leading_zeros();
+    let shift = 31 + ceil_log2; // = 32 + shr
+    ((1u64 << shift).div_ceil(d) as u32, ceil_log2 - 1)
+}
+
+impl DecodeParams {
+    /// Sets the dividers of the shapes the kernels divide by ([`divider`]).
+    fn set_dividers(&mut self) {
+        (self.req_div_mul, self.req_div_shr) = divider(self.req_tokens);
+        (self.hpk_div_mul, self.hpk_div_shr) = divider(self.heads_per_kv);
+        (self.row_tiles_div_mul, self.row_tiles_div_shr) = divider(self.row_tiles);
+        (self.page_div_mul, self.page_div_shr) = divider(self.page_size);
+        (self.extra_page_div_mul, self.extra_page_div_shr) = divider(self.extra_page_size);
+    }
+}
+
 impl DecodePlan {
     /// The schedule, split and combine launches of `params` (requests `params.batch`); the split kernel derives the
     /// schedule of a small batch itself ([`ScheduleGeometry::inline_schedule`]).
@@ -746,6 +791,7 @@ impl DecodePlan {
         smem: u32,
         combine_kernel: &'static str,
     ) -> Self {
+        params.set_dividers();
         let schedule = LaunchConfig::linear(1, SCHEDULE_THREADS);
         let mut split = LaunchConfig {
             grid: (geometry.head_tiles as u32, geometry.grid_parts as u32, 1),
@@ -1179,6 +1225,45 @@ mod tests {
             causal: true,
             dtype: DType::Bf16,
         }
+    }
+
+    /// The kernels' `fast_div` (schedule.cuh) with [`divider`]'s constants, against the division, over every `d`
+    /// up to 4096, the largest ones and, for each, `n` at and around its multiples, the ends of the range and
+    /// random values.
+    #[test]
+    fn the_kernels_division_by_multiply_is_exact_below_2_pow_31() {
+        use rand::{Rng, SeedableRng};
+        let fast_div = |n: u32, (mul, shr): (u32, u32)| {
+            if mul == 0 {
+                n
+            } else {
+                (((n as u64 * mul as u64) >> 32) as u32) >> shr
+            }
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let top = i32::MAX as u32;
+        let divisors = (1..=4096).chain([65_535, 65_536, 1 << 20, (1 << 30) + 1, top - 1, top]);
+        for d in divisors {
+            let dv = divider(d as i32);
+            let mut ns = vec![
+                0,
+                1,
+                top,
+                top - 1,
+                d - 1,
+                d,
+                d + 1,
+                top - top % d,
+                top - top % d - 1,
+            ];
+            ns.extend((0..64).map(|_| rng.random_range(0..=top)));
+            ns.extend((1..=8u64).map(|k| (k * d as u64).min(top as u64) as u32));
+            for n in ns.into_iter().filter(|&n| n <= top) {
+                assert_eq!(fast_div(n, dv), n / d, "n {n} d {d} constants {dv:?}");
+            }
+        }
+        assert_eq!(divider(0), (0, 0));
+        assert_eq!(divider(1), (0, 0));
     }
 
     #[test]
