@@ -19,7 +19,7 @@ pub const KNOWN_SPILLS: &[(&str, u64, u64)] = &[
     ("sparse_bwd_main_pair_d576", 12, 28),
     // The narrow MODEL1 kN = 32 kernel (96 / 160 / 160 registers, narrow.cuh): its score warpgroup keeps a few
     // values of the chunk loop on the stack, reloaded per chunk; its tile loop does not spill.
-    ("decode_split_fp8_model1_n32", 36, 36),
+    ("decode_split_fp8_model1_n32", 20, 20),
     // The fused dense backward at d 192 (dK 96 + dV 64 accumulator registers of its 240): a few loop-invariant
     // values of the tile walk. Its MMAs are not serialised.
     ("dense_prefill_bwd_fused_d192_bf16", 20, 24),
