@@ -399,8 +399,8 @@ __device__ __forceinline__ void producer_sparse_regs(const DecodeParams& p, Smem
                 } else {
                     MBarrier::arrive(right);
                 }
-                // The chunk's Q once its first tile is stored: that tile's stage was released before the previous
-                // chunk's epilogue, which holds the Q tile until its rows left.
+                // The chunk's Q once its first tile is stored: that tile's stage was released during the previous
+                // chunk's loop; Q, after its last QK (a split chunk: once its partial left the Q tile).
                 if (k == c.tile0) {
                     if (q_uses > 0) MBarrier::wait(&sm.q_empty, static_cast<uint32_t>((q_uses - 1) & 1));
                     load_q_tile<kDqk>(p, sm, RowTile::of(p), c.b, ct);
@@ -824,8 +824,8 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 // The chunk's last QK has read Q. A split chunk keeps it until its epilogue has staged the partial
                 // there (the producer loads nothing of the next chunk before Q but, in the pair kernels, its first
                 // tile, into the other key stage).
-                // (The one-row-tile sparse kernels stage a final chunk's rows in its last key stage: Q is free now.)
-                const bool final_in_stage = kSparse && !kPair && !c.split;
+                // (A final chunk's rows are staged in its last key stage: Q is free now.)
+                const bool final_in_stage = !c.split;
                 if (!has_next && final_in_stage) release_by_warp(&sm.q_empty, lane);
 
                 mask_invalid_rows(s, mask, f);
@@ -918,10 +918,11 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 // may already fill the last key stage).
                 if (split_dequant) named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
                 release_by_warp(&sm.q_empty, lane);
-            } else if (n_tiles > 0 && kSparse && !kPair) {
+            } else if (n_tiles > 0) {
                 // The rows go through the last key stage, whose left and right groups both consumers kept; Q was
                 // released after the last QK, so the producer loads the next chunk's Q and first tile meanwhile.
-                // Once this warp's rows left, it releases both groups (the right one for the value warpgroup).
+                // Once this warp's rows left, it releases both groups (the right one for the value warpgroup; in
+                // the pair kernels the peer's producer writes this stage too, so the peer is credited as well).
                 const Ring last = Ring::of(tile - 1);
                 const uint32_t area = smem_addr(sm.kv[last.stage]);
                 stage_final_half<E>(f, 0, o, inv, area);
@@ -931,17 +932,13 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 } else {
                     copy_final_rows(p, rt, c, f, area);
                 }
-                release_by_warp(&sm.kv_empty[last.stage][kGroupLeft], lane);
-                release_by_warp(&sm.kv_empty[last.stage][kGroupRight], lane);
-            } else if (n_tiles > 0) {
-                stage_final_half<E>(f, 0, o, inv, smem_addr(sm.q));
-                named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
-                if (bulk_out) {
-                    store_final_rows(p, rt, c, f, smem_addr(sm.q));
-                } else {
-                    copy_final_rows(p, rt, c, f, smem_addr(sm.q));
+#pragma unroll
+                for (int g = kGroupLeft; g <= kGroupRight; ++g) {
+                    release_by_warp(&sm.kv_empty[last.stage][g], lane);
+                    if (split_dequant && lane == 0) {
+                        mbarrier_arrive_remote_relaxed(mapa_shared(smem_addr(&sm.kv_empty[last.stage][g]), peer));
+                    }
                 }
-                release_by_warp(&sm.q_empty, lane);
             } else {
                 copy_final_rows(p, rt, c, f, kNoStaging);  // no keys: zeros, both halves
             }
@@ -989,9 +986,9 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
                 wgmma_commit();
                 wgmma_wait<0>();
                 wgmma_fence_regs(o);
-                // A one-row-tile sparse kernel's final chunk keeps its last stage for the rows (the score warpgroup
-                // releases it once they left).
-                if (!(kSparse && !kPair) || k + 1 < c.tile1 || c.split) {
+                // A sparse kernel's final chunk keeps its last stage for the rows (the score warpgroup releases it
+                // once they left).
+                if (k + 1 < c.tile1 || c.split) {
                     release_by_warp(&sm.kv_empty[pos.stage][kGroupRight], lane);
                     if (split_dequant && lane == 0) {
                         mbarrier_arrive_remote_relaxed(
@@ -1014,10 +1011,9 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
                 }
                 named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
             } else if (c.tile1 > c.tile0) {
-                // The Q tile is held by the score warpgroup until the rows left (its last QK is done); the one-row-tile
-                // sparse kernels stage them in the chunk's last key stage instead.
-                const uint32_t area =
-                    kSparse && !kPair ? smem_addr(sm.kv[Ring::of(tile - 1).stage]) : smem_addr(sm.q);
+                // The Q tile is held by the score warpgroup until the rows left (its last QK is done); the sparse
+                // kernels stage them in the chunk's last key stage instead.
+                const uint32_t area = smem_addr(sm.kv[Ring::of(tile - 1).stage]);
                 stage_final_half<E>(f, 1, o, inv, area);
                 named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
             }  // (a chunk without keys: the score warpgroup writes both halves' zeros)
