@@ -19,8 +19,8 @@
 //             each row's limit, online softmax, publishes P and the row scales, O[:, 0:256] += P V.
 //   Value:    O[:, 256:512] += P V with the published P.
 // Per chunk, both consumers then write their O half (final: scaled by 1 / denominator, in the output dtype, staged
-// in the Q tile (the one-row-tile sparse kernels: in the chunk's last key stage, kept from the producer until the
-// rows left) and sent as one bulk store per 1 KB row when out rows are 16-byte aligned, else from registers;
+// in the chunk's last key stage, kept from the producer until the rows left (Q is released after the last QK), and
+// sent as one bulk store per 1 KB row when out rows are 16-byte aligned, else copied by a rolled loop;
 // partial: by 1 / row sum, f32, staged in shared memory (score: the Q tile, value: the chunk's last key stage) and
 // sent as one bulk store per row; the producer writes nothing of the next chunk into either area until the staged
 // rows left).
@@ -621,14 +621,13 @@ __device__ __forceinline__ void store_partial_half(const DecodeParams& p, const 
     __syncwarp();
 }
 
-// Stages one consumer's final half (output dtype, scaled by inv) into `q_area` (the Q tile, or a one-row-tile sparse
-// kernel's last key stage): row r's 512 elements at q_area + r * 1 KB, this consumer's 256 at + consumer * 512
-// bytes. The score warpgroup then sends each row as one 1 KB bulk store (store_final_rows) once both halves are
-// staged.
+// Stages one consumer's final half (output dtype, scaled by inv) into `area` (the chunk's last key stage): row r's
+// 512 elements at area + r * 1 KB, this consumer's 256 at + consumer * 512 bytes. The score warpgroup then sends
+// each row as one 1 KB bulk store (store_final_rows) once both halves are staged.
 template <class E>
 __device__ __forceinline__ void stage_final_half(const AccFrag& f, int consumer, const float (&o)[kORegs],
-                                                 const float (&inv)[2], uint32_t q_area) {
-    const auto [base, row0, quad] = StagingGeometry::of(q_area, f);
+                                                 const float (&inv)[2], uint32_t area) {
+    const auto [base, row0, quad] = StagingGeometry::of(area, f);
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
         const uint32_t row_base = base + (row0 + 8 * rr) * 1024u + consumer * 512u + quad * 4;
@@ -641,14 +640,14 @@ __device__ __forceinline__ void stage_final_half(const AccFrag& f, int consumer,
 }
 // Score warpgroup: lanes 0..15 of each warp send the warp's 16 staged rows of chunk c to `out` (1 KB each).
 __device__ __forceinline__ void store_final_rows(const DecodeParams& p, const RowTile& rt, const Chunk& c,
-                                                 const AccFrag& f, uint32_t q_area) {
+                                                 const AccFrag& f, uint32_t area) {
     const int lane = static_cast<int>(threadIdx.x) % 32;
     const int row = (f.row0 & ~15) + lane;
     if (lane < 16 && row < rt.rows) {
         uint16_t* dst = p.out + request_offset(p, c.b, p.out_stride_b, p.out_stride_s) +
                         static_cast<int64_t>(rt.token(p, row)) * p.out_stride_s +
                         static_cast<int64_t>(rt.head(p, row)) * p.out_stride_h;
-        bulk_store_s2g_keep(dst, q_area + row * 1024u, 1024u);
+        bulk_store_s2g_keep(dst, area + row * 1024u, 1024u);
     }
     bulk_commit();
     bulk_wait_read();
@@ -1011,8 +1010,8 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
                 }
                 named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
             } else if (c.tile1 > c.tile0) {
-                // The Q tile is held by the score warpgroup until the rows left (its last QK is done); the sparse
-                // kernels stage them in the chunk's last key stage instead.
+                // The rows go through the chunk's last key stage, which both consumers kept (the score warpgroup
+                // releases it once they left).
                 const uint32_t area = smem_addr(sm.kv[Ring::of(tile - 1).stage]);
                 stage_final_half<E>(f, 1, o, inv, area);
                 named_barrier_sync_unaligned(Bar::PartialStaged, kConsumerThreads);
