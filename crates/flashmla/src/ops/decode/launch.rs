@@ -242,23 +242,23 @@ device_params! {
         pub flags: u32,
         /// `softmax_scale * log2(e)`.
         pub sm_scale_log2: f32,
-        /// [`divider`] of `req_tokens`: multiplier ...
+        /// `divider` of `req_tokens`: multiplier ...
         pub req_div_mul: u32,
         /// ... and shift.
         pub req_div_shr: u32,
-        /// [`divider`] of `heads_per_kv`: multiplier ...
+        /// `divider` of `heads_per_kv`: multiplier ...
         pub hpk_div_mul: u32,
         /// ... and shift.
         pub hpk_div_shr: u32,
-        /// [`divider`] of `row_tiles`: multiplier ...
+        /// `divider` of `row_tiles`: multiplier ...
         pub row_tiles_div_mul: u32,
         /// ... and shift.
         pub row_tiles_div_shr: u32,
-        /// [`divider`] of `page_size`: multiplier ...
+        /// `divider` of `page_size`: multiplier ...
         pub page_div_mul: u32,
         /// ... and shift.
         pub page_div_shr: u32,
-        /// [`divider`] of `extra_page_size`: multiplier ...
+        /// `divider` of `extra_page_size`: multiplier ...
         pub extra_page_div_mul: u32,
         /// ... and shift.
         pub extra_page_div_shr: u32,
@@ -770,7 +770,7 @@ pub(crate) fn divider(d: i32) -> (u32, u32) {
 }
 
 impl DecodeParams {
-    /// Sets the dividers of the shapes the kernels divide by ([`divider`]).
+    /// Sets the dividers of the shapes the kernels divide by (`divider`).
     fn set_dividers(&mut self) {
         (self.req_div_mul, self.req_div_shr) = divider(self.req_tokens);
         (self.hpk_div_mul, self.hpk_div_shr) = divider(self.heads_per_kv);
@@ -1227,7 +1227,7 @@ mod tests {
         }
     }
 
-    /// The kernels' `fast_div` (schedule.cuh) with [`divider`]'s constants, against the division, over every `d`
+    /// The kernels' `fast_div` (schedule.cuh) with `divider`'s constants, against the division, over every `d`
     /// up to 4096, the largest ones and, for each, `n` at and around its multiples, the ends of the range and
     /// random values.
     #[test]
