@@ -8,11 +8,13 @@
 # Env:   OP (default sparse_bwd), INDICES (default random), ROUNDS (default 3), TIMING (default full-clock;
 #        `sustained` compares the builds at the power cap),
 #        SHAPES: `;`-separated `--shape` filters (default the V3.2 h_q 128 shapes at s_kv 8K and 32K),
-#        BENCH_ARGS: more `flashmla bench` arguments for every run.
+#        BENCH_ARGS: more `flashmla bench` arguments for every run,
+#        RUN_TIMEOUT: seconds one run may take before it is killed and reported (default 300; a kernel that hangs
+#        must not take the rest of the comparison with it).
 # Output: OUT.json, every record of every run with `build` (NAME) and `round` added; a table on stdout.
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  sed -n '2,12p' "$0" >&2
+  sed -n '2,14p' "$0" >&2
   exit 2
 fi
 out="$1"
@@ -52,8 +54,8 @@ for ((r = 1; r <= rounds; r++)); do
       json="$tmp/r$r-b$i-s$s.json"
       echo "round $r/$rounds, ${names[$i]}, ${shape_list[$s]}" >&2
       # shellcheck disable=SC2086
-      "${bins[$i]}" bench --op "$op" --indices "$indices" --shape "${shape_list[$s]}" --timing "$timing" \
-        --rounds 1 --json "$json" ${BENCH_ARGS:-} >"$tmp/log" 2>&1 || {
+      timeout "${RUN_TIMEOUT:-300}" "${bins[$i]}" bench --op "$op" --indices "$indices" --shape "${shape_list[$s]}" \
+        --timing "$timing" --rounds 1 --json "$json" ${BENCH_ARGS:-} >"$tmp/log" 2>&1 || {
         status=1
         tail -5 "$tmp/log" >&2
       }
