@@ -985,8 +985,8 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
                 wgmma_commit();
                 wgmma_wait<0>();
                 wgmma_fence_regs(o);
-                // A sparse kernel's final chunk keeps its last stage for the rows (the score warpgroup releases it
-                // once they left).
+                // A final chunk keeps its last stage for the rows (the score warpgroup releases it once they
+                // left).
                 if (k + 1 < c.tile1 || c.split) {
                     release_by_warp(&sm.kv_empty[pos.stage][kGroupRight], lane);
                     if (split_dequant && lane == 0) {
