@@ -445,13 +445,13 @@ __device__ __forceinline__ bool consumers_fence_right(const DecodeParams& p) {
     return kSparse || consumers_fence<kSparse>(p);
 }
 
-// "S first" (dense decode without the causal mask, two or more row tiles per key head): the value warpgroup multiplies
-// tile i - 1 only once S(i) is in (Bar::SDone). S = Q K^T reads both operands from shared memory at N = 64, so the
-// value warpgroup's P V beside it slowed it; after it, that P V overlaps the score warpgroup's softmax instead
-// (h_q 128 at 16K / 32K keys: +2 to +8%). With one row tile (the `*_once` kernels, HBM-bound) the later release of
-// the right group costs as much as it gains, and with the causal mask it measured 2-3% slower (docs/decode.md).
+// "S first" (dense decode, two or more row tiles per key head): the value warpgroup multiplies tile i - 1 only once
+// S(i) is in (Bar::SDone). S = Q K^T reads both operands from shared memory at N = 64, so the value warpgroup's P V
+// beside it slowed it; after it, that P V overlaps the score warpgroup's softmax instead (h_q 128 at 16K / 32K keys:
+// +2 to +8%, causal +4%). With one row tile (the `*_once` kernels, HBM-bound) the later release of the right group
+// costs as much as it gains (docs/decode.md).
 __device__ __forceinline__ bool s_first_pipeline(const DecodeParams& p) {
-    return (p.flags & (kFlagSparse | kFlagCausal)) == 0 && p.row_tiles > 1;
+    return (p.flags & kFlagSparse) == 0 && p.row_tiles > 1;
 }
 
 // Key references of keys `lane` and `lane + 32` of tile k of chunk c (the score warpgroup's view of the producer's
