@@ -68,6 +68,10 @@ def profile_calls(fn, calls: int):
             fn()
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not events:
+        # CUPTI serves one subscriber: under Nsight Compute (or another profiler) torch's profiler records nothing.
+        raise SystemExit("decode_kernel_times: the profiler recorded no CUDA kernels (is another profiler, e.g. ncu, "
+                         "attached? it takes CUPTI's only subscription)")
     events.sort(key=lambda e: e.time_range.start)
     per = collections.defaultdict(list)
     for e in events:
