@@ -50,8 +50,9 @@ struct RowTile {
     int kv_head;
     int row0;   // first row of the tile
     int rows;   // rows of the tile that exist (1..64)
-    static __device__ __forceinline__ RowTile of(const DecodeParams& p) {
-        const int x = static_cast<int>(blockIdx.x);
+    static __device__ __forceinline__ RowTile of(const DecodeParams& p) { return at(p, static_cast<int>(blockIdx.x)); }
+    // Row tile x of the grid's head tiles (the split kernel's blockIdx.x, the combine's blockIdx.y).
+    static __device__ __forceinline__ RowTile at(const DecodeParams& p, int x) {
         RowTile t;
         t.kv_head = fast_div(x, p.row_tiles_div_mul, p.row_tiles_div_shr);
         t.row0 = (x - t.kv_head * p.row_tiles) * kRowsPerCta;
@@ -1128,17 +1129,16 @@ __device__ __forceinline__ void decode_combine(const DecodeParams& p) {
     const int lp = sched.part_of(first + tiles - 1);
     if (fp == lp || ((p.flags & kFlagCombineByPart) && fp != static_cast<int>(blockIdx.x))) return;
 
-    const int kv_head = fast_div(x, p.row_tiles_div_mul, p.row_tiles_div_shr);
-    const int row0 = (x - kv_head * p.row_tiles) * kRowsPerCta;
+    const RowTile rt = RowTile::at(p, x);
     const int warp = static_cast<int>(threadIdx.x) / 32;
     const int lane = static_cast<int>(threadIdx.x) % 32;
     const int slot_r = warp % kRows;  // the row among the CTA's
     const int share = warp / kRows;   // which of the row's warps
     const int r = static_cast<int>(blockIdx.z) * kRows + slot_r;
-    const bool row_valid = r < min(kRowsPerCta, p.rows - row0);
+    const bool row_valid = r < rt.rows;
     if (kWarpsPerRow == 1 && !row_valid) return;
-    const int token = fast_div(row0 + r, p.hpk_div_mul, p.hpk_div_shr);
-    const int head = kv_head * p.heads_per_kv + (row0 + r - token * p.heads_per_kv);
+    const int token = rt.token(p, r);
+    const int head = rt.head(p, r);
     // The sink logit is an input, read before the wait too.
     const float sink = p.attn_sink != nullptr && row_valid
                            ? __ldg(p.attn_sink + static_cast<int64_t>(head) * p.attn_sink_stride)
