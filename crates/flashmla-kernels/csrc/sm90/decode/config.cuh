@@ -138,6 +138,9 @@ struct SmemPlan {
     uint64_t q_empty;                       // score warpgroup -> producer: the chunk's last QK read Q (one per warp)
     uint64_t kv_full[kStages][kMaxGroups];  // producer -> consumers: a column group landed (128 arrivals)
     uint64_t kv_empty[kStages][kMaxGroups]; // consumers -> producer: a column group released (one per warp)
+    // Dense decode: the right group lands slab by slab, one full barrier each (128 arrivals), so that S = Q K^T runs
+    // over its first slabs while the last ones are in flight (the right group is the last one released).
+    uint64_t kv_right_slab[kStages][kSlabsPerHalf];
     int32_t sched[kInlineScheduleWords];    // warp 0 -> every role (after __syncthreads)
 };
 

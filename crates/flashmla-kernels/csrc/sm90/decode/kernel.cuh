@@ -107,6 +107,9 @@ __device__ __forceinline__ void gather_group(SmemPlan<kDqk>& sm, const Ring& pos
     }
     if constexpr (kFenced) {
         cp_async_commit_group();
+    } else if constexpr (kGroup == kGroupRight) {
+#pragma unroll
+        for (int j = 0; j < kSlabsPerHalf; ++j) MBarrier::arrive_on_cp_async_noinc(&sm.kv_right_slab[pos.stage][j]);
     } else {
         MBarrier::arrive_on_cp_async_noinc(&sm.kv_full[pos.stage][kGroup]);
     }
@@ -147,21 +150,27 @@ __device__ __forceinline__ void tma_group(const DecodeParams& p, SmemPlan<kDqk>&
     using C = Config<kDqk>;
     MBarrier::wait(&sm.kv_empty[pos.stage][kGroup], pos.empty_parity);
     if (threadIdx.x != 0) return;
-    uint64_t* full = &sm.kv_full[pos.stage][kGroup];
     constexpr int kFirst = group_first_slab(kGroup);
     constexpr int kSlabs = group_slabs<kDqk>(kGroup);
-    MBarrier::expect_tx(full, kSlabs * C::kSlabBytes);
+    uint64_t* full = &sm.kv_full[pos.stage][kGroup];
+    if constexpr (kGroup != kGroupRight) MBarrier::expect_tx(full, kSlabs * C::kSlabBytes);
 #pragma unroll
     for (int slab = kFirst; slab < kFirst + kSlabs; ++slab) {
         const uint32_t dst = stage_addr + slab * C::kSlabBytes;
+        uint64_t* bar = full;
+        if constexpr (kGroup == kGroupRight) {
+            bar = &sm.kv_right_slab[pos.stage][slab - kFirst];
+            MBarrier::expect_tx(bar, C::kSlabBytes);
+        }
         if constexpr (kEvictFirst) {
-            tma_load_4d_hint(dst, &p.k_tmap, slab * kSw128ColsBf16, kv_head, row0, block, smem_addr(full),
+            tma_load_4d_hint(dst, &p.k_tmap, slab * kSw128ColsBf16, kv_head, row0, block, smem_addr(bar),
                              l2_policy_evict_first());
         } else {
-            tma_load_4d(dst, &p.k_tmap, slab * kSw128ColsBf16, kv_head, row0, block, smem_addr(full));
+            tma_load_4d(dst, &p.k_tmap, slab * kSw128ColsBf16, kv_head, row0, block, smem_addr(bar));
         }
+        if constexpr (kGroup == kGroupRight) MBarrier::arrive(bar, kWarpgroupThreads);
     }
-    MBarrier::arrive(full, kWarpgroupThreads);
+    if constexpr (kGroup != kGroupRight) MBarrier::arrive(full, kWarpgroupThreads);
 }
 
 // The thread's share of gathering key tile k with cp.async (rows of keys past the request or in a missing block
@@ -190,7 +199,9 @@ __device__ __forceinline__ void gather_tile(const DecodeParams& p, SmemPlan<kDqk
         cp_async_wait_group<1>();
         publish_generic_writes(&sm.kv_full[pos.stage][kGroupLeft]);
         cp_async_wait_group<0>();
-        publish_generic_writes(&sm.kv_full[pos.stage][kGroupRight]);
+        fence_proxy_async_shared();
+#pragma unroll
+        for (int j = 0; j < kSlabsPerHalf; ++j) MBarrier::arrive(&sm.kv_right_slab[pos.stage][j]);
     }
 }
 
@@ -534,17 +545,26 @@ __device__ __forceinline__ uint64_t v_desc(uint32_t stage_addr, int first_slab, 
 }
 
 // The k-steps of S = Q K^T that read column group kGroup of a stage, after waiting for it to land.
-template <class E, int kDqk, int kGroup, bool kFirstGroup>
+// kSlabBarriers (dense decode, right group): each slab of the group has its own full barrier (kv_right_slab).
+template <class E, int kDqk, int kGroup, bool kFirstGroup, bool kSlabBarriers = false>
 __device__ __forceinline__ void qk_group(SmemPlan<kDqk>& sm, const Ring& pos, uint64_t desc_q, uint64_t desc_k,
                                          const uint32_t (&q_rope)[Config<kDqk>::kRopeFragSteps][4],
                                          float (&s)[kSRegs], bool fence) {
     using C = Config<kDqk>;
-    MBarrier::wait(&sm.kv_full[pos.stage][kGroup], pos.full_parity);
-    if (fence) fence_proxy_async_shared();  // cp.async (generic proxy) wrote the group; wgmma reads it (async proxy)
+    if constexpr (!kSlabBarriers) {
+        MBarrier::wait(&sm.kv_full[pos.stage][kGroup], pos.full_parity);
+        if (fence) fence_proxy_async_shared();  // cp.async (generic proxy) wrote the group; wgmma reads it (async)
+    }
     constexpr int kFirstSlab = group_first_slab(kGroup);
     constexpr int kSteps = group_slabs<kDqk>(kGroup) * C::kKStepsPerSlab;
 #pragma unroll
     for (int ks = 0; ks < kSteps; ++ks) {
+        if constexpr (kSlabBarriers) {
+            if (ks % C::kKStepsPerSlab == 0) {
+                MBarrier::wait(&sm.kv_right_slab[pos.stage][ks / C::kKStepsPerSlab], pos.full_parity);
+                if (fence) fence_proxy_async_shared();
+            }
+        }
         const uint32_t off = (kFirstSlab + ks / C::kKStepsPerSlab) * C::kSlabBytes + (ks % C::kKStepsPerSlab) * 32;
         const bool acc = !(kFirstGroup && ks == 0);
         if constexpr (kGroup == kGroupRope) {
@@ -556,7 +576,7 @@ __device__ __forceinline__ void qk_group(SmemPlan<kDqk>& sm, const Ring& pos, ui
 }
 
 // S = Q K^T of one tile (rope group first, then the halves in the producer's fill order), one commit group.
-template <class E, int kDqk>
+template <class E, int kDqk, bool kSparse>
 __device__ __forceinline__ void issue_qk(SmemPlan<kDqk>& sm, const Ring& pos, uint64_t desc_q,
                                          const uint32_t (&q_rope)[Config<kDqk>::kRopeFragSteps][4],
                                          float (&s)[kSRegs], bool fence, bool fence_right) {
@@ -569,7 +589,7 @@ __device__ __forceinline__ void issue_qk(SmemPlan<kDqk>& sm, const Ring& pos, ui
     } else {
         qk_group<E, kDqk, kGroupLeft, true>(sm, pos, desc_q, desc_k, q_rope, s, fence);
     }
-    qk_group<E, kDqk, kGroupRight, false>(sm, pos, desc_q, desc_k, q_rope, s, fence_right);
+    qk_group<E, kDqk, kGroupRight, false, !kSparse>(sm, pos, desc_q, desc_k, q_rope, s, fence_right);
     wgmma_commit();
 }
 
@@ -800,7 +820,8 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                 if (n_tiles > 1) blk_next = TileKeys<kSparse>::load(p, ir, c, c.tile0 + 1, lane);
                 MBarrier::wait(&sm.q_full, static_cast<uint32_t>(q_uses & 1));
                 fence_proxy_async_shared();  // the Q tile's cp.async (generic proxy) -> wgmma (async proxy)
-                issue_qk<E, kDqk>(sm, Ring::of(tile), desc_q, q_rope, s, consumer_fence, consumer_fence_right);
+                issue_qk<E, kDqk, kSparse>(sm, Ring::of(tile), desc_q, q_rope, s, consumer_fence,
+                                           consumer_fence_right);
                 mask = blk_first.mask(p, c, c.tile0, lane);
             }
             for (int i = 0; i < n_tiles; ++i, ++tile) {
@@ -901,7 +922,8 @@ __device__ __forceinline__ void score_consumer(const DecodeParams& p, SmemPlan<k
                     }
                 }
                 if (has_next) {
-                    issue_qk<E, kDqk>(sm, Ring::of(tile + 1), desc_q, q_rope, s, consumer_fence, consumer_fence_right);
+                    issue_qk<E, kDqk, kSparse>(sm, Ring::of(tile + 1), desc_q, q_rope, s, consumer_fence,
+                                               consumer_fence_right);
                 }
                 if constexpr (!kSparse) named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
             }
@@ -968,7 +990,14 @@ __device__ __forceinline__ void value_consumer(const DecodeParams& p, SmemPlan<k
             for (int k = c.tile0; k < c.tile1; ++k, ++tile) {
                 const Ring pos = Ring::of(tile);
                 const uint32_t stage_addr = smem_addr(sm.kv[pos.stage]);
-                MBarrier::wait(&sm.kv_full[pos.stage][kGroupRight], pos.full_parity);
+                if constexpr (kSparse) {
+                    MBarrier::wait(&sm.kv_full[pos.stage][kGroupRight], pos.full_parity);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < kSlabsPerHalf; ++j) {
+                        MBarrier::wait(&sm.kv_right_slab[pos.stage][j], pos.full_parity);
+                    }
+                }
                 if (consumer_fence) fence_proxy_async_shared();
                 named_barrier_sync_unaligned(Bar::Handoff, kConsumerThreads);
                 if (s_first && k + 1 < c.tile1) named_barrier_sync_unaligned(Bar::SDone, kConsumerThreads);
@@ -1060,6 +1089,8 @@ __device__ __forceinline__ void decode_split(const DecodeParams& p, uint8_t* sme
                 MBarrier::init(&sm.kv_full[st][g], kWarpgroupThreads);
                 MBarrier::init(&sm.kv_empty[st][g], split_dequant ? 2 * kWarpsPerWarpgroup : kWarpsPerWarpgroup);
             }
+#pragma unroll
+            for (int j = 0; j < kSlabsPerHalf; ++j) MBarrier::init(&sm.kv_right_slab[st][j], kWarpgroupThreads);
         }
         if (split_dequant) fence_mbarrier_init_cluster();
     }
