@@ -1,13 +1,14 @@
 """Where a dense decode step's GPU time goes, kernel by kernel, for flashmla and (optionally) the peer.
 
 For each shape it runs a few untimed calls, then ``--calls`` back-to-back calls under ``torch.profiler`` (CUDA
-activity only) and prints, per implementation, the mean duration of every kernel the call launched and the mean
-span per call (first kernel start to last kernel end over the run, divided by the calls: it includes the gaps
-between kernels, and host time where the call is host-bound). It is a diagnostic, not a benchmark: no clock control
-and no alternation; the side-by-side benchmark (``side_by_side.py``) makes the claims. docs/decode.md cites its
-output for the split/combine breakdown. flashmla's split and combine kernels are programmatic launches: each starts
-while the kernel before it still runs and waits for it inside, so its duration includes that wait (the combine's
-nearly the whole split kernel's); compare spans, or the peer's kernels with ours where they do not overlap.
+activity only) and prints, per implementation, the mean duration of every kernel the call launched and the mean span
+per call (first kernel start to last kernel end over the run, divided by the calls: it includes the gaps between
+kernels, and host time where the call is host-bound), then where each kernel starts and ends within its call
+(means). It is a diagnostic, not a benchmark: no clock control and no alternation; the side-by-side benchmark
+(``side_by_side.py``) makes the claims. docs/decode.md cites its output for the split/combine breakdown. flashmla's
+split and combine kernels are programmatic launches: each starts while the kernel before it still runs and waits for
+it inside, so its duration includes that wait (the combine's nearly the whole split kernel's); compare spans, or the
+peer's kernels with ours where they do not overlap.
 
 Usage (on the GPU machine, flashmla on PYTHONPATH; the peer built with scripts/build-peer.sh)::
 
@@ -77,13 +78,27 @@ def profile_calls(fn, calls: int):
     for e in events:
         per[e.name].append(e.time_range.end - e.time_range.start)
     span = (events[-1].time_range.end - events[0].time_range.start) / calls
-    return {name: (sum(v) / len(v), len(v) // calls) for name, v in per.items()}, span
+    # Where each kernel sits in its call (mean start and end after the call's first kernel started), where every call
+    # launched the same number of kernels: the overlap of programmatic launches and the gaps between kernels.
+    offsets = collections.defaultdict(list)
+    if len(events) % calls == 0:
+        per_call = len(events) // calls
+        for i in range(calls):
+            call = events[i * per_call:(i + 1) * per_call]
+            t0 = call[0].time_range.start
+            for e in call:
+                offsets[e.name].append((e.time_range.start - t0, e.time_range.end - t0))
+    timeline = {name: (sum(a for a, _ in v) / len(v), sum(b for _, b in v) / len(v)) for name, v in offsets.items()}
+    return {name: (sum(v) / len(v), len(v) // calls) for name, v in per.items()}, span, timeline
 
 
 def report(name: str, impl: str, fn, calls: int) -> None:
-    kernels, span = profile_calls(fn, calls)
+    kernels, span, timeline = profile_calls(fn, calls)
     parts = "  ".join(f"{k[:32]}={t:.1f}" + (f"x{n}" if n != 1 else "") for k, (t, n) in kernels.items())
     print(f"{name:18s} {impl:8s} span/call {span:8.1f} us  {parts}", flush=True)
+    if timeline:
+        when = "  ".join(f"{k[:32]} {a:.1f}..{b:.1f}" for k, (a, b) in sorted(timeline.items(), key=lambda x: x[1]))
+        print(f"{'':18s} {'':8s} timeline (us after the call's first kernel started): {when}", flush=True)
 
 
 def profile_sparse(prefixes: list, peer_path, calls: int) -> int:
