@@ -139,7 +139,8 @@ struct SmemPlan {
     uint64_t kv_full[kStages][kMaxGroups];  // producer -> consumers: a column group landed (128 arrivals)
     uint64_t kv_empty[kStages][kMaxGroups]; // consumers -> producer: a column group released (one per warp)
     // Dense decode: the right group lands slab by slab, one full barrier each (128 arrivals), so that S = Q K^T runs
-    // over its first slabs while the last ones are in flight (the right group is the last one released).
+    // over its first slabs while the last ones are in flight (the right group is the last one released); its
+    // kv_full barrier is unused there.
     uint64_t kv_right_slab[kStages][kSlabsPerHalf];
     int32_t sched[kInlineScheduleWords];    // warp 0 -> every role (after __syncthreads)
 };
